@@ -1,0 +1,129 @@
+"""Tests for utils/distributed.py: launch variables, device choice, and collectives on 2 gloo processes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.dist_helpers import run_distributed
+from utils.distributed import (
+    DistContext,
+    average_bn_stats,
+    broadcast_object,
+    main_first,
+    read_launch_env,
+    select_device,
+    smart_ddp,
+)
+
+LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+)
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_launch_env_defaults_to_single_process(clean_env: pytest.MonkeyPatch) -> None:
+    assert read_launch_env() == (0, 0, 1, 1)
+
+
+def test_torchrun_variables_win_over_slurm(clean_env: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+    }.items():
+        clean_env.setenv(name, value)
+    assert read_launch_env() == (5, 1, 8, 4)
+
+
+def test_slurm_variables_used_without_torchrun(clean_env: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "4",
+        "SLURM_NTASKS_PER_NODE": "2",
+    }.items():
+        clean_env.setenv(name, value)
+    assert read_launch_env() == (3, 1, 4, 2)
+
+
+def test_select_device_cpu_and_missing_cuda() -> None:
+    assert select_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert select_device("") == torch.device("cpu")
+        with pytest.raises(ValueError, match="--device 0 asks for CUDA"):
+            select_device("0")
+
+
+def test_context_properties() -> None:
+    ctx = DistContext(rank=3, local_rank=1, world_size=4)
+    assert not ctx.is_main and not ctx.is_local_main and ctx.is_distributed
+    assert DistContext().is_main and not DistContext().is_distributed
+
+
+def _bn_average(ctx: DistContext) -> list[float]:
+    bn = nn.BatchNorm1d(2)
+    bn.running_mean.fill_(float(ctx.rank))  # ranks hold 0 and 1
+    bn.running_var.fill_(1.0 + 2 * ctx.rank)  # 1 and 3
+    average_bn_stats(bn, ctx)
+    return bn.running_mean.tolist() + bn.running_var.tolist()
+
+
+def test_average_bn_stats_over_two_ranks(tmp_path: Path) -> None:
+    results = run_distributed(_bn_average, 2, tmp_path)
+    assert results[0] == results[1] == [0.5, 0.5, 2.0, 2.0]
+
+
+def _ordered(ctx: DistContext, log_file: str) -> str:
+    with main_first(ctx):
+        if ctx.rank == 0:
+            time.sleep(0.5)  # give rank 1 every chance to run early if the barrier were missing
+        with open(log_file, "a") as file:
+            file.write(str(ctx.rank))
+    return broadcast_object(f"from{ctx.rank}", ctx)
+
+
+def test_main_first_runs_local_main_first_and_broadcast(tmp_path: Path) -> None:
+    log_file = tmp_path / "order.txt"
+    results = run_distributed(_ordered, 2, tmp_path / "dist", str(log_file))
+    assert log_file.read_text() == "01"
+    assert results == ["from0", "from0"]
+
+
+def _ddp_steps(ctx: DistContext) -> list[float]:
+    torch.manual_seed(100 + ctx.rank)  # different initial weights per rank on purpose
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    ddp = smart_ddp(model, ctx)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        x = torch.randn(6, 4)  # different data per rank
+        loss = ddp(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+
+
+def test_smart_ddp_keeps_ranks_identical(tmp_path: Path) -> None:
+    first, second = run_distributed(_ddp_steps, 2, tmp_path)
+    assert first == second

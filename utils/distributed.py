@@ -1,0 +1,242 @@
+"""Distributed context: the one place that reads torchrun/SLURM variables, plus collective helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LOGGER = logging.getLogger(__name__)
+
+# Collectives that outlive this (rank died, rank stuck in user code) raise instead of hanging.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the job: global rank, rank on its node, job size and device.
+
+    Built once by `init_distributed()` and passed to every library function that behaves
+    differently per rank. Tests build one by hand, e.g. `DistContext(rank=1, world_size=2)`.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    local_world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that logs, plots and writes checkpoints."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """True on the first rank of each node, the rank that writes node-local files."""
+        return self.local_rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when more than one process takes part in the job."""
+        return self.world_size > 1
+
+
+# The single piece of global mutable state (see docs/DESIGN.md): set once by init_distributed().
+_CONTEXT: DistContext | None = None
+
+
+def _env_int(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return default
+
+
+def read_launch_env() -> tuple[int, int, int, int]:
+    """Return (rank, local_rank, world_size, local_world_size) from torchrun or SLURM variables.
+
+    torchrun's variables win; under `srun` without torchrun the SLURM ones are used; with
+    neither the process runs alone.
+    """
+    rank = _env_int(("RANK", "SLURM_PROCID"), 0)
+    local_rank = _env_int(("LOCAL_RANK", "SLURM_LOCALID"), 0)
+    world_size = _env_int(("WORLD_SIZE", "SLURM_NTASKS"), 1)
+    local_world_size = _env_int(("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"), world_size)
+    return rank, local_rank, world_size, local_world_size
+
+
+def select_device(device_arg: str, local_rank: int = 0) -> torch.device:
+    """Turn a `--device` value ('', 'cpu', '0', 'cuda:0', '0,1') into this process's device.
+
+    Under torchrun each process drives the GPU of its *local* rank; '' picks CUDA when it
+    exists. Raises ValueError naming the flag when CUDA is asked for but absent.
+    """
+    arg = device_arg.strip().lower().replace("cuda:", "")
+    if arg == "cpu" or (arg == "" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device_arg} asks for CUDA but no CUDA device is available; use --device cpu")
+    if arg in ("", "cuda"):
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    visible = [int(x) for x in arg.split(",") if x.strip()]
+    if local_rank >= len(visible):
+        raise ValueError(f"--device {device_arg} lists {len(visible)} GPU(s) but local rank {local_rank} needs one")
+    return torch.device("cuda", visible[local_rank])
+
+
+def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> DistContext:
+    """Create this process's DistContext and, when launched with several processes, the process group.
+
+    Uses NCCL on CUDA and gloo on CPU. The group has `timeout`, so a rank that dies makes the
+    others fail with an error instead of waiting forever. Called once per entry point.
+    """
+    global _CONTEXT
+    rank, local_rank, world_size, local_world_size = read_launch_env()
+    device = select_device(device_arg, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is unset; launch with torchrun or set MASTER_ADDR/PORT")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        init_kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout, "rank": rank, "world_size": world_size}
+        if device.type == "cuda":
+            init_kwargs["device_id"] = device
+        dist.init_process_group(**init_kwargs)
+    _CONTEXT = DistContext(rank, local_rank, world_size, device, local_world_size)
+    return _CONTEXT
+
+
+def get_context() -> DistContext:
+    """Return the context set by init_distributed(), or a single-process CPU one before that.
+
+    Only entry points and logging call this; library code receives `ctx` as a parameter.
+    """
+    return _CONTEXT if _CONTEXT is not None else DistContext()
+
+
+def cleanup() -> None:
+    """Destroy the process group if this process created one (safe to call twice)."""
+    global _CONTEXT
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _CONTEXT = None
+
+
+def barrier(ctx: DistContext) -> None:
+    """Wait for every rank; a no-op in a single process. Every rank must call it."""
+    if ctx.is_distributed and dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first(ctx: DistContext, local: bool = True) -> Iterator[None]:
+    """Run the body on the (local) main rank first while the others wait, then on the others.
+
+    For once-only work whose result the others reuse: dataset generation, label caches.
+    Every rank must enter it, so the barrier count matches.
+    """
+    is_first = ctx.is_local_main if local else ctx.is_main
+    if not is_first:
+        barrier(ctx)
+    try:
+        yield
+    finally:
+        if is_first:
+            barrier(ctx)
+
+
+def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
+    """Return rank `src`'s `obj` on every rank (decisions taken on rank 0). Every rank must call it."""
+    if not (ctx.is_distributed and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
+    """Return the list of every rank's `obj`, in rank order. Every rank must call it."""
+    if not (ctx.is_distributed and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Sum `tensor` over ranks in place and return it. Every rank must call it."""
+    if ctx.is_distributed and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed Python, NumPy and torch; with `deterministic`, also ask torch for repeatable kernels.
+
+    Callers pass `seed + rank` for augmentation randomness, so ranks draw different mosaics.
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def smart_ddp(model: torch.nn.Module, ctx: DistContext, sync_bn: bool = False) -> torch.nn.Module:
+    """Wrap `model` for DistributedDataParallel when the job has several processes; else return it.
+
+    On CUDA the module uses the local-rank GPU (`device_ids`), and with `sync_bn` its BatchNorm
+    layers become SyncBatchNorm first. SyncBatchNorm refuses CPU tensors, so on CPU/gloo one
+    warning is logged and per-rank BN is kept (the engine averages BN statistics before each
+    evaluation and save). DDP broadcasts rank 0's parameters and buffers at construction.
+    """
+    if not ctx.is_distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    if sync_bn and ctx.device.type == "cuda":
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        LOGGER.info("Using SyncBatchNorm across %d processes", ctx.world_size)
+    elif sync_bn:
+        LOGGER.warning("--sync-bn needs CUDA; on CPU each rank keeps its own BatchNorm (stats averaged before eval)")
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None)
+
+
+def average_bn_stats(model: torch.nn.Module, ctx: DistContext) -> None:
+    """Average BatchNorm running mean/var over ranks in place, so every rank (and rank 0's checkpoint)
+    reflects the statistics of all shards. Every rank must call it; a no-op in one process."""
+    if not (ctx.is_distributed and dist.is_initialized()):
+        return
+    buffers = [
+        buffer
+        for module in model.modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+        for buffer in (module.running_mean, module.running_var)
+        if buffer is not None
+    ]
+    if not buffers:
+        return
+    flat = torch.cat([b.detach().float().reshape(-1) for b in buffers])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= ctx.world_size
+    offset = 0
+    for buffer in buffers:
+        count = buffer.numel()
+        buffer.copy_(flat[offset : offset + count].view_as(buffer))
+        offset += count
