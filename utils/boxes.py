@@ -1,0 +1,238 @@
+"""Box geometry: format conversions, the IoU family, non-maximum suppression and letterbox undo."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TypeVar
+
+import numpy as np
+import torch
+import torchvision
+
+ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
+
+IOU_KINDS = ("iou", "giou", "diou", "ciou")
+
+
+def _empty_like(x: ArrayT) -> ArrayT:
+    """Return an uninitialised array/tensor of the same shape, dtype and device as `x`."""
+    return torch.empty_like(x) if isinstance(x, torch.Tensor) else np.empty_like(x)
+
+
+def xyxy_to_xywh(x: ArrayT) -> ArrayT:
+    """Convert corner boxes `(..., 4)` [x1, y1, x2, y2] to centre boxes [cx, cy, w, h] (same units).
+
+    Works on torch tensors and numpy arrays; returns a new object of the same kind.
+    """
+    y = _empty_like(x)
+    y[..., 0] = (x[..., 0] + x[..., 2]) / 2
+    y[..., 1] = (x[..., 1] + x[..., 3]) / 2
+    y[..., 2] = x[..., 2] - x[..., 0]
+    y[..., 3] = x[..., 3] - x[..., 1]
+    return y
+
+
+def xywh_to_xyxy(x: ArrayT) -> ArrayT:
+    """Convert centre boxes `(..., 4)` [cx, cy, w, h] to corner boxes [x1, y1, x2, y2] (same units).
+
+    Works on torch tensors and numpy arrays; returns a new object of the same kind.
+    """
+    y = _empty_like(x)
+    half_w = x[..., 2] / 2
+    half_h = x[..., 3] / 2
+    y[..., 0] = x[..., 0] - half_w
+    y[..., 1] = x[..., 1] - half_h
+    y[..., 2] = x[..., 0] + half_w
+    y[..., 3] = x[..., 1] + half_h
+    return y
+
+
+def xywhn_to_xyxy(x: ArrayT, w: float, h: float, padw: float = 0.0, padh: float = 0.0) -> ArrayT:
+    """Convert normalised centre boxes `(..., 4)` to pixel corner boxes in a `w` x `h` image.
+
+    `padw`/`padh` are added afterwards, e.g. the letterbox border or a mosaic tile offset.
+    """
+    y = _empty_like(x)
+    y[..., 0] = w * (x[..., 0] - x[..., 2] / 2) + padw
+    y[..., 1] = h * (x[..., 1] - x[..., 3] / 2) + padh
+    y[..., 2] = w * (x[..., 0] + x[..., 2] / 2) + padw
+    y[..., 3] = h * (x[..., 1] + x[..., 3] / 2) + padh
+    return y
+
+
+def xyxy_to_xywhn(x: ArrayT, w: float, h: float, clip: bool = False) -> ArrayT:
+    """Convert pixel corner boxes `(..., 4)` in a `w` x `h` image to normalised centre boxes.
+
+    With `clip`, corners are first clipped to the image (on a copy; the input is left untouched),
+    so every output value lies in [0, 1].
+    """
+    if clip:
+        x = clip_boxes(x.clone() if isinstance(x, torch.Tensor) else x.copy(), (h, w))
+    y = xyxy_to_xywh(x)
+    y[..., 0] /= w
+    y[..., 2] /= w
+    y[..., 1] /= h
+    y[..., 3] /= h
+    return y
+
+
+def clip_boxes(boxes: ArrayT, hw: Sequence[float]) -> ArrayT:
+    """Clip corner boxes `(..., 4)` xyxy in place to an image of size `hw` = (height, width); returns `boxes`."""
+    height, width = float(hw[0]), float(hw[1])
+    if isinstance(boxes, torch.Tensor):
+        boxes[..., 0].clamp_(0, width)
+        boxes[..., 1].clamp_(0, height)
+        boxes[..., 2].clamp_(0, width)
+        boxes[..., 3].clamp_(0, height)
+    else:
+        boxes[..., [0, 2]] = boxes[..., [0, 2]].clip(0, width)
+        boxes[..., [1, 3]] = boxes[..., [1, 3]].clip(0, height)
+    return boxes
+
+
+def scale_boxes(
+    boxes_xyxy: ArrayT,
+    from_hw: Sequence[float],
+    orig_hw: Sequence[float],
+    ratio_pad: tuple[tuple[float, float], tuple[float, float]] | None = None,
+) -> ArrayT:
+    """Map xyxy boxes from a letterboxed image of size `from_hw` back to the original image `orig_hw`.
+
+    Undoes the letterbox: subtract the left/top pad, divide by the resize gain, clip to the original
+    image. `ratio_pad` is the dataset's `((ratio_h, ratio_w), (pad_w, pad_h))` (see `ShapeInfo` in
+    docs/CONTRACTS.md); without it a centred letterbox with one gain is assumed and recomputed from
+    the two sizes. Returns a new array/tensor; the input is not modified.
+    """
+    if ratio_pad is None:
+        gain = min(from_hw[0] / orig_hw[0], from_hw[1] / orig_hw[1])
+        gain_h = gain_w = gain
+        pad_w = (from_hw[1] - orig_hw[1] * gain) / 2
+        pad_h = (from_hw[0] - orig_hw[0] * gain) / 2
+    else:
+        (gain_h, gain_w), (pad_w, pad_h) = ratio_pad
+    out = boxes_xyxy.clone() if isinstance(boxes_xyxy, torch.Tensor) else boxes_xyxy.copy()
+    out[..., [0, 2]] = (out[..., [0, 2]] - pad_w) / gain_w
+    out[..., [1, 3]] = (out[..., [1, 3]] - pad_h) / gain_h
+    return clip_boxes(out, orig_hw)
+
+
+def box_iou(boxes1: torch.Tensor, boxes2: torch.Tensor) -> torch.Tensor:
+    """Return the pairwise IoU matrix `(N, M)` of xyxy boxes `(N, 4)` and `(M, 4)` (torchvision)."""
+    return torchvision.ops.box_iou(boxes1, boxes2)
+
+
+def bbox_iou(
+    box1: torch.Tensor,
+    box2: torch.Tensor,
+    xywh: bool = True,
+    kind: str = "ciou",
+    eps: float = 1e-7,
+) -> torch.Tensor:
+    """Return the elementwise IoU, GIoU, DIoU or CIoU of two aligned box sets `(..., 4)` -> `(...)`.
+
+    Used by the box regression loss, so it must stay differentiable and finite even for zero-size
+    boxes: every division carries `eps` (torchvision's CIoU loss divides w/h unguarded, hence this
+    own version). Boxes are xywh when `xywh`, else xyxy. CIoU follows Zheng et al. (2020):
+    IoU - rho^2/c^2 - alpha*v with v the aspect-ratio term and alpha treated as a constant
+    (computed without gradient).
+    """
+    if kind not in IOU_KINDS:
+        raise ValueError(f"bbox_iou: kind={kind!r} is not one of {IOU_KINDS}")
+    if xywh:
+        box1, box2 = xywh_to_xyxy(box1), xywh_to_xyxy(box2)
+    b1_x1, b1_y1, b1_x2, b1_y2 = box1.unbind(-1)
+    b2_x1, b2_y1, b2_x2, b2_y2 = box2.unbind(-1)
+    w1, h1 = b1_x2 - b1_x1, b1_y2 - b1_y1
+    w2, h2 = b2_x2 - b2_x1, b2_y2 - b2_y1
+
+    inter_w = (torch.minimum(b1_x2, b2_x2) - torch.maximum(b1_x1, b2_x1)).clamp(min=0)
+    inter_h = (torch.minimum(b1_y2, b2_y2) - torch.maximum(b1_y1, b2_y1)).clamp(min=0)
+    inter = inter_w * inter_h
+    union = w1 * h1 + w2 * h2 - inter + eps
+    iou = inter / union
+    if kind == "iou":
+        return iou
+
+    # Smallest enclosing box.
+    enclose_w = torch.maximum(b1_x2, b2_x2) - torch.minimum(b1_x1, b2_x1)
+    enclose_h = torch.maximum(b1_y2, b2_y2) - torch.minimum(b1_y1, b2_y1)
+    if kind == "giou":
+        enclose_area = enclose_w * enclose_h + eps
+        return iou - (enclose_area - union) / enclose_area
+
+    diag2 = enclose_w**2 + enclose_h**2 + eps  # c^2
+    centre_dist2 = ((b2_x1 + b2_x2 - b1_x1 - b1_x2) ** 2 + (b2_y1 + b2_y2 - b1_y1 - b1_y2) ** 2) / 4  # rho^2
+    if kind == "diou":
+        return iou - centre_dist2 / diag2
+
+    v = (4 / math.pi**2) * (torch.atan(w2 / (h2 + eps)) - torch.atan(w1 / (h1 + eps))) ** 2
+    with torch.no_grad():
+        alpha = v / (v - iou + (1 + eps))
+    return iou - (centre_dist2 / diag2 + alpha * v)
+
+
+def _check_fraction(name: str, value: float) -> None:
+    """Raise a one-line ValueError unless `value` lies in [0, 1]."""
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"non_max_suppression: {name}={value} must be in [0, 1]")
+
+
+def _image_candidates(
+    x: torch.Tensor, num_classes: int, conf_thres: float, classes: list[int] | None, multi_label: bool
+) -> torch.Tensor:
+    """Turn one image's raw rows `(N, 5+nc+nm)` into candidates `(n, 6+nm)` xyxy, conf, cls, coeffs."""
+    x = x[x[:, 4] > conf_thres]  # objectness bounds obj*cls from above: a cheap first cut
+    boxes = xywh_to_xyxy(x[:, :4])
+    scores = x[:, 5 : 5 + num_classes] * x[:, 4:5]
+    coeffs = x[:, 5 + num_classes :]
+    if multi_label:
+        rows, cls = (scores > conf_thres).nonzero(as_tuple=True)
+        conf = scores[rows, cls]
+    else:
+        conf, cls = scores.max(1)
+        rows = (conf > conf_thres).nonzero(as_tuple=True)[0]
+        conf, cls = conf[rows], cls[rows]
+    out = torch.cat((boxes[rows], conf[:, None], cls[:, None].to(x.dtype), coeffs[rows]), 1)
+    if classes is not None:
+        out = out[(out[:, 5:6] == torch.tensor(classes, device=x.device, dtype=x.dtype)).any(1)]
+    return out
+
+
+def non_max_suppression(
+    pred: torch.Tensor,
+    conf_thres: float = 0.001,
+    iou_thres: float = 0.6,
+    classes: list[int] | None = None,
+    agnostic: bool = False,
+    max_det: int = 300,
+    num_masks: int = 0,
+    multi_label: bool = False,
+    max_nms: int = 30000,
+) -> list[torch.Tensor]:
+    """Filter decoded predictions by confidence and suppress overlaps, per image.
+
+    `pred`: `(B, N, 5 + nc + nm)` rows [cx, cy, w, h (pixels), obj, class probs..., mask coeffs...]
+    as given by the model in eval mode. Confidence is obj * class prob and must exceed `conf_thres`.
+    With `multi_label` a box may appear once per class above threshold, otherwise only with its
+    best class. NMS is per class (torchvision `batched_nms`) unless `agnostic`. At most `max_nms`
+    highest-confidence candidates enter NMS and `max_det` leave it.
+
+    Returns B tensors `(n, 6 + nm)` [x1, y1, x2, y2, conf, cls, coeffs...] sorted by conf descending.
+    Raises ValueError when a threshold is outside [0, 1].
+    """
+    _check_fraction("conf_thres", conf_thres)
+    _check_fraction("iou_thres", iou_thres)
+    num_classes = pred.shape[2] - 5 - num_masks
+    if num_classes < 1:
+        raise ValueError(f"non_max_suppression: pred has {pred.shape[2]} columns, too few for {num_masks} masks")
+    output = []
+    for x in pred:
+        det = _image_candidates(x, num_classes, conf_thres, classes, multi_label)
+        det = det[det[:, 4].argsort(descending=True)[:max_nms]]
+        if agnostic:
+            keep = torchvision.ops.nms(det[:, :4], det[:, 4], iou_thres)
+        else:
+            keep = torchvision.ops.batched_nms(det[:, :4], det[:, 4], det[:, 5].long(), iou_thres)
+        output.append(det[keep[:max_det]])  # torchvision returns keep sorted by score, descending
+    return output
