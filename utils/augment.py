@@ -1,0 +1,456 @@
+"""Pure image augmentations (letterbox, mosaic, perspective, mixup, HSV, flips) that move boxes and polygons along."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+
+PAD_VALUE = 114  # grey used for letterbox padding, mosaic canvas and warp borders (YOLOv5 convention)
+_PAD_COLOR = (PAD_VALUE, PAD_VALUE, PAD_VALUE)
+_EPS = 1e-9
+_MIN_BOX_PX = 1.0  # a box thinner than this after a crop is degenerate
+
+
+@dataclass(frozen=True)
+class AugmentParams:
+    """Training augmentation strengths, the subset of `Hyp` the dataset needs (YOLOv5 defaults).
+
+    hsv_*: gains for hue/saturation/value; degrees/shear in degrees; translate a fraction of the
+    output size; scale the +- range of the zoom; perspective the projective term (0..0.001);
+    flipud/fliplr/mosaic/mixup are probabilities.
+    """
+
+    hsv_h: float = 0.015
+    hsv_s: float = 0.7
+    hsv_v: float = 0.4
+    degrees: float = 0.0
+    translate: float = 0.1
+    scale: float = 0.5
+    shear: float = 0.0
+    perspective: float = 0.0
+    flipud: float = 0.0
+    fliplr: float = 0.5
+    mosaic: float = 1.0
+    mixup: float = 0.0
+
+
+@dataclass
+class Instances:
+    """The labelled objects of one image, kept aligned through every augmentation.
+
+    classes: (n,) float32 class ids; boxes_xyxy: (n, 4) float32 pixels in the current image;
+    segments: n arrays (k_i, 2) float32 pixels (a box-only label carries its 4 box corners),
+    so every geometric transform moves polygons and boxes are re-derived from them.
+    """
+
+    classes: np.ndarray
+    boxes_xyxy: np.ndarray
+    segments: list[np.ndarray]
+
+    def __post_init__(self) -> None:
+        if not len(self.classes) == len(self.boxes_xyxy) == len(self.segments):
+            raise ValueError(
+                f"Instances: misaligned lengths classes={len(self.classes)} "
+                f"boxes={len(self.boxes_xyxy)} segments={len(self.segments)}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.classes)
+
+    def select(self, keep: np.ndarray) -> Instances:
+        """Return the instances picked by a boolean mask (n,) or an integer index array."""
+        keep = np.asarray(keep)
+        index = np.flatnonzero(keep) if keep.dtype == bool else keep.astype(np.int64).reshape(-1)
+        return Instances(self.classes[index], self.boxes_xyxy[index], [self.segments[i] for i in index])
+
+    @staticmethod
+    def concat(parts: list[Instances]) -> Instances:
+        """Join several Instances (same image coordinates) into one, in order."""
+        if not parts:
+            return Instances.empty()
+        return Instances(
+            np.concatenate([p.classes for p in parts]).astype(np.float32),
+            np.concatenate([p.boxes_xyxy for p in parts]).astype(np.float32).reshape(-1, 4),
+            [segment for p in parts for segment in p.segments],
+        )
+
+    @staticmethod
+    def empty() -> Instances:
+        """Return an Instances with no objects (correct dtypes and shapes)."""
+        return Instances(np.zeros(0, np.float32), np.zeros((0, 4), np.float32), [])
+
+    @staticmethod
+    def from_labels(labels: np.ndarray, segments: list[np.ndarray] | None, width: int, height: int) -> Instances:
+        """Build pixel Instances from normalised YOLO labels for an image of `width` x `height`.
+
+        labels: (n, 5) [cls, cx, cy, w, h] normalised; segments: None or n normalised (k, 2)
+        polygons. A missing polygon, or one with fewer than 3 points, becomes the box's 4 corners.
+        """
+        labels = np.asarray(labels, np.float32).reshape(-1, 5)
+        if segments is not None and len(segments) not in (0, len(labels)):
+            raise ValueError(f"from_labels: {len(segments)} segments for {len(labels)} labels")
+        scale = np.array([width, height, width, height], np.float32)
+        centre, size = labels[:, 1:3], labels[:, 3:5]
+        boxes = np.concatenate([centre - size / 2, centre + size / 2], axis=1) * scale
+        corners = _box_corners(boxes)
+        polygons = []
+        for i in range(len(labels)):
+            polygon = None if not segments else np.asarray(segments[i], np.float32).reshape(-1, 2)
+            polygons.append(corners[i] if polygon is None or len(polygon) < 3 else polygon * scale[:2])
+        return Instances(labels[:, 0].copy(), boxes.astype(np.float32), polygons)
+
+
+def _box_corners(boxes_xyxy: np.ndarray) -> np.ndarray:
+    """Corners (n, 4, 2) of boxes (n, 4), clockwise from top-left in image coordinates."""
+    x1, y1, x2, y2 = (boxes_xyxy[:, i] for i in range(4))
+    return np.stack([np.stack(pair, axis=-1) for pair in ((x1, y1), (x2, y1), (x2, y2), (x1, y2))], axis=1)
+
+
+def _polygon_bounds(segments: list[np.ndarray]) -> np.ndarray:
+    """Tight boxes (n, 4) xyxy of polygons; an empty polygon gets an all-zero box."""
+    boxes = np.zeros((len(segments), 4), np.float32)
+    lengths = np.array([len(s) for s in segments], np.int64)
+    nonempty = lengths > 0
+    if nonempty.any():
+        points = np.concatenate([s for s in segments if len(s)]).astype(np.float32)
+        starts = np.concatenate([[0], np.cumsum(lengths[nonempty])[:-1]])
+        boxes[nonempty, :2] = np.minimum.reduceat(points, starts, axis=0)
+        boxes[nonempty, 2:] = np.maximum.reduceat(points, starts, axis=0)
+    return boxes
+
+
+def resample_polygon(poly: np.ndarray, n: int) -> np.ndarray:
+    """Return `n` points spaced uniformly along the closed outline of `poly` (k, 2), starting at its first vertex.
+
+    Useful where a fixed point count is needed (mask rasterisation, batching polygons). The
+    augmentations here clip polygons exactly, so they do not need it.
+    """
+    poly = np.asarray(poly, np.float32).reshape(-1, 2)
+    if len(poly) == 0:
+        return np.zeros((0, 2), np.float32)
+    closed = np.concatenate([poly, poly[:1]])
+    arc = np.concatenate([[0.0], np.cumsum(np.linalg.norm(np.diff(closed, axis=0), axis=1))])
+    if arc[-1] <= _EPS:
+        return np.repeat(poly[:1], n, axis=0)
+    positions = np.linspace(0.0, arc[-1], n, endpoint=False)
+    return np.stack([np.interp(positions, arc, closed[:, i]) for i in range(2)], axis=1).astype(np.float32)
+
+
+def _previous_vertex(owner: np.ndarray, count: int) -> np.ndarray:
+    """Index of each vertex's predecessor in packed polygons (vertices grouped by `owner`, cyclic per polygon)."""
+    lengths = np.bincount(owner, minlength=count)
+    ends = np.cumsum(lengths)
+    previous = np.arange(len(owner)) - 1
+    nonempty = lengths > 0
+    previous[(ends - lengths)[nonempty]] = ends[nonempty] - 1  # a polygon's first vertex follows its last
+    return previous
+
+
+def _clip_half_plane(
+    points: np.ndarray, owner: np.ndarray, count: int, axis: int, limit: float, keep_below: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """One Sutherland-Hodgman pass over packed polygons: keep coordinate `axis` <= (or >=) `limit`.
+
+    points: (N, 2) vertices of `count` polygons stored one after another; owner: (N,) polygon id.
+    """
+    coord = points[:, axis]
+    inside = coord <= limit if keep_below else coord >= limit
+    if inside.all():
+        return points, owner
+    previous = _previous_vertex(owner, count)
+    prev_points = points[previous]
+    crossing = inside != inside[previous]  # the edge previous -> current crosses the line
+    delta = coord - prev_points[:, axis]
+    t = np.divide(limit - prev_points[:, axis], delta, out=np.zeros_like(delta), where=crossing)
+    hits = prev_points + t[:, None] * (points - prev_points)
+    hits[:, axis] = limit  # exact, so clipped points never stray outside by rounding
+    # Each edge emits [its crossing point if it crosses, its end vertex if inside], in that order.
+    emit = np.stack([crossing, inside], axis=1).reshape(-1)
+    return np.stack([hits, points], axis=1).reshape(-1, 2)[emit], np.repeat(owner, 2)[emit]
+
+
+def _clip_polygons(segments: list[np.ndarray], width: float, height: float) -> list[np.ndarray]:
+    """Clip many polygons to [0, width] x [0, height] in 4 vectorised passes (no loop over polygons)."""
+    count = len(segments)
+    if count == 0:
+        return []
+    lengths = np.array([len(s) for s in segments], np.int64)
+    points = np.concatenate([np.asarray(s, np.float32).reshape(-1, 2) for s in segments])
+    owner = np.repeat(np.arange(count), lengths)
+    # Fewer than 3 points is no polygon. From 3 up, a pass yields 0 or >= 3 (crossings come in pairs).
+    is_polygon = (lengths >= 3)[owner]
+    points, owner = points[is_polygon], owner[is_polygon]
+    for axis, limit, keep_below in ((0, 0.0, False), (0, width, True), (1, 0.0, False), (1, height, True)):
+        points, owner = _clip_half_plane(points, owner, count, axis, float(limit), keep_below)
+    # Interpolated coordinates of a later pass can overshoot an earlier edge by one float ulp.
+    points = np.clip(points, 0.0, np.array([width, height], np.float32)).astype(np.float32)
+    parts = np.split(points, np.cumsum(np.bincount(owner, minlength=count))[:-1])
+    return [part if len(part) >= 3 else np.zeros((0, 2), np.float32) for part in parts]
+
+
+def clip_polygon(poly: np.ndarray, width: float, height: float) -> np.ndarray:
+    """Clip a polygon (k, 2) pixels to the image rectangle [0, width] x [0, height] (Sutherland-Hodgman).
+
+    Returns the clipped polygon (m, 2) float32, or an empty (0, 2) array when less than a
+    triangle is left (fully outside or degenerate).
+    """
+    return _clip_polygons([poly], width, height)[0]
+
+
+def _clip_segments(segments: list[np.ndarray], width: int, height: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Clip polygons to the image; return (clipped polygons, their tight boxes (n, 4)); empty ones get zero boxes.
+
+    Only polygons that cross the border (or have < 3 points) go through the clipper.
+    """
+    bounds = _polygon_bounds(segments)
+    inside = (bounds[:, :2] >= 0).all(axis=1) & (bounds[:, 2] <= width) & (bounds[:, 3] <= height)
+    outside = np.flatnonzero(~inside | (np.array([len(s) for s in segments]) < 3))
+    clipped = list(segments)
+    for i, part in zip(outside, _clip_polygons([segments[i] for i in outside], width, height), strict=True):
+        clipped[i] = part
+    return clipped, _polygon_bounds(clipped)
+
+
+def _clip_instances(inst: Instances, width: int, height: int) -> Instances:
+    """Clip polygons to the image, re-derive tight boxes, drop instances thinner than 1 px."""
+    segments, boxes = _clip_segments(inst.segments, width, height)
+    keep = ((boxes[:, 2:] - boxes[:, :2]) >= _MIN_BOX_PX).all(axis=1)
+    index = np.flatnonzero(keep)
+    return Instances(inst.classes[index], boxes[index], [segments[i] for i in index])
+
+
+def letterbox(
+    image: np.ndarray,
+    new_shape: int | tuple[int, int],
+    color: tuple[int, int, int] = _PAD_COLOR,
+    auto: bool = False,
+    scaleup: bool = True,
+    stride: int = 32,
+) -> tuple[np.ndarray, tuple[float, float], tuple[float, float]]:
+    """Resize keeping aspect ratio, then pad to `new_shape` (int or (h, w)); returns (image, ratio_wh, pad_wh).
+
+    ratio_wh is the exact per-axis scale of the resized content; pad_wh is half the total
+    padding per axis (float, YOLOv5 convention), so label pixels map as x * ratio_w + pad_w.
+    auto=True pads only to the next multiple of `stride` (rectangular inference);
+    scaleup=False never enlarges (better val mAP). Always returns a new array.
+    """
+    height, width = image.shape[:2]
+    new_h, new_w = (new_shape, new_shape) if isinstance(new_shape, int) else new_shape
+    ratio = min(new_h / height, new_w / width)
+    if not scaleup:
+        ratio = min(ratio, 1.0)
+    unpad_w, unpad_h = max(1, round(width * ratio)), max(1, round(height * ratio))
+    pad_w, pad_h = new_w - unpad_w, new_h - unpad_h
+    if auto:
+        pad_w, pad_h = pad_w % stride, pad_h % stride
+    pad_w, pad_h = pad_w / 2, pad_h / 2
+    if (unpad_w, unpad_h) != (width, height):
+        image = cv2.resize(image, (unpad_w, unpad_h), interpolation=cv2.INTER_LINEAR)
+    top, bottom = round(pad_h - 0.1), round(pad_h + 0.1)
+    left, right = round(pad_w - 0.1), round(pad_w + 0.1)
+    image = cv2.copyMakeBorder(image, top, bottom, left, right, cv2.BORDER_CONSTANT, value=color)
+    return image, (unpad_w / width, unpad_h / height), (pad_w, pad_h)
+
+
+def transform_instances(inst: Instances, scale_wh: tuple[float, float], pad: tuple[float, float]) -> Instances:
+    """Scale then shift all coordinates: x * scale_w + pad_w, y * scale_h + pad_h (no clipping)."""
+    scale = np.array(scale_wh, np.float32)
+    shift = np.array(pad, np.float32)
+    boxes = inst.boxes_xyxy * np.tile(scale, 2) + np.tile(shift, 2)
+    return Instances(inst.classes.copy(), boxes.astype(np.float32), [s * scale + shift for s in inst.segments])
+
+
+def _mosaic_span(centre: int, length: int, before: bool, limit: int) -> tuple[int, int, int, int]:
+    """Canvas span [a0, a1) and source span [b0, b1) of a tile that ends (before) or starts at `centre`."""
+    if before:
+        a0, a1 = max(centre - length, 0), centre
+        return a0, a1, length - (a1 - a0), length
+    a0, a1 = centre, min(centre + length, limit)
+    return a0, a1, 0, a1 - a0
+
+
+def mosaic4(
+    images: list[np.ndarray], instances: list[Instances], size: int, rng: np.random.Generator
+) -> tuple[np.ndarray, Instances]:
+    """Tile 4 images around a random centre on a (2*size, 2*size, 3) canvas filled with grey 114.
+
+    Images must already have their long side == size. Tiles are cut by the canvas edge; their
+    polygons are clipped to the canvas and boxes re-derived. Follow with random_perspective
+    using border=(-size // 2, -size // 2) to get a size x size training image.
+    """
+    if len(images) != 4 or len(instances) != 4:
+        raise ValueError(f"mosaic4: needs 4 images and 4 Instances, got {len(images)} and {len(instances)}")
+    limit = 2 * size
+    centre_x, centre_y = (int(rng.uniform(size * 0.5, size * 1.5)) for _ in range(2))
+    canvas = np.full((limit, limit, 3), PAD_VALUE, np.uint8)
+    placed = []
+    for quadrant, (image, inst) in enumerate(zip(images, instances, strict=True)):
+        height, width = image.shape[:2]
+        xa0, xa1, xb0, xb1 = _mosaic_span(centre_x, width, quadrant in (0, 2), limit)
+        ya0, ya1, yb0, yb1 = _mosaic_span(centre_y, height, quadrant in (0, 1), limit)
+        canvas[ya0:ya1, xa0:xa1] = image[yb0:yb1, xb0:xb1]
+        placed.append(transform_instances(inst, (1.0, 1.0), (xa0 - xb0, ya0 - yb0)))
+    return canvas, _clip_instances(Instances.concat(placed), limit, limit)
+
+
+def _random_homography(
+    rng: np.random.Generator, in_hw: tuple[int, int], out_hw: tuple[int, int], params: AugmentParams
+) -> np.ndarray:
+    """Draw a 3x3 matrix: centre, perspective, rotation+scale, shear, translation (applied in that order)."""
+    centre = np.eye(3)
+    centre[:2, 2] = -in_hw[1] / 2, -in_hw[0] / 2
+    projective = np.eye(3)
+    projective[2, :2] = rng.uniform(-params.perspective, params.perspective, 2)
+    angle = math.radians(rng.uniform(-params.degrees, params.degrees))
+    zoom = rng.uniform(1 - params.scale, 1 + params.scale)
+    rotate = np.eye(3)
+    # Same sense as cv2.getRotationMatrix2D: positive angles turn counter-clockwise on screen.
+    rotate[:2, :2] = zoom * np.array([[math.cos(angle), math.sin(angle)], [-math.sin(angle), math.cos(angle)]])
+    shear = np.eye(3)
+    shear[0, 1], shear[1, 0] = np.tan(np.radians(rng.uniform(-params.shear, params.shear, 2)))
+    translate = np.eye(3)
+    fractions = rng.uniform(0.5 - params.translate, 0.5 + params.translate, 2)
+    translate[:2, 2] = fractions[0] * out_hw[1], fractions[1] * out_hw[0]
+    return translate @ shear @ rotate @ projective @ centre
+
+
+def _warp_image(image: np.ndarray, matrix: np.ndarray, out_wh: tuple[int, int], projective: bool) -> np.ndarray:
+    """Warp with a point matrix that uses pixel-edge coordinates (pixel i spans [i, i+1]).
+
+    OpenCV indexes pixel centres, so the matrix is conjugated by a half-pixel shift; this keeps
+    the warped pixels exactly under the transformed polygons (no 0.5 px drift under zoom).
+    """
+    if np.allclose(matrix, np.eye(3)) and out_wh == (image.shape[1], image.shape[0]):
+        return image.copy()
+    to_centres, to_edges = np.eye(3), np.eye(3)
+    to_centres[:2, 2], to_edges[:2, 2] = -0.5, 0.5
+    pixel_matrix = to_centres @ matrix @ to_edges
+    if projective:
+        return cv2.warpPerspective(image, pixel_matrix, out_wh, borderValue=_PAD_COLOR)
+    return cv2.warpAffine(image, pixel_matrix[:2], out_wh, borderValue=_PAD_COLOR)
+
+
+def _transform_segments(segments: list[np.ndarray], matrix: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Apply a 3x3 homography to every polygon in one vectorised pass.
+
+    Returns (polygons, in_front (n,) bool); in_front is False for an instance with any vertex
+    mapped behind the projection plane (w <= 0), whose image would be meaningless.
+    """
+    lengths = np.array([len(s) for s in segments], np.int64)
+    points = np.concatenate(segments).astype(np.float64)
+    projected = points @ matrix[:2, :2].T + matrix[:2, 2]
+    depth = points @ matrix[2, :2] + matrix[2, 2]
+    behind = depth <= _EPS
+    projected = (projected / np.where(behind, 1.0, depth)[:, None]).astype(np.float32)
+    owner = np.repeat(np.arange(len(segments)), lengths)
+    in_front = np.bincount(owner[behind], minlength=len(segments)) == 0
+    return np.split(projected, np.cumsum(lengths)[:-1]), in_front
+
+
+def _box_candidates(
+    before: np.ndarray, after: np.ndarray, wh_thr: float = 2.0, ar_thr: float = 100.0, area_thr: float = 0.1
+) -> np.ndarray:
+    """Keep mask (n,) for boxes still worth training on after a warp + clip (YOLOv5 thresholds).
+
+    before: transformed boxes before clipping; after: boxes of the clipped polygons. A box must
+    be wider and taller than wh_thr px, keep > area_thr of its area and have aspect < ar_thr.
+    """
+    w1, h1 = before[:, 2] - before[:, 0], before[:, 3] - before[:, 1]
+    w2, h2 = after[:, 2] - after[:, 0], after[:, 3] - after[:, 1]
+    aspect = np.maximum(w2 / (h2 + _EPS), h2 / (w2 + _EPS))
+    return (w2 > wh_thr) & (h2 > wh_thr) & (w2 * h2 / (w1 * h1 + _EPS) > area_thr) & (aspect < ar_thr)
+
+
+def random_perspective(
+    image: np.ndarray,
+    inst: Instances,
+    rng: np.random.Generator,
+    degrees: float = 0.0,
+    translate: float = 0.1,
+    scale: float = 0.5,
+    shear: float = 0.0,
+    perspective: float = 0.0,
+    border: tuple[int, int] = (0, 0),
+) -> tuple[np.ndarray, Instances]:
+    """Random rotate/scale/shear/translate/perspective warp of image and polygons; output grows by 2*border (h, w).
+
+    Polygons are transformed exactly (vertex-wise; straight edges stay straight under a
+    homography), clipped to the output image, and boxes recomputed from them. Instances
+    that end up thinner than 2 px, keep < 10% of their transformed area or get aspect > 100
+    are dropped. border=(-size // 2, -size // 2) turns a 2*size mosaic into size x size.
+    """
+    out_h, out_w = image.shape[0] + 2 * border[0], image.shape[1] + 2 * border[1]
+    params = AugmentParams(degrees=degrees, translate=translate, scale=scale, shear=shear, perspective=perspective)
+    matrix = _random_homography(rng, image.shape[:2], (out_h, out_w), params)
+    warped = _warp_image(image, matrix, (out_w, out_h), projective=perspective != 0)
+    if not len(inst):
+        return warped, Instances.empty()
+    segments, in_front = _transform_segments(inst.segments, matrix)
+    before = _polygon_bounds(segments)
+    clipped, boxes = _clip_segments(segments, out_w, out_h)
+    index = np.flatnonzero(in_front & _box_candidates(before, boxes))
+    return warped, Instances(inst.classes[index], boxes[index], [clipped[i] for i in index])
+
+
+def mixup(
+    image1: np.ndarray, inst1: Instances, image2: np.ndarray, inst2: Instances, rng: np.random.Generator
+) -> tuple[np.ndarray, Instances]:
+    """Blend two same-sized images with a beta(32, 32) weight (about 0.5) and keep the objects of both."""
+    if image1.shape != image2.shape:
+        raise ValueError(f"mixup: image shapes differ, {image1.shape} vs {image2.shape}")
+    ratio = float(rng.beta(32.0, 32.0))
+    blended = cv2.addWeighted(image1, ratio, image2, 1.0 - ratio, 0.0)
+    return blended, Instances.concat([inst1, inst2])
+
+
+def augment_hsv(image: np.ndarray, rng: np.random.Generator, hgain: float, sgain: float, vgain: float) -> np.ndarray:
+    """Randomly shift hue and scale saturation/value of a BGR uint8 image, IN PLACE, and return it.
+
+    Each gain g draws a factor in [1 - g, 1 + g]; the change is applied through 256-entry
+    lookup tables on the uint8 HSV image (OpenCV hue range 0..179 wraps around), which is
+    much faster than float maths. Callers must not pass a cached image they want to keep.
+    """
+    if not (hgain or sgain or vgain):
+        return image
+    gains = rng.uniform(-1, 1, 3) * np.array([hgain, sgain, vgain]) + 1
+    hue, saturation, value = cv2.split(cv2.cvtColor(image, cv2.COLOR_BGR2HSV))
+    levels = np.arange(256, dtype=np.float32)
+    lut_hue = ((levels * gains[0]) % 180).astype(np.uint8)
+    lut_saturation = np.clip(levels * gains[1], 0, 255).astype(np.uint8)
+    lut_value = np.clip(levels * gains[2], 0, 255).astype(np.uint8)
+    hsv = cv2.merge((cv2.LUT(hue, lut_hue), cv2.LUT(saturation, lut_saturation), cv2.LUT(value, lut_value)))
+    if image.flags.c_contiguous:
+        cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR, dst=image)
+    else:  # OpenCV cannot write into a strided view (e.g. a numpy flip)
+        image[...] = cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)
+    return image
+
+
+def flip_lr(image: np.ndarray, inst: Instances) -> tuple[np.ndarray, Instances]:
+    """Mirror left-right: x -> width - x for boxes and polygons (returns a new image)."""
+    width = image.shape[1]
+    boxes = inst.boxes_xyxy.copy()
+    boxes[:, [0, 2]] = width - inst.boxes_xyxy[:, [2, 0]]
+    segments = [np.column_stack([width - s[:, 0], s[:, 1]]).astype(np.float32) for s in inst.segments]
+    return cv2.flip(image, 1), Instances(inst.classes.copy(), boxes, segments)
+
+
+def flip_ud(image: np.ndarray, inst: Instances) -> tuple[np.ndarray, Instances]:
+    """Mirror top-bottom: y -> height - y for boxes and polygons (returns a new image)."""
+    height = image.shape[0]
+    boxes = inst.boxes_xyxy.copy()
+    boxes[:, [1, 3]] = height - inst.boxes_xyxy[:, [3, 1]]
+    segments = [np.column_stack([s[:, 0], height - s[:, 1]]).astype(np.float32) for s in inst.segments]
+    return cv2.flip(image, 0), Instances(inst.classes.copy(), boxes, segments)
+
+
+def instances_to_labels(inst: Instances, width: int, height: int) -> np.ndarray:
+    """Convert to normalised YOLO rows (n, 5) float32 [cls, cx, cy, w, h] for an image of width x height."""
+    boxes = inst.boxes_xyxy.astype(np.float32)
+    centre = (boxes[:, :2] + boxes[:, 2:]) / 2
+    size = boxes[:, 2:] - boxes[:, :2]
+    scale = np.array([width, height], np.float32)
+    return np.concatenate([inst.classes[:, None], centre / scale, size / scale], axis=1).astype(np.float32)
