@@ -1,0 +1,224 @@
+"""Tests for utils/labels.py: image listing, image/label verification, packing and the label cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+from PIL import Image
+
+import utils.labels as labels_module
+from utils.distributed import DistContext
+from utils.labels import (
+    image_to_label_path,
+    label_cache_path,
+    list_image_files,
+    scan_labels,
+    verify_image_label,
+)
+
+CTX = DistContext()
+
+
+def _image(path: Path, width: int = 32, height: int = 24, value: int = 128) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    assert cv2.imwrite(str(path), np.full((height, width, 3), value, np.uint8))
+    return path
+
+
+def _label(root: Path, stem: str, content: str | bytes) -> Path:
+    path = root / "labels" / f"{stem}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+BAD_LABELS = {
+    "columns": "0 0.5 0.5 0.2\n",
+    "six_columns": "0 0.1 0.1 0.5 0.1 0.5\n",
+    "nan": "0 nan 0.5 0.2 0.2\n",
+    "negative": "0 -0.2 0.5 0.2 0.2\n",
+    "over_one": "0 0.5 1.3 0.2 0.2\n",
+    "class_id": "3 0.5 0.5 0.2 0.2\n",
+    "class_float": "1.5 0.5 0.5 0.2 0.2\n",
+    "not_numeric": "0 0.5 abc 0.2 0.2\n",
+    "not_utf8": b"\xff\xfe\x00\x810 0.5 0.5 0.2 0.2\n",
+}
+
+
+def _bad_folder(root: Path) -> tuple[set[str], set[str]]:
+    """Build a folder of bad, fixable and good inputs; return (bad image paths, good image paths)."""
+    images = root / "images"
+    images.mkdir(parents=True)
+    bad: set[str] = set()
+    (images / "random_bytes.jpg").write_bytes(np.random.default_rng(0).integers(0, 256, 300, np.uint8).tobytes())
+    full = cv2.imencode(".jpg", np.random.default_rng(1).integers(0, 256, (40, 40, 3), np.uint8))[1].tobytes()
+    (images / "truncated.jpg").write_bytes(full[: len(full) - 200])
+    (images / "zero.jpg").write_bytes(b"")
+    (images / "text.jpg").write_text("this is a text file, not a JPEG\n")
+    _image(images / "tiny.png", 8, 8)
+    bad |= {str(images / n) for n in ("random_bytes.jpg", "truncated.jpg", "zero.jpg", "text.jpg", "tiny.png")}
+    _image(images / "label_dir.jpg")
+    (root / "labels" / "label_dir.txt").mkdir(parents=True)
+    bad.add(str(images / "label_dir.jpg"))
+    for stem, content in BAD_LABELS.items():
+        bad.add(str(_image(images / f"{stem}.jpg")))
+        _label(root, stem, content)
+    good = {str(_image(images / n)) for n in ("box.jpg", "poly.png", "dup.jpg", "clip.jpg", "empty.jpg", "missing.bmp")}
+    _label(root, "box", "0 0.5 0.5 0.4 0.2\n")
+    _label(root, "poly", "1 0.1 0.2 0.6 0.2 0.6 0.8 0.1 0.8\n")
+    _label(root, "dup", "0 0.5 0.5 0.2 0.2\n0 0.5 0.5 0.2 0.2\n2 0.3 0.3 0.1 0.1\n")
+    _label(root, "clip", "2 0.1 0.1 1.004 0.1 0.5 0.9\n")
+    _label(root, "empty", "\n  \n")
+    return bad, good
+
+
+def test_list_image_files_sources(tmp_path: Path) -> None:
+    a = _image(tmp_path / "a" / "images" / "x.JPG")
+    b = _image(tmp_path / "a" / "images" / "deep" / "y.png")
+    c = _image(tmp_path / "c" / "z.webp")
+    (tmp_path / "a" / "images" / "notes.txt").write_text("not an image")
+    listing = tmp_path / "c" / "list.txt"
+    listing.write_text("z.webp\n\n")
+    assert list_image_files(tmp_path / "a") == sorted([str(a), str(b)])
+    assert list_image_files(listing) == [str(c)]
+    assert list_image_files([str(tmp_path / "a"), listing]) == sorted([str(a), str(b), str(c)])
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        list_image_files(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no images"):
+        list_image_files(tmp_path / "empty")
+
+
+def test_image_to_label_path_replaces_last_images_folder() -> None:
+    assert image_to_label_path("/d/images/set/images/x.jpeg") == "/d/images/set/labels/x.txt"
+    assert image_to_label_path("/d/pics/x.png") == "/d/pics/x.txt"
+
+
+def test_scan_skips_bad_repairs_fixable_and_reports_each(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad, good = _bad_folder(tmp_path)
+    monkeypatch.setattr(labels_module, "MAX_LOGGED_MESSAGES", 100)
+    caplog.set_level(logging.INFO)
+    index = scan_labels(list_image_files(tmp_path / "images"), 3, CTX, num_workers=4)
+    assert set(index.im_files) == good
+    assert index.counts == {"found": 4, "missing": 1, "empty": 1, "corrupt": len(bad)}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for path in bad:
+        label = image_to_label_path(path)
+        assert sum(path in w or label in w for w in warnings) == 1, f"no single warning names {path}"
+    assert any("zero.jpg" in w and "0-byte" in w for w in warnings)
+    assert any("truncated.jpg" in w and "truncated JPEG" in w for w in warnings)
+    assert any("dup.txt" in w and "1 duplicate" in w for w in warnings)
+    assert any("clip.txt" in w and "clipped 1" in w for w in warnings)
+    assert f"4 found, 1 missing (background), 1 empty, {len(bad)} corrupt" in caplog.text
+    position = {Path(p).stem: i for i, p in enumerate(index.im_files)}
+    np.testing.assert_allclose(index.labels_of(position["dup"])[:, 0], [0, 2])
+    clipped = index.segments_of(position["clip"])[0]
+    assert clipped[:, 0].max() == 1.0
+    np.testing.assert_allclose(index.labels_of(position["clip"]), [[2, 0.55, 0.5, 0.9, 0.8]], atol=1e-6)
+    assert len(index.labels_of(position["empty"])) == len(index.labels_of(position["missing"])) == 0
+
+
+def test_scan_logs_first_ten_then_a_summary(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    bad, _ = _bad_folder(tmp_path)
+    caplog.set_level(logging.INFO)
+    scan_labels(list_image_files(tmp_path / "images"), 3, CTX)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 11
+    assert f"and {len(bad) + 2 - 10} more" in warnings[-1]  # + the two repaired files
+
+
+def test_non_zero_rank_does_not_log_scan_results(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _bad_folder(tmp_path)
+    caplog.set_level(logging.INFO)
+    scan_labels(list_image_files(tmp_path / "images"), 3, DistContext(rank=1, local_rank=1, world_size=2))
+    assert "corrupt" not in caplog.text
+
+
+def test_boxes_become_corners_and_polygons_give_tight_boxes(tmp_path: Path) -> None:
+    image = _image(tmp_path / "images" / "a.jpg", 50, 40)
+    label = _label(tmp_path, "a", "0 0.5 0.5 0.4 0.2\n1 0.1 0.2 0.7 0.3 0.4 0.9\n2 0.95 0.5 0.2 0.2\n")
+    record = verify_image_label(str(image), str(label), 3)
+    assert (record.status, record.shape_wh, record.message) == ("found", (50, 40), "")
+    np.testing.assert_allclose(record.segments[0], [[0.3, 0.4], [0.7, 0.4], [0.7, 0.6], [0.3, 0.6]], atol=1e-6)
+    np.testing.assert_allclose(record.labels[1], [1, 0.4, 0.55, 0.6, 0.7], atol=1e-6)
+    # A box that overhangs the right edge keeps only its visible part.
+    np.testing.assert_allclose(record.labels[2], [2, 0.925, 0.5, 0.15, 0.2], atol=1e-6)
+    assert record.labels.dtype == np.float32 and record.labels.shape == (3, 5)
+
+
+def test_index_is_packed_with_offsets(tmp_path: Path) -> None:
+    for stem, text in (
+        ("a", "0 0.5 0.5 0.2 0.2\n1 0.1 0.1 0.3 0.1 0.2 0.4 0.1 0.3\n"),
+        ("b", ""),
+        ("c", "2 .5 .5 .1 .1"),
+    ):
+        _image(tmp_path / "images" / f"{stem}.jpg")
+        _label(tmp_path, stem, text)
+    index = scan_labels(list_image_files(tmp_path / "images"), 3, CTX)
+    assert index.shapes.dtype == np.int32 and index.shapes.shape == (3, 2)
+    assert index.labels.dtype == np.float32 and index.labels.shape == (3, 5)
+    assert index.label_offsets.tolist() == [0, 2, 2, 3]
+    assert index.seg_offsets.tolist() == [0, 4, 8, 12]
+    assert index.seg_points.shape == (12, 2) and index.seg_points.dtype == np.float32
+    polygons = index.segments_of(0)
+    assert [len(p) for p in polygons] == [4, 4] and np.shares_memory(polygons[1], index.seg_points)
+    np.testing.assert_allclose(polygons[1][2], [0.2, 0.4])
+    assert index.segments_of(1) == [] and index.labels_of(1).shape == (0, 5)
+
+
+def test_label_cache_reused_then_invalidated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for i in range(3):
+        _image(tmp_path / "images" / f"{i}.jpg")
+        _label(tmp_path, str(i), f"{i} 0.5 0.5 0.2 0.2\n")
+    files = list_image_files(tmp_path / "images")
+    first = scan_labels(files, 3, CTX)
+    cache = label_cache_path(files)
+    assert cache == tmp_path / "labels.cache" and cache.is_file()
+    with np.load(cache, allow_pickle=False) as data:  # pickle-free on disk
+        assert data["im_files"].tolist() == files
+
+    def must_not_verify(*args: object) -> None:
+        raise AssertionError("verified again although the cache is valid")
+
+    monkeypatch.setattr(labels_module, "verify_image_label", must_not_verify)
+    second = scan_labels(files, 3, CTX)
+    np.testing.assert_array_equal(second.labels, first.labels)
+    assert second.counts == first.counts and second.im_files == first.im_files
+    monkeypatch.undo()
+    label = tmp_path / "labels" / "1.txt"
+    label.write_text("2 0.5 0.5 0.4 0.4\n2 0.2 0.2 0.1 0.1\n")
+    os.utime(label, ns=(label.stat().st_atime_ns, label.stat().st_mtime_ns + 10**9))
+    third = scan_labels(files, 3, CTX)
+    assert third.labels_of(1)[:, 0].tolist() == [2, 2]
+    assert scan_labels(files, 2, CTX).counts["corrupt"] == 2  # num_classes is part of the key
+
+
+def test_unwritable_cache_warns_and_continues(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _image(tmp_path / "images" / "a.jpg")
+    files = list_image_files(tmp_path / "images")
+    index = scan_labels(files, 1, CTX, cache_path=tmp_path / "no_such_dir" / "x.cache")
+    assert len(index) == 1 and index.counts["missing"] == 1
+    assert sum("not writable" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_exif_rotation_swaps_width_and_height(tmp_path: Path) -> None:
+    path = tmp_path / "images" / "rotated.jpg"
+    path.parent.mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # display rotated 90 degrees clockwise
+    Image.new("RGB", (40, 20)).save(path, exif=exif.tobytes())
+    assert verify_image_label(str(path), str(tmp_path / "none.txt"), 1).shape_wh == (20, 40)
+
+
+def test_all_corrupt_raises(tmp_path: Path) -> None:
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.jpg").write_bytes(b"")
+    with pytest.raises(ValueError, match="no usable images"):
+        scan_labels(list_image_files(tmp_path / "images"), 1, CTX)

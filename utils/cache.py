@@ -1,0 +1,223 @@
+"""Per-rank image shards and the RAM/disk cache of resized images for this rank's shard."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import cv2
+import numpy as np
+from tqdm import tqdm
+
+from utils.distributed import DistContext
+from utils.logging import tqdm_disabled
+
+LOGGER = logging.getLogger(__name__)
+
+CACHE_MODES = ("none", "ram", "disk")
+MEMORY_SAFETY_MARGIN = 0.1  # keep this fraction of available memory free for the rest of training
+GB = 1 << 30
+
+
+def rank_shard(num_items: int, ctx: DistContext, seed: int) -> np.ndarray:
+    """Return the dataset indices this rank owns, for caching and for sampling.
+
+    All ranks draw the same permutation from `seed` and each keeps every
+    `world_size`-th entry from its rank on, so shards are disjoint, cover every
+    item and differ in length by at most one. The dataset caches only these
+    images and the sampler draws only from them; both call this function so
+    they cannot disagree. Returns a sorted (n,) int64 array.
+    """
+    permutation = np.random.default_rng(seed).permutation(num_items)
+    return np.sort(permutation[ctx.rank :: ctx.world_size]).astype(np.int64)
+
+
+def resized_hw(height: int, width: int, img_size: int) -> tuple[int, int]:
+    """Return (h, w) after scaling so the long side equals `img_size` (aspect ratio kept, at least 1 px)."""
+    ratio = img_size / max(height, width)
+    return max(1, round(height * ratio)), max(1, round(width * ratio))
+
+
+def resize_long_side(image: np.ndarray, img_size: int) -> np.ndarray:
+    """Resize an HxWx3 image so its long side equals `img_size`: INTER_AREA to shrink, INTER_LINEAR to grow."""
+    height, width = image.shape[:2]
+    new_h, new_w = resized_hw(height, width, img_size)
+    if (new_h, new_w) == (height, width):
+        return image
+    interpolation = cv2.INTER_AREA if new_h < height else cv2.INTER_LINEAR
+    return cv2.resize(image, (new_w, new_h), interpolation=interpolation)
+
+
+def read_resized(path: str, img_size: int) -> np.ndarray | None:
+    """Decode an image as BGR (EXIF orientation applied by OpenCV) resized to `img_size`; None if unreadable."""
+    image = cv2.imread(path, cv2.IMREAD_COLOR)
+    return None if image is None else resize_long_side(image, img_size)
+
+
+def available_memory_bytes() -> int:
+    """Return the memory the kernel says can be allocated without swapping (MemAvailable), in bytes.
+
+    Read from /proc/meminfo; where that is missing, free physical pages from os.sysconf.
+    """
+    try:
+        with open("/proc/meminfo", encoding="ascii") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def disk_cache_path(image_path: str) -> Path:
+    """Return the .npy file that holds the resized decoded image (next to the image)."""
+    return Path(image_path).with_suffix(".npy")
+
+
+class ImageCache:
+    """Resized images (long side = img_size, BGR uint8) for the given dataset indices, in RAM or on disk.
+
+    mode "ram": one contiguous uint8 buffer sized exactly for the shard plus an offsets/(h, w)
+    table, so forked DataLoader workers share its pages (no per-image Python objects for
+    reference counting to copy). Skipped with one warning when the shard, times the ranks on
+    this node (they all cache at once), does not fit in available memory.
+    mode "disk": a .npy per image next to it, written atomically, reused when present with the
+    right shape. Every rank fills its own indices with a thread pool, in parallel with the
+    others. An image that cannot be read or written is left out (counted, warned) and read
+    from its file later. `shapes_wh`: (N, 2) (w, h) of every dataset image after EXIF rotation.
+    """
+
+    def __init__(
+        self,
+        image_files: Sequence[str],
+        shapes_wh: np.ndarray,
+        indices: np.ndarray,
+        img_size: int,
+        mode: str,
+        ctx: DistContext,
+        num_threads: int = 8,
+    ) -> None:
+        if mode not in ("ram", "disk"):
+            raise ValueError(f"cache mode must be 'ram' or 'disk', got '{mode}'")
+        self.mode = mode
+        self.image_files = image_files
+        self.img_size = img_size
+        self.indices = np.asarray(indices, dtype=np.int64)
+        sizes = [resized_hw(int(h), int(w), img_size) for w, h in np.asarray(shapes_wh)[self.indices]]
+        self.hw = np.array(sizes, dtype=np.int64).reshape(-1, 2)
+        self.offsets = np.zeros(len(self.indices) + 1, dtype=np.int64)
+        self.offsets[1:] = np.cumsum(self.hw[:, 0] * self.hw[:, 1] * 3)
+        self.slot_of = np.full(len(shapes_wh), -1, dtype=np.int64)  # dataset index -> slot, -1 = not held
+        self.is_filled = np.zeros(len(self.indices), dtype=bool)
+        self.buffer = np.zeros(0, dtype=np.uint8)
+        if mode == "ram" and not self._fits_in_memory(ctx):
+            self.indices = self.indices[:0]
+            return
+        if mode == "ram":
+            self.buffer = np.empty(int(self.offsets[-1]), dtype=np.uint8)
+        self._fill(ctx, num_threads)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of image data this rank holds (RAM buffer, or the .npy payloads on disk)."""
+        return int(np.diff(self.offsets)[self.is_filled].sum())
+
+    def __contains__(self, index: int) -> bool:
+        slot = self.slot_of[index]
+        return bool(slot >= 0 and self.is_filled[slot])
+
+    def __len__(self) -> int:
+        return int(self.is_filled.sum())
+
+    def get(self, index: int) -> np.ndarray | None:
+        """Return the cached (h, w, 3) BGR image of dataset item `index`, or None when it is not cached.
+
+        In RAM mode the array is a view into the shared buffer: copy it before changing it.
+        """
+        if index not in self:
+            return None
+        slot = self.slot_of[index]
+        height, width = self.hw[slot]
+        if self.mode == "ram":
+            return self.buffer[self.offsets[slot] : self.offsets[slot + 1]].reshape(height, width, 3)
+        return np.load(disk_cache_path(self.image_files[index]), allow_pickle=False)
+
+    def _fits_in_memory(self, ctx: DistContext) -> bool:
+        """Return whether this node has room for every local rank's shard; warn once with the numbers if not."""
+        needed = int(self.offsets[-1]) * max(ctx.local_world_size, 1)
+        available = available_memory_bytes()
+        if needed * (1 + MEMORY_SAFETY_MARGIN) < available:
+            return True
+        LOGGER.warning(
+            f"RAM image cache skipped: {len(self.indices)} images/rank x {ctx.local_world_size} ranks on this node "
+            f"need {needed / GB:.2f} GB (+{MEMORY_SAFETY_MARGIN:.0%} margin) but only {available / GB:.2f} GB "
+            "is available; reading images from disk instead"
+        )
+        return False
+
+    def _store(self, slot: int) -> bool:
+        """Fill one slot (decode + resize into the buffer, or into a .npy); return whether it is now cached."""
+        path = self.image_files[self.indices[slot]]
+        expected = (*self.hw[slot], 3)
+        if self.mode == "disk" and _is_current_npy(path, expected):
+            return True
+        image = read_resized(path, self.img_size)
+        if image is None or image.shape != expected:
+            return False
+        if self.mode == "ram":
+            self.buffer[self.offsets[slot] : self.offsets[slot + 1]] = image.reshape(-1)
+            return True
+        return _write_npy(disk_cache_path(path), image)
+
+    def _fill(self, ctx: DistContext, num_threads: int) -> None:
+        """Fill every slot with a thread pool (decoding releases the GIL), then log what this rank holds."""
+        desc = f"Caching images ({self.mode})"
+        with ThreadPoolExecutor(max(1, num_threads)) as pool:
+            results = pool.map(self._store, range(len(self.indices)))
+            bar = tqdm(results, total=len(self.indices), desc=desc, disable=tqdm_disabled(ctx))
+            self.is_filled[:] = list(bar)
+        self.slot_of[self.indices] = np.arange(len(self.indices))
+        failed = int((~self.is_filled).sum())
+        if failed:
+            first = self.image_files[self.indices[np.flatnonzero(~self.is_filled)[0]]]
+            LOGGER.warning(
+                f"rank {ctx.rank}: {failed} image(s) could not be cached (first: {first}); they are read from disk"
+            )
+        node_gb = self.nbytes * max(ctx.local_world_size, 1) / GB
+        message = (
+            f"rank {ctx.rank} cached {len(self)} images ({self.nbytes / GB:.2f} GB, {self.mode}); "
+            f"about {node_gb:.2f} GB over the {ctx.local_world_size} rank(s) of this node"
+        )
+        (LOGGER.info if ctx.is_main else LOGGER.debug)(message)
+
+
+def _is_current_npy(image_path: str, expected_shape: tuple[int, ...]) -> bool:
+    """Return whether the image's .npy exists, is not older than the image and holds `expected_shape`."""
+    target = disk_cache_path(image_path)
+    try:
+        if target.stat().st_mtime_ns < os.stat(image_path).st_mtime_ns:
+            return False
+        return np.load(target, mmap_mode="r", allow_pickle=False).shape == expected_shape  # reads the header only
+    except (OSError, ValueError, EOFError):
+        return False
+
+
+def _write_npy(target: Path, image: np.ndarray) -> bool:
+    """Save `image` to `target` atomically (unique temp file, then rename); return False if the folder refuses."""
+    tmp: Path | None = None
+    try:
+        handle, tmp_name = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".tmp", dir=target.parent)
+        tmp = Path(tmp_name)
+        with os.fdopen(handle, "wb") as file:
+            np.save(file, image, allow_pickle=False)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the other ranks' users must read it
+        os.replace(tmp, target)
+        return True
+    except OSError:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        return False

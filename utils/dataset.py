@@ -1,0 +1,248 @@
+"""LoadImagesAndLabels: the detection/segmentation dataset that composes index, cache and augmentations per item."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import cv2
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from utils.augment import (
+    AugmentParams,
+    Instances,
+    augment_hsv,
+    flip_lr,
+    flip_ud,
+    instances_to_labels,
+    letterbox,
+    mixup,
+    mosaic4,
+    random_perspective,
+    transform_instances,
+)
+from utils.cache import CACHE_MODES, ImageCache, rank_shard, resize_long_side
+from utils.distributed import DistContext
+from utils.labels import LabelIndex, list_image_files, scan_labels
+
+if TYPE_CHECKING:
+    from utils.loader import ShapeInfo
+
+LOGGER = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetOptions:
+    """How to build and serve a dataset; `num_classes` is required, the rest has YOLOv5 defaults.
+
+    `batch_size` is the per-rank batch, used only for rectangular batch shapes; `cache_mode`
+    is "none", "ram" or "disk"; `seed` is the shared seed (shard split, augmentation streams);
+    `workers` sizes the label-scan and cache-fill thread pools.
+    """
+
+    img_size: int = 640
+    batch_size: int = 16
+    augment: bool = False
+    aug: AugmentParams = field(default_factory=AugmentParams)
+    rect: bool = False
+    stride: int = 32
+    pad: float = 0.0
+    cache_mode: str = "none"
+    single_cls: bool = False
+    with_masks: bool = False
+    num_classes: int
+    seed: int = 0
+    workers: int = 8
+
+
+def rect_batch_shapes(
+    shapes_wh: np.ndarray, batch_size: int, img_size: int, stride: int, pad: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sort images by aspect ratio and give each batch the smallest stride-multiple (h, w) that holds it.
+
+    Returns (order (N,) int64 indices sorted by h/w, batch_shapes (ceil(N / batch_size), 2)
+    int64 (h, w)). Batches of wide images get short canvases and tall ones narrow canvases, as
+    in YOLOv5 rectangular inference, so little padding is computed.
+    """
+    aspect = shapes_wh[:, 1] / shapes_wh[:, 0]  # h / w
+    order = np.argsort(aspect, kind="stable")
+    aspect = aspect[order]
+    starts = np.arange(0, len(aspect), batch_size)
+    lowest = aspect[starts]
+    highest = aspect[np.minimum(starts + batch_size, len(aspect)) - 1]
+    relative_hw = np.ones((len(starts), 2))
+    relative_hw[highest < 1] = np.stack([highest, np.ones_like(highest)], 1)[highest < 1]
+    relative_hw[lowest > 1] = np.stack([np.ones_like(lowest), 1 / lowest], 1)[lowest > 1]
+    batch_shapes = np.ceil(relative_hw * img_size / stride + pad).astype(np.int64) * stride
+    return order.astype(np.int64), batch_shapes
+
+
+class LoadImagesAndLabels(Dataset):
+    """Images and YOLO labels from `sources` (folders / .txt lists), served as dicts per docs/CONTRACTS.md.
+
+    Every rank must construct it (the label scan waits for the local main rank). Training
+    (`augment`) uses `self.shard = rank_shard(...)`: the image cache holds only these items and
+    mosaic/mixup partners are drawn only from them. Items are keyed by `index` or
+    `(index, epoch)`; all randomness of an item comes from
+    `np.random.default_rng([seed, rank, epoch, index])`, so augmentation repeats exactly for the
+    same key, regardless of worker count, and differs between ranks and epochs.
+    """
+
+    def __init__(self, sources: str | Path | Sequence[str | Path], options: DatasetOptions, ctx: DistContext) -> None:
+        if options.cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache mode '{options.cache_mode}' is not one of {', '.join(CACHE_MODES)}")
+        self.options = options
+        self.ctx = ctx
+        index = scan_labels(list_image_files(sources), options.num_classes, ctx, options.workers)
+        self.batch_shapes: np.ndarray | None = None  # (num_batches, 2) (h, w) in rect mode
+        if options.rect:
+            order, self.batch_shapes = rect_batch_shapes(
+                index.shapes, options.batch_size, options.img_size, options.stride, options.pad
+            )
+            index = index.reordered(order)
+        self.index: LabelIndex = index
+        self.labels = index.labels.copy() if options.single_cls else index.labels  # (M, 5), packed
+        if options.single_cls:
+            self.labels[:, 0] = 0
+        self.use_mosaic = options.augment and not options.rect  # rect batches need unmixed images
+        self.shard = rank_shard(len(index), ctx, options.seed) if options.augment else np.arange(len(index))
+        self.cache: ImageCache | None = None
+        if options.cache_mode != "none":
+            self.cache = ImageCache(
+                index.im_files, index.shapes, self.shard, options.img_size, options.cache_mode, ctx, options.workers
+            )
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def im_files(self) -> list[str]:
+        """Image paths in dataset order (sorted by aspect ratio in rect mode)."""
+        return self.index.im_files
+
+    @property
+    def shapes(self) -> np.ndarray:
+        """(N, 2) int32 original (w, h) of every image, EXIF orientation applied."""
+        return self.index.shapes
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """How many label files were found, missing (background), empty, and corrupt (image skipped)."""
+        return dict(self.index.counts)
+
+    def labels_of(self, index: int) -> np.ndarray:
+        """Return item `index`'s labels (n, 5) [cls, cx, cy, w, h] normalised (single_cls applied; a view)."""
+        return self.labels[self.index.label_offsets[index] : self.index.label_offsets[index + 1]]
+
+    def class_counts(self) -> np.ndarray:
+        """Return the number of instances per class, (num_classes,) int64 (1 entry with single_cls)."""
+        num_classes = 1 if self.options.single_cls else self.options.num_classes
+        return np.bincount(self.labels[:, 0].astype(np.int64), minlength=num_classes)
+
+    def label_wh_at(self, img_size: int) -> np.ndarray:
+        """Return every label's (w, h) in pixels with its image resized to long side `img_size`, (M, 2) float32.
+
+        Used by the anchor check, which adds its own random scale jitter.
+        """
+        shapes = self.index.shapes.astype(np.float64)
+        scaled_wh = img_size * shapes / shapes.max(axis=1, keepdims=True)
+        per_label = np.repeat(scaled_wh, np.diff(self.index.label_offsets), axis=0)
+        return (self.labels[:, 3:5] * per_label).astype(np.float32)
+
+    def load_image(self, index: int) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+        """Return (BGR image resized to long side img_size, (h0, w0) original, (h, w) resized).
+
+        Served from the cache when it holds the item (copied, so callers may modify it),
+        otherwise decoded from disk with OpenCV, which applies the EXIF orientation.
+        Raises FileNotFoundError naming the file when it cannot be read.
+        """
+        width0, height0 = (int(v) for v in self.index.shapes[index])
+        cached = self.cache.get(index) if self.cache is not None else None
+        if cached is not None:
+            image = cached.copy() if self.cache.mode == "ram" else cached
+            return image, (height0, width0), image.shape[:2]
+        path = self.index.im_files[index]
+        image = cv2.imread(path, cv2.IMREAD_COLOR)
+        if image is None:
+            raise FileNotFoundError(f"cannot read image {path} (deleted or corrupted since the label scan?)")
+        height0, width0 = image.shape[:2]
+        image = resize_long_side(image, self.options.img_size)
+        return image, (height0, width0), image.shape[:2]
+
+    def _instances(self, index: int, width: int, height: int) -> Instances:
+        """Item `index`'s labels and polygons in pixels of an image of `width` x `height`."""
+        return Instances.from_labels(self.labels_of(index), self.index.segments_of(index), width, height)
+
+    def _load_mosaic(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, Instances]:
+        """Mosaic of item `index` and 3 partners from this rank's shard, warped to img_size x img_size."""
+        size = self.options.img_size
+        images, instances = [], []
+        for i in [index, *rng.choice(self.shard, size=3).tolist()]:
+            image, _, (height, width) = self.load_image(i)
+            images.append(image)
+            instances.append(self._instances(i, width, height))
+        image, inst = mosaic4(images, instances, size, rng)
+        return self._perspective(image, inst, rng, border=(-size // 2, -size // 2))
+
+    def _perspective(
+        self, image: np.ndarray, inst: Instances, rng: np.random.Generator, border: tuple[int, int] = (0, 0)
+    ) -> tuple[np.ndarray, Instances]:
+        """random_perspective with this dataset's augmentation strengths."""
+        aug = self.options.aug
+        return random_perspective(
+            image, inst, rng, aug.degrees, aug.translate, aug.scale, aug.shear, aug.perspective, border
+        )
+
+    def _load_letterboxed(self, index: int) -> tuple[np.ndarray, Instances, ShapeInfo]:
+        """Item `index` letterboxed to its rect batch shape (or img_size square), with its ShapeInfo."""
+        image, (height0, width0), (height, width) = self.load_image(index)
+        if self.batch_shapes is not None:
+            target: int | tuple[int, int] = tuple(int(v) for v in self.batch_shapes[index // self.options.batch_size])
+        else:
+            target = self.options.img_size
+        image, (ratio_w, ratio_h), pad = letterbox(image, target, auto=False, scaleup=self.options.augment)
+        inst = transform_instances(self._instances(index, width, height), (ratio_w, ratio_h), pad)
+        # Overall scale from the original pixels to the returned image: load resize x letterbox resize.
+        shape = ((height0, width0), ((height / height0 * ratio_h, width / width0 * ratio_w), pad))
+        return image, inst, shape
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
+        """Return the item for `key` = index or (index, epoch); see docs/CONTRACTS.md for the dict."""
+        index, epoch = (key, 0) if isinstance(key, int | np.integer) else key
+        index = int(index) % len(self)
+        aug = self.options.aug
+        rng = np.random.default_rng([self.options.seed, self.ctx.rank, int(epoch), index])
+        if self.use_mosaic and rng.random() < aug.mosaic:
+            image, inst = self._load_mosaic(index, rng)
+            if rng.random() < aug.mixup:
+                image, inst = mixup(image, inst, *self._load_mosaic(int(rng.choice(self.shard)), rng), rng)
+            size = image.shape[0]
+            shape: ShapeInfo = ((size, size), ((1.0, 1.0), (0.0, 0.0)))  # no original-image geometry
+        else:
+            image, inst, shape = self._load_letterboxed(index)
+            if self.options.augment:
+                image, inst = self._perspective(image, inst, rng)
+        if self.options.augment:
+            image = augment_hsv(image, rng, aug.hsv_h, aug.hsv_s, aug.hsv_v)
+            if rng.random() < aug.flipud:
+                image, inst = flip_ud(image, inst)
+            if rng.random() < aug.fliplr:
+                image, inst = flip_lr(image, inst)
+        return self._to_item(image, inst, self.index.im_files[index], shape)
+
+    def _to_item(self, image: np.ndarray, inst: Instances, path: str, shape: ShapeInfo) -> dict[str, Any]:
+        """Pack an augmented BGR image and its instances into the contract's item dict."""
+        height, width = image.shape[:2]
+        labels = torch.zeros((len(inst), 6), dtype=torch.float32)
+        labels[:, 1:] = torch.from_numpy(instances_to_labels(inst, width, height))
+        rgb_chw = np.ascontiguousarray(image[:, :, ::-1].transpose(2, 0, 1))
+        item: dict[str, Any] = {"image": torch.from_numpy(rgb_chw), "labels": labels, "path": path, "shape": shape}
+        if self.options.with_masks:
+            scale = np.array([width, height], dtype=np.float32)
+            item["segments"] = [(segment / scale).astype(np.float32) for segment in inst.segments]
+        return item
