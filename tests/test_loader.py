@@ -1,0 +1,227 @@
+"""Tests for utils/loader.py: collate, epoch keys, equal batches per rank, persistent and seeded workers."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_helpers import run_distributed
+from utils.distributed import DistContext
+from utils.loader import (
+    build_train_loader,
+    build_val_loader,
+    collate_batch,
+    resolve_num_workers,
+    seed_worker,
+)
+
+IMAGE_HW = (8, 12)
+
+
+class FakeDataset:
+    """Contract-shaped dataset: item i has i % 3 labels; records the keys it receives.
+
+    Worker processes cannot append to the parent's `keys`, so the path also encodes
+    `pid|index|epoch|draw`, where `draw` is a number from the worker's NumPy global stream.
+    """
+
+    def __init__(self, num_items: int, ctx: DistContext, seed: int = 0) -> None:
+        self.num_items = num_items
+        permutation = np.random.default_rng(seed).permutation(num_items)  # stand-in for rank_shard
+        self.shard = permutation[ctx.rank :: ctx.world_size]
+        self.keys: list[int | tuple[int, int]] = []
+
+    def __len__(self) -> int:
+        return self.num_items
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, object]:
+        self.keys.append(key)
+        index, epoch = key if isinstance(key, tuple) else (key, -1)
+        num_labels = index % 3
+        labels = torch.zeros(num_labels, 6)
+        labels[:, 1] = float(index)  # class = index, to trace rows back to items
+        labels[:, 2:] = 0.5
+        return {
+            "image": torch.full((3, *IMAGE_HW), index % 256, dtype=torch.uint8),
+            "labels": labels,
+            "path": f"{os.getpid()}|{index}|{epoch}|{np.random.randint(2**31)}",
+            "shape": ((16, 24), ((0.5, 0.5), (0.0, 0.0))),
+        }
+
+
+def parse_paths(paths: list[str]) -> list[tuple[int, int, int, int]]:
+    return [tuple(int(part) for part in path.split("|")) for path in paths]  # type: ignore[misc]
+
+
+def test_collate_sets_batch_index_and_shapes() -> None:
+    dataset = FakeDataset(6, DistContext())
+    items = [dataset[i] for i in (2, 3, 4, 5)]  # 2, 0, 1, 2 labels
+    original = items[0]["labels"].clone()
+    batch = collate_batch(items)
+    assert batch["images"].shape == (4, 3, *IMAGE_HW) and batch["images"].dtype == torch.uint8
+    assert batch["images"][1, 0, 0, 0] == 3
+    assert batch["targets"].shape == (5, 6) and batch["targets"].dtype == torch.float32
+    assert batch["targets"][:, 0].tolist() == [0, 0, 2, 3, 3]
+    assert batch["targets"][:, 1].tolist() == [2, 2, 4, 5, 5]
+    assert torch.equal(items[0]["labels"], original)  # the item's own labels are not written into
+    assert len(batch["paths"]) == 4 and batch["shapes"][0] == ((16, 24), ((0.5, 0.5), (0.0, 0.0)))
+    assert "masks" not in batch and "segments" not in batch
+
+
+def test_collate_concatenates_masks_and_lists_segments() -> None:
+    dataset = FakeDataset(3, DistContext())
+    items = [dataset[i] for i in range(3)]  # 0, 1, 2 instances
+    for i, item in enumerate(items):
+        item["masks"] = torch.full((i, 4, 6), i, dtype=torch.uint8)
+        item["segments"] = [np.full((3, 2), 0.1 * i, dtype=np.float32) for _ in range(i)]
+    batch = collate_batch(items)
+    assert batch["masks"].shape == (3, 4, 6)
+    assert batch["masks"][:, 0, 0].tolist() == [1, 2, 2]  # aligned with targets rows
+    assert batch["targets"][:, 0].tolist() == [1, 2, 2]
+    assert [len(segments) for segments in batch["segments"]] == [0, 1, 2]
+
+
+def test_collate_rejects_mixed_masks_and_sizes() -> None:
+    dataset = FakeDataset(2, DistContext())
+    items = [dataset[0], dataset[1]]
+    items[0]["masks"] = torch.zeros(0, 4, 6)
+    with pytest.raises(ValueError, match="only 1 of 2 items have 'masks'"):
+        collate_batch(items)
+    items = [dataset[0], dataset[1]]
+    items[1]["image"] = torch.zeros(3, 4, 4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="differ in size"):
+        collate_batch(items)
+
+
+@pytest.mark.parametrize("num_items", [10, 11, 13])
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("per_rank_batch", [2, 4])
+def test_every_rank_same_number_of_batches(num_items: int, world_size: int, per_rank_batch: int) -> None:
+    counts, seen = [], set()
+    for rank in range(world_size):
+        ctx = DistContext(rank=rank, world_size=world_size)
+        dataset = FakeDataset(num_items, ctx)
+        loader = build_train_loader(dataset, per_rank_batch, 0, ctx, seed=1)
+        batches = list(loader)
+        assert len(batches) == len(loader) == math.ceil(math.ceil(num_items / world_size) / per_rank_batch)
+        indices = [index for batch in batches for _, index, _, _ in parse_paths(batch["paths"])]
+        assert set(indices) == set(dataset.shard.tolist())  # only this rank's shard
+        counts.append(len(batches))
+        seen |= set(indices)
+    assert len(set(counts)) == 1
+    assert seen == set(range(num_items))
+
+
+def test_keys_carry_epoch_and_order_changes_per_epoch() -> None:
+    ctx = DistContext(rank=1, world_size=2)
+    dataset = FakeDataset(13, ctx)
+    loader = build_train_loader(dataset, 4, 0, ctx, seed=5)
+    orders = {}
+    for epoch in (3, 4):
+        dataset.keys.clear()
+        loader.set_epoch(epoch)
+        list(loader)
+        assert all(isinstance(key, tuple) and key[1] == epoch for key in dataset.keys)
+        assert len(dataset.keys) == 7
+        orders[epoch] = [index for index, _ in dataset.keys]
+    assert orders[3] != orders[4]
+    loader.set_epoch(3)
+    dataset.keys.clear()
+    list(loader)
+    assert [index for index, _ in dataset.keys] == orders[3]
+
+
+def test_persistent_workers_keep_pids_and_get_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    ctx = DistContext()
+    loader = build_train_loader(FakeDataset(12, ctx), 2, 2, ctx, seed=0)
+    assert loader.num_workers == 2
+    pids_per_epoch = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        records = [record for batch in loader for record in parse_paths(batch["paths"])]
+        assert sorted(index for _, index, _, _ in records) == list(range(12))
+        assert {key_epoch for _, _, key_epoch, _ in records} == {epoch}
+        pids_per_epoch.append({pid for pid, _, _, _ in records})
+    assert len(pids_per_epoch[0]) == 2 and os.getpid() not in pids_per_epoch[0]
+    assert pids_per_epoch[0] == pids_per_epoch[1]  # same worker processes, not re-forked
+
+
+def test_workers_draw_different_random_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    ctx = DistContext()
+    loader = build_train_loader(FakeDataset(8, ctx), 2, 2, ctx, seed=0)
+    draws: dict[int, list[int]] = {}
+    for batch in loader:
+        for pid, _, _, draw in parse_paths(batch["paths"]):
+            draws.setdefault(pid, []).append(draw)
+    assert len(draws) == 2
+    first, second = draws.values()
+    assert first != second
+
+
+def _draws_after_seeding(worker_id: int, seed: int, rank: int) -> tuple[float, int, float]:
+    seed_worker(worker_id, seed=seed, rank=rank)
+    return random.random(), int(np.random.randint(2**31)), float(torch.rand(()))
+
+
+def test_seed_worker_differs_across_workers_and_ranks_and_repeats() -> None:
+    state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        grid = {(rank, worker): _draws_after_seeding(worker, 7, rank) for rank in range(3) for worker in range(3)}
+        for position in range(3):  # python, numpy and torch streams each differ everywhere
+            assert len({draws[position] for draws in grid.values()}) == 9
+        assert _draws_after_seeding(1, 7, 2) == grid[(2, 1)]
+        assert _draws_after_seeding(1, 8, 2) != grid[(2, 1)]
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+
+
+def test_resolve_num_workers_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert resolve_num_workers(16, DistContext(local_world_size=2), 16) == 4  # CPUs split over local ranks
+    assert resolve_num_workers(16, DistContext(), 3) == 3  # no more workers than images per batch
+    assert resolve_num_workers(2, DistContext(), 16) == 2
+    assert resolve_num_workers(4, DistContext(local_world_size=16), 16) == 0
+
+
+def test_val_loader_covers_each_index_once_across_ranks() -> None:
+    indices = []
+    for rank in range(3):
+        ctx = DistContext(rank=rank, world_size=3)
+        loader = build_val_loader(FakeDataset(11, ctx), 2, 0, ctx)
+        for batch in loader:
+            records = parse_paths(batch["paths"])
+            assert {epoch for _, _, epoch, _ in records} == {-1}  # plain int keys
+            indices += [index for _, index, _, _ in records]
+    assert indices == list(range(11))
+    single = build_val_loader(FakeDataset(5, DistContext()), 2, 0, DistContext())
+    assert [len(batch["paths"]) for batch in single] == [2, 2, 1]
+
+
+def _gather_loader_batches(ctx: DistContext, num_items: int) -> None:
+    train = build_train_loader(FakeDataset(num_items, ctx, seed=3), 2, 0, ctx, seed=3)
+    train.set_epoch(1)
+    mine = [index for batch in train for _, index, _, _ in parse_paths(batch["paths"])]
+    val = [index for batch in build_val_loader(FakeDataset(num_items, ctx), 2, 0, ctx) for index in batch["paths"]]
+    every: list[tuple[int, list[int], list[str]] | None] = [None] * ctx.world_size
+    dist.all_gather_object(every, (len(train), mine, val))
+    assert len({num_batches for num_batches, _, _ in every}) == 1
+    assert len({len(indices) for _, indices, _ in every}) == 1
+    assert set().union(*(set(indices) for _, indices, _ in every)) == set(range(num_items))
+    val_indices = [parse_paths([path])[0][1] for _, _, paths in every for path in paths]
+    assert val_indices == list(range(num_items))
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_get_equal_batches(tmp_path: Path) -> None:
+    run_distributed(_gather_loader_batches, 2, tmp_path, 13)

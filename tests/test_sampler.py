@@ -1,0 +1,145 @@
+"""Tests for utils/sampler.py: equal steps per rank, shard-only sampling, epoch order, unpadded eval ranges."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from tests.dist_helpers import run_distributed
+from utils.distributed import DistContext
+from utils.sampler import ShardedInferenceSampler, SmartDistributedSampler, inference_range, order_seed
+
+SIZES = [(10, 2), (11, 2), (13, 2), (10, 3), (11, 3), (13, 3)]
+
+
+def stand_in_rank_shard(num_items: int, ctx: DistContext, seed: int) -> np.ndarray:
+    """Local stand-in for utils.cache.rank_shard with the contract's semantics (same permutation, every W-th)."""
+    permutation = np.random.default_rng(seed).permutation(num_items)
+    return permutation[ctx.rank :: ctx.world_size]
+
+
+def make_sampler(
+    num_items: int, rank: int, world_size: int, seed: int = 3, **kwargs: object
+) -> SmartDistributedSampler:
+    ctx = DistContext(rank=rank, world_size=world_size)
+    return SmartDistributedSampler(stand_in_rank_shard(num_items, ctx, seed), ctx, seed, num_items, **kwargs)
+
+
+@pytest.mark.parametrize(("num_items", "world_size"), SIZES)
+def test_every_rank_same_length_and_only_own_shard(num_items: int, world_size: int) -> None:
+    seen: set[int] = set()
+    for rank in range(world_size):
+        sampler = make_sampler(num_items, rank, world_size)
+        sampler.set_epoch(2)
+        indices = list(sampler)
+        shard = set(sampler.shard.tolist())
+        assert len(indices) == len(sampler) == math.ceil(num_items / world_size)
+        assert set(indices) == shard  # only own items, and every own item at least once
+        seen |= shard
+    assert seen == set(range(num_items))
+
+
+def test_padding_repeats_own_items_from_the_epoch_permutation() -> None:
+    sampler = make_sampler(11, rank=1, world_size=2)  # shard of 5, padded to 6
+    assert len(sampler.shard) == 5
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        indices = list(sampler)
+        assert len(indices) == 6
+        assert len(set(indices[:5])) == 5  # one full permutation first
+        assert indices[5] == indices[0]  # the pad is the head of that permutation
+
+
+def test_set_epoch_changes_order_and_same_seed_epoch_repeats() -> None:
+    sampler = make_sampler(13, rank=0, world_size=2)
+    orders = []
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    assert sampler.epoch == 3
+    assert len({tuple(order) for order in orders}) == 4  # 7! orders: a repeat would be a bug
+    again = make_sampler(13, rank=0, world_size=2)
+    again.set_epoch(2)
+    assert list(again) == orders[2]
+    other_seed = SmartDistributedSampler(sampler.shard, DistContext(rank=0, world_size=2), 4, dataset_len=13)
+    other_seed.set_epoch(2)
+    assert list(other_seed) != orders[2]
+
+
+def test_order_seed_separates_ranks_and_epochs() -> None:
+    seeds = {order_seed(0, epoch, rank) for epoch in range(5) for rank in range(5)}
+    assert len(seeds) == 25  # seed + epoch + rank would collide here
+    assert order_seed(-1, 0, 0) == order_seed(2**64 - 1, 0, 0)
+
+
+def test_no_shuffle_keeps_shard_order() -> None:
+    sampler = make_sampler(11, rank=1, world_size=2, shuffle=False)
+    sampler.set_epoch(5)
+    shard = sampler.shard.tolist()
+    assert list(sampler) == shard + shard[:1]
+
+
+def test_num_samples_override_pads_or_truncates() -> None:
+    longer = make_sampler(10, rank=0, world_size=2, num_samples=12)
+    indices = list(longer)
+    assert len(indices) == 12 and indices[5:10] == indices[:5] and indices[10:] == indices[:2]
+    shorter = make_sampler(10, rank=0, world_size=2, num_samples=3)
+    assert len(list(shorter)) == 3 and set(shorter) <= set(shorter.shard.tolist())
+
+
+def test_rejects_shard_that_does_not_match_dataset() -> None:
+    ctx = DistContext(rank=0, world_size=2)
+    with pytest.raises(ValueError, match="shard has 3 indices"):
+        SmartDistributedSampler(np.arange(3), ctx, 0, dataset_len=10)
+    with pytest.raises(ValueError, match="outside"):
+        SmartDistributedSampler(np.arange(5) + 6, ctx, 0, dataset_len=10)
+    with pytest.raises(ValueError, match="3 processes"):
+        SmartDistributedSampler(np.arange(1), DistContext(rank=0, world_size=3), 0, dataset_len=2)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("batch_size", [1, 2, 4, 5])
+@pytest.mark.parametrize("num_items", [1, 7, 10, 11, 13])
+def test_inference_ranges_cover_each_index_once_on_batch_boundaries(
+    num_items: int, batch_size: int, world_size: int
+) -> None:
+    samplers = [
+        ShardedInferenceSampler(num_items, DistContext(rank=r, world_size=world_size), batch_size)
+        for r in range(world_size)
+    ]
+    concatenated = [index for sampler in samplers for index in sampler]
+    assert concatenated == list(range(num_items))  # no padding, no duplicates, contiguous in rank order
+    assert sum(len(sampler) for sampler in samplers) == num_items
+    lengths = []
+    for sampler in samplers:
+        if len(sampler):
+            assert sampler.indices.start % batch_size == 0  # whole global batches
+        lengths.append(math.ceil(len(sampler) / batch_size))
+    assert max(lengths) - min(lengths) <= 1
+
+
+def test_inference_range_rejects_bad_batch() -> None:
+    with pytest.raises(ValueError, match="batch size"):
+        inference_range(10, 0, 2, 0)
+
+
+def _gather_sampler_indices(ctx: DistContext, num_items: int, seed: int) -> None:
+    train = SmartDistributedSampler(stand_in_rank_shard(num_items, ctx, seed), ctx, seed, dataset_len=num_items)
+    train.set_epoch(1)
+    mine = (list(train), train.shard.tolist(), list(ShardedInferenceSampler(num_items, ctx, batch_size=2)))
+    every: list[tuple[list[int], list[int], list[int]] | None] = [None] * ctx.world_size
+    dist.all_gather_object(every, mine)
+    assert len({len(indices) for indices, _, _ in every}) == 1  # equal steps on every rank
+    for indices, shard, _ in every:
+        assert set(indices) == set(shard)
+    assert sorted(i for _, shard, _ in every for i in shard) == list(range(num_items))
+    assert [i for _, _, inference in every for i in inference] == list(range(num_items))
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_agree_on_lengths_and_cover_dataset(tmp_path: Path) -> None:
+    run_distributed(_gather_sampler_indices, 2, tmp_path, 11, 5)

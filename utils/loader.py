@@ -1,0 +1,233 @@
+"""Data loaders: per-rank train/val DataLoaders, worker count and seeding, and the dict-batch collate."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+from collections.abc import Iterator
+from typing import Any, TypedDict
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, default_collate
+
+from utils.distributed import DistContext
+from utils.sampler import ShardedInferenceSampler, SmartDistributedSampler
+
+LOGGER = logging.getLogger(__name__)
+
+# ((orig_h, orig_w), ((ratio_h, ratio_w), (pad_w, pad_h))): letterbox geometry, see docs/CONTRACTS.md.
+ShapeInfo = tuple[tuple[int, int], tuple[tuple[float, float], tuple[float, float]]]
+
+
+class _BatchRequired(TypedDict):
+    images: torch.Tensor
+    targets: torch.Tensor
+    paths: list[str]
+    shapes: list[ShapeInfo]
+
+
+class Batch(_BatchRequired, total=False):
+    """One collated batch as the engine, loss and evaluators read it (docs/CONTRACTS.md).
+
+    images: (B, 3, H, W) uint8 RGB; targets: (N, 6) float32 [batch_index, cls, cx, cy, w, h]
+    normalised; paths/shapes: one entry per image. Optional: `segments`, per image the list of
+    (k, 2) float32 normalised polygons; `masks`, the items' mask tensors concatenated on dim 0.
+    """
+
+    segments: list[list[np.ndarray]]
+    masks: torch.Tensor
+
+
+def collate_batch(items: list[dict[str, Any]]) -> Batch:
+    """Stack dataset items (dicts per docs/CONTRACTS.md) into one `Batch`.
+
+    Writes each image's position in the batch into column 0 of its labels (on a copy, so a
+    cached item is never modified). Masks are concatenated, so per-instance masks (n_i, h, w)
+    become (N, h, w) aligned with `targets` rows. Raises ValueError when images differ in size
+    or only some items carry masks/segments.
+    """
+    if not items:
+        raise ValueError("collate_batch: got an empty batch")
+    paths = [str(item["path"]) for item in items]
+    image_shapes = {tuple(item["image"].shape) for item in items}
+    if len(image_shapes) > 1:
+        raise ValueError(f"collate_batch: images differ in size {sorted(image_shapes)} in batch starting {paths[0]}")
+    targets = []
+    for position, item in enumerate(items):
+        labels = item["labels"]
+        if labels.ndim != 2 or labels.shape[1] != 6:
+            raise ValueError(f"collate_batch: {item['path']} labels have shape {tuple(labels.shape)}, expected (n, 6)")
+        labels = labels.to(torch.float32, copy=True)
+        labels[:, 0] = position
+        targets.append(labels)
+    batch: Batch = {
+        # default_collate stacks into shared memory inside a worker, saving one copy per batch.
+        "images": default_collate([item["image"] for item in items]),
+        "targets": torch.cat(targets, 0),
+        "paths": paths,
+        "shapes": [item["shape"] for item in items],
+    }
+    if _carried_by(items, "segments"):
+        batch["segments"] = [list(item["segments"]) for item in items]
+    if _carried_by(items, "masks"):
+        batch["masks"] = torch.cat([item["masks"] for item in items], 0)
+    return batch
+
+
+def _carried_by(items: list[dict[str, Any]], key: str) -> bool:
+    """Return whether the items carry `key`; raise ValueError when only some of them do."""
+    count = sum(key in item for item in items)
+    if 0 < count < len(items):
+        raise ValueError(
+            f"collate_batch: only {count} of {len(items)} items have '{key}' (batch at {items[0]['path']})"
+        )
+    return count == len(items)
+
+
+def resolve_num_workers(requested: int, ctx: DistContext, per_rank_batch: int) -> int:
+    """Return the worker processes one rank's loader uses: min(requested, CPUs // local ranks, batch).
+
+    CPUs are those this process may run on (affinity, e.g. under SLURM), split evenly among
+    the ranks on this node so the node is not oversubscribed; more workers than images per
+    batch would only sit idle. 0 means loading in the main process.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(requested, cpus // max(ctx.local_world_size, 1), per_rank_batch))
+
+
+def seed_worker(worker_id: int, seed: int, rank: int) -> None:
+    """Seed Python, NumPy and torch inside one loader worker from (seed, rank, worker_id).
+
+    Used as `worker_init_fn`. Without it forked workers share the parent's NumPy state and
+    draw identical augmentations; mixing the three numbers through `np.random.SeedSequence`
+    gives every worker of every rank its own independent, reproducible streams. Workers are
+    persistent, so this runs once and the streams continue across epochs.
+    """
+    words = np.random.SeedSequence([seed % 2**64, rank, worker_id]).generate_state(4, np.uint64)
+    random.seed(int(words[0]))
+    np.random.seed(words[1:3].view(np.uint32))
+    torch.manual_seed(int(words[3]))
+
+
+class EpochKeyBatchSampler(Sampler[list[tuple[int, int]]]):
+    """Group the sampler's indices into batches of `(index, epoch)` keys, the last batch possibly short.
+
+    Persistent workers hold their own copy of the dataset, so a `set_epoch` on the main
+    process never reaches them; sending the epoch inside every key lets the dataset derive
+    epoch-dependent behaviour (e.g. closing mosaic) in the worker.
+    """
+
+    def __init__(self, sampler: SmartDistributedSampler, batch_size: int) -> None:
+        self.sampler = sampler
+        self.batches = BatchSampler(sampler, batch_size, drop_last=False)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.sampler.epoch
+        for batch in self.batches:
+            yield [(index, epoch) for index in batch]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class TrainLoader:
+    """This rank's training batches: a DataLoader over a `SmartDistributedSampler`, with `set_epoch`.
+
+    `len()` is the number of batches per epoch, identical on every rank. Call `set_epoch(epoch)`
+    before iterating: the epoch's order is fixed when iteration starts, because workers
+    prefetch at once.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: SmartDistributedSampler) -> None:
+        self.loader = loader
+        self.sampler = sampler
+
+    @property
+    def dataset(self) -> Dataset:
+        """The dataset the batches come from."""
+        return self.loader.dataset
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes actually used (after `resolve_num_workers`)."""
+        return self.loader.num_workers
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose sample order and keys the next iteration uses. Every rank calls it."""
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.loader)
+
+
+def build_train_loader(
+    dataset: Any,
+    per_rank_batch: int,
+    num_workers: int,
+    ctx: DistContext,
+    seed: int,
+    prefetch_factor: int = 2,
+) -> TrainLoader:
+    """Build this rank's training loader over `dataset.shard`, with equal batches per epoch on every rank.
+
+    `dataset` must have `shard` (its `rank_shard` indices), `__len__`, and a `__getitem__` that
+    accepts an `(index, epoch)` tuple. The batch is `per_rank_batch` images (global batch //
+    world size), the last batch of an epoch may be short (drop_last=False). `num_workers` is
+    capped by `resolve_num_workers`; workers persist across epochs (no re-fork, cache pages
+    and file handles stay warm) and are seeded by `seed_worker` from (seed, rank, worker id).
+    Memory is pinned when the device is CUDA.
+    """
+    sampler = SmartDistributedSampler(dataset.shard, ctx, seed, dataset_len=len(dataset))
+    workers = resolve_num_workers(num_workers, ctx, per_rank_batch)
+    loader = DataLoader(
+        dataset,
+        batch_sampler=EpochKeyBatchSampler(sampler, per_rank_batch),
+        num_workers=workers,
+        collate_fn=collate_batch,
+        pin_memory=ctx.device.type == "cuda",
+        worker_init_fn=functools.partial(seed_worker, seed=seed, rank=ctx.rank),
+        generator=torch.Generator().manual_seed(seed + ctx.rank),
+        persistent_workers=workers > 0,
+        prefetch_factor=prefetch_factor if workers > 0 else None,
+    )
+    if ctx.is_main:
+        LOGGER.info(
+            "train loader: %d images/rank/epoch, %d batches of %d per rank, %d workers per rank",
+            len(sampler),
+            len(loader),
+            per_rank_batch,
+            workers,
+        )
+    return TrainLoader(loader, sampler)
+
+
+def build_val_loader(dataset: Any, per_rank_batch: int, num_workers: int, ctx: DistContext) -> DataLoader:
+    """Build this rank's evaluation loader: contiguous whole batches, no padding, no shuffling.
+
+    Distributed, each rank reads its `ShardedInferenceSampler` range; ranks may get different
+    batch counts, so evaluation gathers results once at the end (never per step). In a single
+    process all images are read in order. `per_rank_batch` must be the batch size the dataset
+    computed its rectangular shapes with. Items are fetched with plain int indices.
+    """
+    if ctx.is_distributed:
+        sampler: Sampler[int] = ShardedInferenceSampler(len(dataset), ctx, per_rank_batch)
+    else:
+        sampler = SequentialSampler(dataset)
+    workers = resolve_num_workers(num_workers, ctx, per_rank_batch) if len(sampler) else 0
+    return DataLoader(
+        dataset,
+        batch_size=per_rank_batch,
+        sampler=sampler,
+        drop_last=False,
+        num_workers=workers,
+        collate_fn=collate_batch,
+        pin_memory=ctx.device.type == "cuda",
+        worker_init_fn=functools.partial(seed_worker, seed=0, rank=ctx.rank),
+        persistent_workers=workers > 0,
+    )

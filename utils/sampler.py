@@ -1,0 +1,143 @@
+"""Samplers: per-epoch shuffled sampling of this rank's shard (train) and unpadded contiguous ranges (eval)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from utils.distributed import DistContext
+
+
+def per_rank_length(dataset_len: int, world_size: int) -> int:
+    """Return how many samples every rank draws per epoch: ceil(dataset_len / world_size).
+
+    Shards from `rank_shard` differ in length by at most one, so the longest shard has exactly
+    this many items. Every rank computes it from the dataset length alone, with no collective,
+    and pads a shorter shard up to it, so all ranks run the same number of steps.
+    """
+    return math.ceil(dataset_len / world_size)
+
+
+def order_seed(seed: int, epoch: int, rank: int) -> int:
+    """Return the torch seed for the sampler order of (seed, epoch, rank).
+
+    Mixed through `np.random.SeedSequence` rather than `seed + epoch + rank`, so (epoch 1, rank 0)
+    and (epoch 0, rank 1) do not collide into the same permutation. Negative seeds are wrapped
+    into the unsigned range SeedSequence accepts.
+    """
+    words = np.random.SeedSequence([seed % 2**64, epoch, rank]).generate_state(2, np.uint32)
+    return int(words[0]) << 32 | int(words[1])
+
+
+class SmartDistributedSampler(Sampler[int]):
+    """Yield this rank's shard in a fresh deterministic order each epoch, padded to the same length on every rank.
+
+    `shard` holds the dataset indices this rank owns (from `dataset.shard`, i.e. `rank_shard`),
+    so the sampler draws only images this rank has cached. The order is a pure function of
+    (seed, epoch, rank): call `set_epoch(epoch)` before each epoch to reshuffle; the same
+    (seed, epoch) always gives the same order, also after a resume. Every rank yields
+    `num_samples` indices, default `ceil(dataset_len / world_size)`; a shorter shard is padded
+    by repeating its own items from the start of the epoch's permutation (never another rank's),
+    so DDP steps stay in lock-step without communication. A `num_samples` below the shard
+    length truncates the epoch. Raises ValueError when the shard does not match `dataset_len`
+    or when there are fewer items than ranks (a rank with nothing to sample).
+    """
+
+    def __init__(
+        self,
+        shard: np.ndarray,
+        ctx: DistContext,
+        seed: int,
+        dataset_len: int,
+        shuffle: bool = True,
+        num_samples: int | None = None,
+    ) -> None:
+        self.shard = np.asarray(shard, dtype=np.int64).reshape(-1)
+        self.rank = ctx.rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        _check_shard(self.shard, dataset_len, ctx)
+        self.num_samples = per_rank_length(dataset_len, ctx.world_size) if num_samples is None else num_samples
+        if self.num_samples < 1:
+            raise ValueError(f"SmartDistributedSampler: num_samples must be >= 1, got {self.num_samples}")
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration yields. Call it on every rank, same value."""
+        self.epoch = int(epoch)
+
+    def epoch_indices(self) -> np.ndarray:
+        """Return this epoch's dataset indices, (num_samples,) int64, padded from the same permutation."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(order_seed(self.seed, self.epoch, self.rank))
+            positions = torch.randperm(len(self.shard), generator=generator).numpy()
+            order = self.shard[positions]
+        else:
+            order = self.shard
+        repeats = math.ceil(self.num_samples / len(order))
+        return np.tile(order, repeats)[: self.num_samples]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.epoch_indices().tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def _check_shard(shard: np.ndarray, dataset_len: int, ctx: DistContext) -> None:
+    """Raise ValueError when `shard` cannot be this rank's `rank_shard` of a `dataset_len` dataset."""
+    if dataset_len < ctx.world_size:
+        raise ValueError(
+            f"dataset has {dataset_len} images but the job has {ctx.world_size} processes; "
+            "every rank needs at least one image (use fewer processes or more data)"
+        )
+    shortest, longest = dataset_len // ctx.world_size, per_rank_length(dataset_len, ctx.world_size)
+    if not shortest <= len(shard) <= longest:
+        raise ValueError(
+            f"rank {ctx.rank} shard has {len(shard)} indices, expected {shortest}..{longest} for "
+            f"{dataset_len} images over {ctx.world_size} ranks; pass the dataset's own rank_shard"
+        )
+    if shard.min() < 0 or shard.max() >= dataset_len:
+        raise ValueError(f"rank {ctx.rank} shard has indices outside 0..{dataset_len - 1}")
+
+
+def inference_range(dataset_len: int, rank: int, world_size: int, batch_size: int) -> range:
+    """Return the contiguous dataset indices `rank` evaluates: a run of whole global batches.
+
+    The dataset is cut into batches of `batch_size` (the last may be short) and rank r takes
+    batches [r * B // W, (r + 1) * B // W), so each rank's range starts on a batch boundary and
+    its loader batches coincide with the global ones (rectangular batch shapes stay valid).
+    Counts differ by up to one batch between ranks; a rank may get an empty range when there
+    are fewer batches than ranks.
+    """
+    if batch_size < 1:
+        raise ValueError(f"inference batch size must be >= 1, got {batch_size}")
+    num_batches = math.ceil(dataset_len / batch_size)
+    first = rank * num_batches // world_size
+    last = (rank + 1) * num_batches // world_size
+    return range(first * batch_size, min(last * batch_size, dataset_len))
+
+
+class ShardedInferenceSampler(Sampler[int]):
+    """Yield this rank's contiguous slice of whole batches for evaluation; never pads or duplicates.
+
+    The union over ranks is every index exactly once, so gathered predictions need no de-dup
+    and metrics count each image once. Because ranks may get different numbers of batches
+    (and a rank may get none), evaluation must not run a collective per step (no per-batch
+    all-reduce, no DDP forward): run the bare model, keep results locally, and gather them
+    once at the end on every rank. The loader batch size must equal `batch_size`, the batch
+    size the dataset's rectangular shapes were computed with.
+    """
+
+    def __init__(self, dataset_len: int, ctx: DistContext, batch_size: int) -> None:
+        self.indices = inference_range(dataset_len, ctx.rank, ctx.world_size, batch_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
