@@ -1,0 +1,344 @@
+"""YOLOv5 (v6+) detection model in plain Python: scale table, ModelSpec, backbone, PAN neck, build_model()."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.blocks import C3, SPPF, Concat, Conv, upsample2x
+from models.heads import DetectHead
+from utils.config import ConfigError, read_yaml_mapping
+
+LOGGER = logging.getLogger(__name__)
+
+# Size name -> (depth_multiple, width_multiple); a new size is one row.
+SCALES: dict[str, tuple[float, float]] = {
+    "n": (0.33, 0.25),
+    "s": (0.33, 0.50),
+    "m": (0.67, 0.75),
+    "l": (1.0, 1.0),
+    "x": (1.33, 1.25),
+}
+# Anchor w, h pairs in pixels for P3/8, P4/16, P5/32 (fitted on COCO at 640).
+DEFAULT_ANCHORS: tuple[tuple[float, ...], ...] = (
+    (10, 13, 16, 30, 33, 23),
+    (30, 61, 62, 45, 59, 119),
+    (116, 90, 156, 198, 373, 326),
+)
+BASE_WIDTHS = (64, 128, 256, 512, 1024)
+BASE_DEPTHS = (3, 6, 9, 3)
+SEG_NUM_MASKS = 32
+SEG_BASE_PROTOS = 256
+YAML_KEYS = ("depth_multiple", "width_multiple", "anchors", "nc")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything needed to rebuild a model: scale, anchors (pixels), classes and mask sizes.
+
+    `anchors` holds 3 levels (P3, P4, P5) of flat (w1, h1, w2, h2, ...) pixel pairs. Stored in
+    checkpoints via `to_dict()` so a model can be rebuilt without the original `--cfg`.
+    """
+
+    depth_multiple: float
+    width_multiple: float
+    anchors: tuple[tuple[float, ...], ...]
+    num_classes: int
+    num_masks: int = 0
+    num_protos: int = 0
+
+    def __post_init__(self) -> None:
+        if self.depth_multiple <= 0 or self.width_multiple <= 0:
+            scale = (self.depth_multiple, self.width_multiple)
+            raise ValueError(f"depth_multiple and width_multiple must be > 0, got {scale}")
+        if self.num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
+        sizes = {len(level) for level in self.anchors}
+        if len(self.anchors) != 3 or len(sizes) != 1 or sizes.pop() % 2 or not self.anchors[0]:
+            raise ValueError(f"anchors must be 3 levels of equally many (w, h) pixel pairs, got {self.anchors}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return plain YAML/JSON-safe data (anchors as nested lists)."""
+        out = asdict(self)
+        out["anchors"] = [list(level) for level in self.anchors]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+        """Rebuild a spec from `to_dict()` output; unknown keys raise ValueError."""
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"ModelSpec.from_dict: unknown key '{unknown[0]}'")
+        values = dict(data)
+        values["anchors"] = tuple(tuple(float(v) for v in level) for level in data["anchors"])
+        return cls(**values)
+
+
+def scale_depth(num_blocks: int, depth_multiple: float) -> int:
+    """Number of bottlenecks in a C3 after depth scaling (at least 1 where the base has more)."""
+    return max(round(num_blocks * depth_multiple), 1) if num_blocks > 1 else num_blocks
+
+
+def scale_width(channels: int, width_multiple: float) -> int:
+    """Channels after width scaling, rounded up to a multiple of 8 (friendly to tensor cores)."""
+    return int(math.ceil(channels * width_multiple / 8) * 8)
+
+
+def spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
+    """Resolve `--cfg` to a ModelSpec: a size name ('yolov5s', 's', 'yolov5s-seg', 'yolov5s.yaml') or a YAML file.
+
+    A YAML file may set `depth_multiple`, `width_multiple` (required), `anchors` and `nc`; any other
+    key is a ConfigError (a ValueError) naming the file and key. `num_classes` (from the dataset)
+    wins over the file's `nc`. '-seg' records 32 mask coefficients and 256 width-scaled prototypes.
+    """
+    path = Path(cfg)
+    if path.suffix in {".yaml", ".yml"} and path.is_file():
+        return _spec_from_yaml(path, num_classes)
+    name = (path.stem if path.suffix in {".yaml", ".yml"} else cfg).lower()
+    is_seg = name.endswith("-seg")
+    size = name.removesuffix("-seg").removeprefix("yolov5")
+    if size not in SCALES:
+        raise ConfigError(f"--cfg {cfg}: not a YAML file and not a model name (yolov5n|s|m|l|x, optionally -seg)")
+    depth, width = SCALES[size]
+    return ModelSpec(
+        depth_multiple=depth,
+        width_multiple=width,
+        anchors=DEFAULT_ANCHORS,
+        num_classes=num_classes,
+        num_masks=SEG_NUM_MASKS if is_seg else 0,
+        num_protos=scale_width(SEG_BASE_PROTOS, width) if is_seg else 0,
+    )
+
+
+def _spec_from_yaml(path: Path, num_classes: int) -> ModelSpec:
+    """Read a model YAML (safe_load); see spec_from_cfg for the accepted keys."""
+    raw = read_yaml_mapping(path)
+    unknown = [key for key in raw if key not in YAML_KEYS]
+    if unknown:
+        raise ConfigError(f"{path}: unknown key '{unknown[0]}' (allowed: {', '.join(YAML_KEYS)})")
+    for key in ("depth_multiple", "width_multiple"):
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: '{key}' must be a number, got {value!r}")
+    if "nc" in raw and raw["nc"] != num_classes:
+        LOGGER.info("%s: overriding nc=%s with the dataset's %d classes", path, raw["nc"], num_classes)
+    try:
+        anchors = tuple(tuple(float(v) for v in level) for level in raw.get("anchors", DEFAULT_ANCHORS))
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{path}: 'anchors' must be 3 lists of w, h pixel pairs ({error})") from error
+    try:
+        return ModelSpec(float(raw["depth_multiple"]), float(raw["width_multiple"]), anchors, num_classes)
+    except ValueError as error:
+        raise ConfigError(f"{path}: {error}") from error
+
+
+class Backbone(nn.Module):
+    """CSP-Darknet backbone: 6x6 stride-2 stem, four Conv+C3 stages, SPPF. Returns P3, P4, P5 features."""
+
+    def __init__(self, widths: list[int], depths: list[int]) -> None:
+        super().__init__()
+        w64, w128, w256, w512, w1024 = widths
+        self.stem = Conv(3, w64, 6, 2, 2)  # P1/2
+        self.stage2 = nn.Sequential(Conv(w64, w128, 3, 2), C3(w128, w128, depths[0]))  # P2/4
+        self.stage3 = nn.Sequential(Conv(w128, w256, 3, 2), C3(w256, w256, depths[1]))  # P3/8
+        self.stage4 = nn.Sequential(Conv(w256, w512, 3, 2), C3(w512, w512, depths[2]))  # P4/16
+        self.stage5 = nn.Sequential(Conv(w512, w1024, 3, 2), C3(w1024, w1024, depths[3]), SPPF(w1024, w1024, 5))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, 3, H, W) -> P3 (B, w256, H/8, W/8), P4 (B, w512, H/16, W/16), P5 (B, w1024, H/32, W/32)."""
+        p3 = self.stage3(self.stage2(self.stem(x)))
+        p4 = self.stage4(p3)
+        return p3, p4, self.stage5(p4)
+
+
+class PANNeck(nn.Module):
+    """Path-aggregation neck: a top-down pass (FPN) then a bottom-up pass, one output per level."""
+
+    def __init__(self, widths: list[int], depth: int) -> None:
+        super().__init__()
+        _, _, w256, w512, w1024 = widths
+        self.upsample = upsample2x()
+        self.concat = Concat(1)
+        self.lateral5 = Conv(w1024, w512, 1, 1)
+        self.top_down4 = C3(2 * w512, w512, depth, shortcut=False)
+        self.lateral4 = Conv(w512, w256, 1, 1)
+        self.top_down3 = C3(2 * w256, w256, depth, shortcut=False)
+        self.down3 = Conv(w256, w256, 3, 2)
+        self.bottom_up4 = C3(2 * w256, w512, depth, shortcut=False)
+        self.down4 = Conv(w512, w512, 3, 2)
+        self.bottom_up5 = C3(2 * w512, w1024, depth, shortcut=False)
+        self.out_channels = (w256, w512, w1024)
+
+    def forward(self, features: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+        """Backbone (P3, P4, P5) -> neck outputs with `out_channels` channels at the same strides."""
+        p3, p4, p5 = features
+        lateral5 = self.lateral5(p5)
+        lateral4 = self.lateral4(self.top_down4(self.concat([self.upsample(lateral5), p4])))
+        out3 = self.top_down3(self.concat([self.upsample(lateral4), p3]))
+        out4 = self.bottom_up4(self.concat([self.down3(out3), lateral4]))
+        out5 = self.bottom_up5(self.concat([self.down4(out4), lateral5]))
+        return [out3, out4, out5]
+
+
+class DetectionModel(nn.Module):
+    """YOLOv5 detector: Backbone -> PANNeck -> DetectHead over P3/P4/P5 (strides 8/16/32).
+
+    Input: (B, 3, H, W) float in [0, 1] with H and W multiples of 32 (rectangular batches are fine).
+    Output: see DetectHead (train: raw list; eval: (decoded (B, N, 5+nc) pixels, raw list)).
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        widths = [scale_width(c, spec.width_multiple) for c in BASE_WIDTHS]
+        depths = [scale_depth(n, spec.depth_multiple) for n in BASE_DEPTHS]
+        self.backbone = Backbone(widths, depths)
+        self.neck = PANNeck(widths, depths[-1])
+        strides = self._measure_strides()
+        anchors_px = order_anchors(torch.tensor(spec.anchors, dtype=torch.float32).view(3, -1, 2), strides)
+        self.head = DetectHead(spec.num_classes, anchors_px, strides, self.neck.out_channels)
+        for module in self.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.eps, module.momentum = 1e-3, 0.03  # YOLOv5 values: smoother running stats
+
+    @torch.no_grad()
+    def _measure_strides(self, probe_size: int = 64) -> torch.Tensor:
+        """Run a zero image through backbone and neck (eval mode, BN stats untouched) and read the strides."""
+        was_training = self.training
+        self.eval()
+        features = self.neck(self.backbone(torch.zeros(1, 3, probe_size, probe_size)))
+        self.train(was_training)
+        return torch.tensor([probe_size / f.shape[-1] for f in features], dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+        """x: (B, 3, H, W) float in [0, 1]; H, W multiples of 32."""
+        return self.head(self.neck(self.backbone(x)))
+
+    @property
+    def stride(self) -> torch.Tensor:
+        """(3,) float pixels per grid cell of P3, P4, P5: [8, 16, 32]."""
+        return self.head.stride
+
+    @property
+    def anchors(self) -> torch.Tensor:
+        """(3, na, 2) anchors in grid units (the head's buffer, not a copy)."""
+        return self.head.anchors
+
+    @property
+    def num_classes(self) -> int:
+        """Number of object classes the head predicts."""
+        return self.head.num_classes
+
+    @property
+    def width_multiple(self) -> float:
+        """Channel scale factor of this model size."""
+        return self.spec.width_multiple
+
+    @property
+    def depth_multiple(self) -> float:
+        """Depth scale factor of this model size."""
+        return self.spec.depth_multiple
+
+    def layers(self) -> list[nn.Module]:
+        """Return the network as YOLOv5's numbered layer list (0-9 backbone, 10-23 neck, 24 head).
+
+        `--freeze 10` therefore freezes the backbone, as users of YOLOv5 expect. Shared
+        parameter-free modules (upsample, concat) appear at each index they hold there.
+        """
+        b, n = self.backbone, self.neck
+        backbone = [b.stem, *b.stage2, *b.stage3, *b.stage4, *b.stage5]
+        neck = [
+            n.lateral5,
+            n.upsample,
+            n.concat,
+            n.top_down4,
+            n.lateral4,
+            n.upsample,
+            n.concat,
+            n.top_down3,
+            n.down3,
+            n.concat,
+            n.bottom_up4,
+            n.down4,
+            n.concat,
+            n.bottom_up5,
+        ]
+        return [*backbone, *neck, self.head]
+
+    def fuse(self) -> DetectionModel:
+        """Fold every BatchNorm into its conv for faster inference; returns self. Use only for eval."""
+        for module in self.modules():
+            if isinstance(module, Conv):
+                module.fuse()
+        LOGGER.info("Fused conv and batch-norm layers")
+        return self
+
+
+def order_anchors(anchors_px: torch.Tensor, strides: torch.Tensor) -> torch.Tensor:
+    """Return anchors (nl, na, 2) re-ordered so the smallest anchor set sits on the smallest stride.
+
+    A YAML listing the levels largest-first would otherwise put big anchors on the fine grid.
+    """
+    by_area = anchors_px.prod(-1).mean(-1).argsort()
+    by_stride = strides.argsort()
+    ordered = torch.empty_like(anchors_px)
+    ordered[by_stride] = anchors_px[by_area]
+    if not torch.equal(ordered, anchors_px):
+        LOGGER.info("Reordered anchor levels to match increasing stride")
+    return ordered
+
+
+def build_model(spec: ModelSpec) -> DetectionModel:
+    """Build the detector described by `spec` (CPU, train mode, biases initialised)."""
+    if spec.num_masks > 0:
+        raise NotImplementedError(
+            f"segmentation models (num_masks={spec.num_masks}) are not built yet; the segment head is a later issue"
+        )
+    return DetectionModel(spec)
+
+
+@torch.no_grad()
+def estimate_gflops(model: nn.Module, imgsz: int | tuple[int, int] = 640, probe_size: int = 64) -> float:
+    """Estimate forward GFLOPs (2 x conv multiply-adds) for one (imgsz) image by counting conv MACs with hooks.
+
+    The count is taken on a probe_size square and scaled by area, which is exact for convs
+    when the image sides are multiples of 32.
+    """
+    height, width = (imgsz, imgsz) if isinstance(imgsz, int) else imgsz
+    macs = 0
+
+    def count(module: nn.Conv2d, _inputs: Any, output: torch.Tensor) -> None:
+        nonlocal macs
+        kernel_h, kernel_w = module.kernel_size
+        macs += output[0].numel() * (module.in_channels // module.groups) * kernel_h * kernel_w
+
+    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, nn.Conv2d)]
+    was_training = model.training
+    try:
+        model.eval()
+        device = next(model.parameters()).device
+        model(torch.zeros(1, 3, probe_size, probe_size, device=device))
+    finally:
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    return 2 * macs * (height * width) / probe_size**2 / 1e9
+
+
+def model_info(model: nn.Module, imgsz: int | tuple[int, int] = 640) -> str:
+    """Return a one-line summary: layers, parameters, trainable parameters and GFLOPs at `imgsz`."""
+    model = getattr(model, "module", model)
+    num_params = sum(p.numel() for p in model.parameters())
+    num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    num_layers = len(list(model.modules()))
+    gflops = estimate_gflops(model, imgsz)
+    return (
+        f"{type(model).__name__}: {num_layers} layers, {num_params:,} parameters, "
+        f"{num_trainable:,} trainable, {gflops:.1f} GFLOPs at {imgsz}"
+    )

@@ -1,0 +1,137 @@
+"""Tests for utils/loss.py: gain scaling, target assignment, loss terms and learning on a tiny batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from models.yolo import DetectionModel, build_model, spec_from_cfg
+from utils.loss import (
+    DetectionLoss,
+    LossGains,
+    assign_targets,
+    bce_with_logits,
+    class_targets,
+    scale_loss_gains,
+    smooth_bce_targets,
+)
+
+GAINS = scale_loss_gains(0.05, 0.5, 1.0, num_classes=3, imgsz=64, num_levels=3)
+# [image, cls, cx, cy, w, h] normalised
+TARGETS = torch.tensor([[0, 1, 0.50, 0.50, 0.30, 0.40], [1, 0, 0.20, 0.70, 0.20, 0.30], [1, 2, 0.70, 0.30, 0.50, 0.50]])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Test machines run several suites at once on 2 cores; one intra-op thread avoids oversubscription stalls.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _model(num_classes: int = 3) -> DetectionModel:
+    torch.manual_seed(0)
+    return build_model(spec_from_cfg("yolov5n", num_classes))
+
+
+def test_scale_loss_gains_follows_yolov5_rule() -> None:
+    gains = scale_loss_gains(0.05, 0.5, 1.0, num_classes=20, imgsz=320, num_levels=3)
+    assert gains == LossGains(box=pytest.approx(0.05), obj=pytest.approx(0.25), cls=pytest.approx(0.125))
+    four_levels = scale_loss_gains(0.04, 0.8, 2.0, num_classes=80, imgsz=640, num_levels=4)
+    assert (four_levels.box, four_levels.obj, four_levels.cls) == pytest.approx((0.03, 1.5, 0.6))
+
+
+def test_label_smoothing_targets() -> None:
+    assert smooth_bce_targets(0.0) == (1.0, 0.0)
+    assert smooth_bce_targets(0.1) == pytest.approx((0.95, 0.05))
+    smoothed = class_targets(torch.tensor([2, 0]), 4, label_smoothing=0.1)
+    expected = torch.tensor([[0.05, 0.05, 0.95, 0.05], [0.95, 0.05, 0.05, 0.05]])
+    assert torch.allclose(smoothed, expected)
+    assert torch.equal(class_targets(torch.tensor([1]), 3), torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+def test_assign_targets_uses_two_nearest_neighbour_cells() -> None:
+    anchors = torch.tensor([[1.0, 1.0], [4.0, 4.0], [20.0, 20.0]])  # grid units
+    # centre (3.3, 4.7) on an 8x8 grid, size 2x2: within 4x of anchors 0 and 1 only.
+    targets = torch.tensor([[1, 2, 3.3 / 8, 4.7 / 8, 2 / 8, 2 / 8]])
+    assigned = assign_targets(targets, anchors, (8, 8), anchor_t=4.0)
+    rows = sorted(zip(assigned.anchor_index.tolist(), assigned.cell_x.tolist(), assigned.cell_y.tolist(), strict=True))
+    # own cell (3, 4), left neighbour (x frac 0.3 < 0.5), lower neighbour (y frac 0.7 > 0.5); per anchor.
+    assert rows == sorted((a, x, y) for a in (0, 1) for x, y in [(3, 4), (2, 4), (3, 5)])
+    assert (assigned.image_index == 1).all() and (assigned.classes == 2).all()
+    cells = zip(assigned.cell_x.tolist(), assigned.cell_y.tolist(), assigned.boxes_xywh.tolist(), strict=True)
+    offsets = {(x, y): box[:2] for x, y, box in cells}
+    assert offsets[(2, 4)] == pytest.approx([1.3, 0.7]) and offsets[(3, 5)] == pytest.approx([0.3, -0.3])
+    assert torch.allclose(assigned.boxes_xywh[:, 2:], torch.full((6, 2), 2.0))
+    assert torch.equal(assigned.anchors, anchors[assigned.anchor_index])
+
+
+def test_assign_targets_skips_neighbours_outside_grid() -> None:
+    anchors = torch.tensor([[1.0, 1.0]])
+    targets = torch.tensor([[0, 0, 0.4 / 8, 7.8 / 8, 1 / 8, 1 / 8]])  # near the left and bottom edges
+    assigned = assign_targets(targets, anchors, (8, 8), anchor_t=4.0)
+    assert list(zip(assigned.cell_x.tolist(), assigned.cell_y.tolist(), strict=True)) == [(0, 7)]
+    assert len(assign_targets(torch.zeros(0, 6), anchors, (8, 8), 4.0).image_index) == 0
+
+
+def test_loss_is_finite_and_scaled_by_batch() -> None:
+    model = _model()
+    loss_fn = DetectionLoss(model, GAINS)
+    preds = model(torch.rand(2, 3, 64, 96))
+    loss, items = loss_fn(preds, TARGETS)
+    assert loss.shape == (1,) and items.shape == (3,) and not items.requires_grad
+    assert torch.isfinite(loss).all() and (items > 0).all()
+    assert loss.item() == pytest.approx(items.sum().item() * 2, rel=1e-5)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_zero_target_batch_gives_only_objectness_loss() -> None:
+    model = _model()
+    loss, items = DetectionLoss(model, GAINS)(model(torch.rand(2, 3, 64, 64)), torch.zeros(0, 6))
+    assert items[0] == 0 and items[2] == 0 and items[1] > 0
+    loss.backward()
+    assert model.head.convs[0].bias.grad.abs().sum() > 0
+
+
+def test_single_class_and_unmatchable_anchors() -> None:
+    model = _model(num_classes=1)
+    preds = model(torch.rand(2, 3, 64, 64))
+    targets = TARGETS.clone()
+    targets[:, 1] = 0
+    items = DetectionLoss(model, GAINS)(preds, targets)[1]
+    assert items[0] > 0 and items[2] == 0  # no class term with one class
+    with torch.no_grad():
+        model.head.anchors.mul_(100.0)  # read live: no target is within anchor_t of any anchor now
+    items = DetectionLoss(model, GAINS)(preds, targets)[1]
+    assert items[0] == 0 and items[2] == 0 and items[1] > 0
+
+
+def test_label_smoothing_and_focal_change_the_loss_as_expected() -> None:
+    model = _model()
+    preds = [p.detach() for p in model(torch.rand(2, 3, 64, 64))]
+    plain = DetectionLoss(model, GAINS)(preds, TARGETS)[1]
+    smoothed = DetectionLoss(model, GAINS, label_smoothing=0.2)(preds, TARGETS)[1]
+    assert torch.allclose(plain[:2], smoothed[:2]) and smoothed[2] != plain[2]
+    focal = DetectionLoss(model, GAINS, fl_gamma=1.5)(preds, TARGETS)[1]
+    assert (focal[1:] < plain[1:]).all()
+    logits, ones = torch.randn(50), torch.ones(50)
+    assert bce_with_logits(logits, ones, 2.0, 0.0) == pytest.approx(2 * bce_with_logits(logits, ones, 1.0, 0.0))
+
+
+def test_loss_falls_when_overfitting_one_batch() -> None:
+    model = _model(num_classes=3)
+    loss_fn = DetectionLoss(model, GAINS)
+    images = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    history = []
+    for _ in range(30):
+        loss, _ = loss_fn(model(images), TARGETS)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        history.append(loss.item())
+    assert history[-1] < 0.6 * history[0]

@@ -1,0 +1,232 @@
+"""Tests for models/: blocks, YOLOv5 model building and outputs, ModelSpec/cfg parsing, fuse, AutoAnchor."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from models.anchors import anchor_match_ratios, best_possible_recall, check_anchors, kmeans
+from models.blocks import C3, SPPF, Conv
+from models.yolo import (
+    DEFAULT_ANCHORS,
+    DetectionModel,
+    ModelSpec,
+    build_model,
+    estimate_gflops,
+    model_info,
+    spec_from_cfg,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Test machines run several suites at once on 2 cores; one intra-op thread avoids oversubscription stalls.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def nano() -> DetectionModel:
+    torch.manual_seed(0)
+    return build_model(spec_from_cfg("yolov5n", 3))
+
+
+@pytest.fixture(scope="module")
+def small() -> DetectionModel:
+    torch.manual_seed(0)
+    return build_model(spec_from_cfg("yolov5s", 3))
+
+
+def test_blocks_shapes_and_residual() -> None:
+    x = torch.randn(2, 16, 32, 24)
+    assert Conv(16, 8, 3, 2)(x).shape == (2, 8, 16, 12)
+    assert Conv(3, 8, 6, 2, 2)(torch.randn(1, 3, 64, 96)).shape == (1, 8, 32, 48)
+    assert C3(16, 32, num_blocks=2)(x).shape == (2, 32, 32, 24)
+    assert SPPF(16, 16)(x).shape == (2, 16, 32, 24)
+    c3 = C3(16, 16, num_blocks=1)
+    assert c3.blocks[0].use_residual and not C3(16, 16, shortcut=False).blocks[0].use_residual
+
+
+@pytest.mark.parametrize("size", ["nano", "small"])
+@pytest.mark.parametrize("height,width", [(64, 64), (96, 64)])
+def test_train_and_eval_output_shapes(size: str, height: int, width: int, request: pytest.FixtureRequest) -> None:
+    model: DetectionModel = request.getfixturevalue(size)
+    assert model.stride.tolist() == [8.0, 16.0, 32.0]
+    x = torch.rand(2, 3, height, width)
+    model.train()
+    raw = model(x)
+    expected = [(2, 3, height // s, width // s, 8) for s in (8, 16, 32)]
+    assert [tuple(r.shape) for r in raw] == expected
+    model.eval()
+    with torch.no_grad():
+        decoded, raw_eval = model(x)
+    model.train()
+    cells = sum(3 * (height // s) * (width // s) for s in (8, 16, 32))
+    assert decoded.shape == (2, cells, 8)
+    assert [tuple(r.shape) for r in raw_eval] == expected
+    assert ((decoded[..., 4:] >= 0) & (decoded[..., 4:] <= 1)).all()
+
+
+def test_eval_decoding_matches_yolov5_formula() -> None:
+    model = build_model(spec_from_cfg("n", 2))
+    with torch.no_grad():
+        for conv in model.head.convs:  # raw output 0 everywhere -> sigmoid 0.5
+            conv.weight.zero_()
+            conv.bias.zero_()
+    model.eval()
+    for height, width in [(64, 64), (96, 64)]:  # second size checks the grid cache is per size
+        with torch.no_grad():
+            decoded, _ = model(torch.rand(1, 3, height, width))
+        grid_h, grid_w = height // 32, width // 32
+        p5 = decoded[0, -3 * grid_h * grid_w :].view(3, grid_h, grid_w, 7)
+        # xy = (0.5*2 - 0.5 + cell) * 32 = (cell + 0.5) * 32; wh = (0.5*2)^2 * anchor
+        assert p5[1, grid_h - 1, 1, :2].tolist() == [1.5 * 32, (grid_h - 0.5) * 32]
+        assert torch.allclose(p5[2, 0, 0, 2:4], torch.tensor([373.0, 326.0]))
+        assert torch.allclose(p5[..., 4:], torch.full_like(p5[..., 4:], 0.5))
+
+
+def test_head_attributes_and_bias_init(nano: DetectionModel) -> None:
+    head = nano.head
+    assert head.num_classes == nano.num_classes == 3 and head.num_outputs == 8 and head.num_levels == 3
+    assert nano.width_multiple == 0.25 and nano.depth_multiple == 0.33
+    pixels = head.anchors * head.stride.view(-1, 1, 1)
+    assert torch.allclose(pixels.flatten(), torch.tensor(DEFAULT_ANCHORS, dtype=torch.float32).flatten())
+    for conv, stride in zip(head.convs, (8, 16, 32), strict=True):
+        bias = conv.bias.view(3, 8).detach()
+        # Default conv init adds at most 1/sqrt(fan_in) <= 0.125 here.
+        assert torch.allclose(bias[:, 4], torch.full((3,), np.log(8 / (640 / stride) ** 2)), atol=0.13)
+        assert torch.allclose(bias[:, 5:], torch.full((3, 3), np.log(0.6 / (3 - 0.99))), atol=0.13)
+    bns = [m for m in nano.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert bns and all(bn.eps == 1e-3 and bn.momentum == 0.03 for bn in bns)
+
+
+@pytest.mark.parametrize("cfg,published_fused", [("yolov5n", 1_867_405), ("yolov5s", 7_225_885)])
+def test_parameter_counts_match_published(cfg: str, published_fused: int) -> None:
+    model = build_model(spec_from_cfg(cfg, 80))
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count - published_fused) / published_fused < 0.01
+    # Ultralytics prints the count of the fused model: BN folded into conv biases.
+    assert sum(p.numel() for p in model.fuse().parameters()) == published_fused
+
+
+def test_gflops_and_model_info() -> None:
+    model = build_model(spec_from_cfg("yolov5n", 80))
+    assert estimate_gflops(model, 640) == pytest.approx(4.5, rel=0.03)  # published 4.5 GFLOPs
+    assert estimate_gflops(model, (320, 640)) == pytest.approx(estimate_gflops(model, 640) / 2)
+    info = model_info(model, 640)
+    assert "1,872,157 parameters" in info and re.search(r"4\.\d GFLOPs", info)
+    assert model.training  # restored
+
+
+def test_fuse_keeps_eval_outputs() -> None:
+    torch.manual_seed(1)
+    model = build_model(spec_from_cfg("yolov5n", 3))
+    with torch.no_grad():
+        for bn in (m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+            bn.running_mean.uniform_(-0.2, 0.2)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.2, 0.2)
+    model.eval()
+    x = torch.rand(2, 3, 96, 64)
+    with torch.no_grad():
+        decoded, raw = model(x)
+        model.fuse()
+        fused_decoded, fused_raw = model(x)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    for before, after in zip(raw, fused_raw, strict=True):
+        assert torch.allclose(before, after, atol=1e-4)
+    assert torch.allclose(decoded[..., 4:], fused_decoded[..., 4:], atol=1e-4)
+    assert torch.allclose(decoded[..., :4] / 640, fused_decoded[..., :4] / 640, atol=1e-4)  # pixels, relative
+
+
+def test_spec_from_size_names() -> None:
+    assert spec_from_cfg("yolov5s", 5) == spec_from_cfg("s", 5) == spec_from_cfg("yolov5s.yaml", 5)
+    spec = spec_from_cfg("yolov5x", 5)
+    assert (spec.depth_multiple, spec.width_multiple, spec.num_masks) == (1.33, 1.25, 0)
+    seg = spec_from_cfg("yolov5s-seg", 5)
+    assert (seg.num_masks, seg.num_protos) == (32, 128)
+    assert spec_from_cfg("n-seg", 5).num_protos == 64
+    with pytest.raises(ValueError, match="yolov5q"):
+        spec_from_cfg("yolov5q", 5)
+    with pytest.raises(NotImplementedError, match="segment"):
+        build_model(seg)
+
+
+def test_spec_from_yaml_reorders_anchors(tmp_path: Path) -> None:
+    reversed_anchors = [list(level) for level in reversed(DEFAULT_ANCHORS)]
+    path = tmp_path / "tiny.yaml"
+    content = {"depth_multiple": 0.33, "width_multiple": 0.125, "anchors": reversed_anchors, "nc": 80}
+    path.write_text(yaml.safe_dump(content))
+    spec = spec_from_cfg(str(path), 4)
+    assert spec.num_classes == 4 and spec.width_multiple == 0.125
+    assert spec.anchors[0] == (116.0, 90.0, 156.0, 198.0, 373.0, 326.0)
+    model = build_model(spec)
+    pixels = model.head.anchors * model.stride.view(-1, 1, 1)
+    assert pixels[0].flatten().tolist() == [10.0, 13.0, 16.0, 30.0, 33.0, 23.0]  # smallest on stride 8
+    assert pixels[2].flatten().tolist() == [116.0, 90.0, 156.0, 198.0, 373.0, 326.0]
+    assert model.head.convs[0].in_channels == 32  # 256 * 0.125
+
+
+def test_spec_yaml_errors_name_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("depth_multiple: 0.33\nwidth_multiple: 0.25\nbackbone: []\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml.*backbone"):
+        spec_from_cfg(str(path), 3)
+    path.write_text("depth_multiple: 0.33\nwidth_multiple: 0.25\nanchors: [[1, 2, 3], [4, 5, 6], [7, 8, 9]]\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml.*anchors"):
+        spec_from_cfg(str(path), 3)
+
+
+def test_model_spec_round_trip() -> None:
+    spec = ModelSpec(0.67, 0.75, ((1.5, 2.0, 3, 4), (5, 6, 7, 8), (9, 10, 11, 12)), 7, num_masks=32, num_protos=192)
+    data = json.loads(json.dumps(spec.to_dict()))
+    assert ModelSpec.from_dict(data) == spec
+    assert ModelSpec.from_dict(yaml.safe_load(yaml.safe_dump(spec.to_dict()))) == spec
+    with pytest.raises(ValueError, match="unknown key 'extra'"):
+        ModelSpec.from_dict({**data, "extra": 1})
+    with pytest.raises(ValueError, match="num_classes"):
+        ModelSpec(0.33, 0.25, DEFAULT_ANCHORS, 0)
+
+
+def test_kmeans_finds_separated_clusters() -> None:
+    rng = np.random.default_rng(0)
+    centres = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
+    points = np.concatenate([c + rng.normal(0, 0.3, (50, 2)) for c in centres])
+    found = kmeans(points, 3, np.random.default_rng(1))
+    distances = np.linalg.norm(found[:, None] - centres[None], axis=2)  # (found, true)
+    assert found.shape == (3, 2) and (distances.min(axis=0) < 0.2).all() and (distances.min(axis=1) < 0.2).all()
+
+
+def test_check_anchors_keeps_fitting_anchors(nano: DetectionModel) -> None:
+    rng = np.random.default_rng(0)
+    anchors_px = np.array(DEFAULT_ANCHORS, dtype=np.float64).reshape(-1, 2)
+    label_wh = anchors_px[rng.integers(9, size=500)] * rng.uniform(0.6, 1.6, (500, 2))
+    before = nano.head.anchors.clone()
+    assert check_anchors(label_wh, nano, threshold=4.0, imgsz=640) is False
+    assert torch.equal(nano.head.anchors, before)
+
+
+def test_check_anchors_refits_elongated_boxes() -> None:
+    model = build_model(spec_from_cfg("yolov5n", 1))
+    rng = np.random.default_rng(0)
+    long_side, short_side = rng.uniform(120, 400, 1500), rng.uniform(3, 8, 1500)
+    label_wh = np.concatenate([np.stack([long_side, short_side], 1), np.stack([short_side, long_side], 1)])
+    strides = model.stride.view(-1, 1, 1)
+    old_bpr = best_possible_recall(label_wh, (model.head.anchors * strides).view(-1, 2).numpy(), 4.0)
+    assert old_bpr < 0.5
+    assert check_anchors(label_wh, model, threshold=4.0, imgsz=640) is True
+    new_px = (model.head.anchors * strides).numpy()
+    assert best_possible_recall(label_wh, new_px.reshape(-1, 2), 4.0) >= 0.98
+    level_areas = new_px.prod(-1).mean(-1)
+    assert (np.diff(level_areas) > 0).all()  # finest level holds the smallest anchors
+    assert anchor_match_ratios(label_wh[:1], new_px.reshape(-1, 2)).shape == (1, 9)

@@ -1,0 +1,197 @@
+"""YOLOv5 detection loss: anchor/cell target assignment, CIoU box loss, objectness and class BCE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from utils.boxes import bbox_iou
+
+# Objectness weight per level (P3, P4, P5): fine grids have many more cells, mostly background.
+LEVEL_BALANCE = {3: (4.0, 1.0, 0.4)}
+FOCAL_ALPHA = 0.25
+# Cell shifts (dx, dy): own cell, then left, up, right, down neighbours.
+CELL_SHIFTS = ((0, 0), (-1, 0), (0, -1), (1, 0), (0, 1))
+
+
+@dataclass(frozen=True)
+class LossGains:
+    """Weights of the three loss terms, already scaled for model depth, class count and image size."""
+
+    box: float
+    obj: float
+    cls: float
+
+
+def scale_loss_gains(
+    hyp_box: float, hyp_cls: float, hyp_obj: float, num_classes: int, imgsz: int, num_levels: int
+) -> LossGains:
+    """Scale the hyp-file gains (tuned for 80 classes, 640 px, 3 levels) to this model and data (YOLOv5 rule).
+
+    box *= 3/nl; cls *= nc/80 * 3/nl; obj *= (imgsz/640)^2 * 3/nl: the class term grows with the
+    number of class logits, the objectness term with the number of cells.
+    """
+    level_factor = 3 / num_levels
+    return LossGains(
+        box=hyp_box * level_factor,
+        obj=hyp_obj * (imgsz / 640) ** 2 * level_factor,
+        cls=hyp_cls * num_classes / 80 * level_factor,
+    )
+
+
+def smooth_bce_targets(label_smoothing: float) -> tuple[float, float]:
+    """Return the (positive, negative) BCE targets for a label-smoothing epsilon: (1 - eps/2, eps/2)."""
+    return 1.0 - 0.5 * label_smoothing, 0.5 * label_smoothing
+
+
+def class_targets(classes: torch.Tensor, num_classes: int, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Return (n, num_classes) float BCE targets: the positive value at each `classes` id, negative elsewhere."""
+    positive, negative = smooth_bce_targets(label_smoothing)
+    targets = torch.full((len(classes), num_classes), negative, device=classes.device)
+    targets[torch.arange(len(classes), device=classes.device), classes.long()] = positive
+    return targets
+
+
+def bce_with_logits(logits: torch.Tensor, targets: torch.Tensor, pos_weight: float, fl_gamma: float) -> torch.Tensor:
+    """Mean BCE on logits with a positive-class weight; focal-modulated (alpha 0.25) when fl_gamma > 0.
+
+    The focal factor (1 - p_t)^gamma down-weights easy examples (Lin et al. 2017).
+    """
+    weight = logits.new_tensor(pos_weight)
+    loss = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=weight, reduction="none")
+    if fl_gamma > 0:
+        prob = logits.sigmoid()
+        p_t = targets * prob + (1 - targets) * (1 - prob)
+        alpha = targets * FOCAL_ALPHA + (1 - targets) * (1 - FOCAL_ALPHA)
+        loss = loss * alpha * (1 - p_t) ** fl_gamma
+    return loss.mean()
+
+
+@dataclass
+class LevelTargets:
+    """Targets assigned to one feature level; m rows, one per (target, anchor, cell) match.
+
+    `boxes_xywh` are in grid units, xy relative to the cell's top-left corner (so in [-0.5, 1.5]
+    for neighbour cells), wh absolute; `anchors` are the matched anchors' (w, h) in grid units.
+    """
+
+    image_index: torch.Tensor  # (m,) long
+    anchor_index: torch.Tensor  # (m,) long
+    cell_y: torch.Tensor  # (m,) long
+    cell_x: torch.Tensor  # (m,) long
+    boxes_xywh: torch.Tensor  # (m, 4) float
+    anchors: torch.Tensor  # (m, 2) float
+    classes: torch.Tensor  # (m,) long
+
+
+def assign_targets(
+    targets: torch.Tensor, anchors: torch.Tensor, grid_hw: tuple[int, int], anchor_t: float
+) -> LevelTargets:
+    """Match targets to the anchors and cells of one level, YOLOv5 style.
+
+    targets: (N, 6) [image, cls, cx, cy, w, h] normalised; anchors: (na, 2) grid units.
+    A target matches every anchor whose w and h ratios to it are all within `anchor_t`; each
+    match goes to the cell holding the centre plus the two neighbour cells nearest the centre
+    (one horizontal, one vertical, when they exist), tripling positives for faster training.
+    """
+    height, width = grid_hw
+    boxes = targets[:, 2:6] * targets.new_tensor([width, height, width, height])  # (N, 4) grid units
+    ratio = boxes[None, :, 2:4] / anchors[:, None, :]  # (na, N, 2)
+    anchor_index, target_index = (torch.max(ratio, 1 / ratio).amax(dim=2) < anchor_t).nonzero(as_tuple=True)
+    boxes = boxes[target_index]
+    xy = boxes[:, :2]
+    xy_from_end = targets.new_tensor([width, height]) - xy
+    near_low = (xy % 1 < 0.5) & (xy > 1)  # left / upper neighbour exists and is the nearer one
+    near_high = (xy_from_end % 1 < 0.5) & (xy_from_end > 1)  # right / lower neighbour
+    own_cell = torch.ones_like(near_low[:, 0])
+    use_shift = torch.stack((own_cell, near_low[:, 0], near_low[:, 1], near_high[:, 0], near_high[:, 1]))  # (5, m)
+    shift_index, match_index = use_shift.nonzero(as_tuple=True)
+    shifts = torch.tensor(CELL_SHIFTS, device=targets.device, dtype=torch.long)[shift_index]
+    cells = xy[match_index].floor().long() + shifts
+    cells[:, 0].clamp_(0, width - 1)
+    cells[:, 1].clamp_(0, height - 1)
+    target_index, anchor_index = target_index[match_index], anchor_index[match_index]
+    boxes = boxes[match_index]
+    return LevelTargets(
+        image_index=targets[target_index, 0].long(),
+        anchor_index=anchor_index,
+        cell_y=cells[:, 1],
+        cell_x=cells[:, 0],
+        boxes_xywh=torch.cat((boxes[:, :2] - cells, boxes[:, 2:4]), dim=1),
+        anchors=anchors[anchor_index],
+        classes=targets[target_index, 1].long(),
+    )
+
+
+class DetectionLoss:
+    """YOLOv5 detection loss: (1 - CIoU) box + objectness BCE (IoU as target) + class BCE.
+
+    Reads anchors, level count and class count from `model.head` (unwrapping DDP) at every call,
+    so anchors refit by AutoAnchor after construction are used. `__call__(preds, targets)`:
+    preds are the raw training outputs [(B, na, H_l, W_l, no)], targets (N, 6) [image, cls, cx, cy,
+    w, h] normalised. Returns (loss (1,) multiplied by the batch size, items (3,) [box, obj, cls]
+    detached). With a single class the class term is skipped (always right).
+    """
+
+    item_names = ("box", "obj", "cls")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        gains: LossGains,
+        *,
+        label_smoothing: float = 0.0,
+        anchor_t: float = 4.0,
+        fl_gamma: float = 0.0,
+        cls_pw: float = 1.0,
+        obj_pw: float = 1.0,
+    ) -> None:
+        self.head = getattr(model, "module", model).head
+        if self.head.num_levels not in LEVEL_BALANCE:
+            raise ValueError(f"DetectionLoss: no objectness balance for {self.head.num_levels} levels")
+        self.gains = gains
+        self.label_smoothing = label_smoothing
+        self.anchor_t = anchor_t
+        self.fl_gamma = fl_gamma
+        self.cls_pw = cls_pw
+        self.obj_pw = obj_pw
+
+    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute the loss for one batch; see the class docstring for shapes."""
+        targets = targets.to(device=preds[0].device, dtype=torch.float32)
+        balance = LEVEL_BALANCE[self.head.num_levels]
+        box_loss = obj_loss = cls_loss = preds[0].new_zeros((), dtype=torch.float32)
+        for level, raw in enumerate(preds):
+            level_box, level_obj, level_cls = self._level_losses(raw.float(), level, targets)  # fp32 under AMP
+            box_loss = box_loss + level_box
+            obj_loss = obj_loss + level_obj * balance[level]
+            cls_loss = cls_loss + level_cls
+        losses = torch.stack((box_loss * self.gains.box, obj_loss * self.gains.obj, cls_loss * self.gains.cls))
+        batch_size = preds[0].shape[0]
+        return losses.sum().view(1) * batch_size, losses.detach()
+
+    def _level_losses(
+        self, raw: torch.Tensor, level: int, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return the unweighted (box, obj, cls) losses of one level; raw: (B, na, H, W, no) float32."""
+        num_classes = self.head.num_classes
+        assigned = assign_targets(targets, self.head.anchors[level].float(), tuple(raw.shape[2:4]), self.anchor_t)
+        obj_target = torch.zeros(raw.shape[:4], device=raw.device)
+        box_loss = cls_loss = raw.new_zeros(())
+        if len(assigned.image_index):
+            cells = (assigned.image_index, assigned.anchor_index, assigned.cell_y, assigned.cell_x)
+            pred = raw[cells]  # (m, no)
+            pred_xy = pred[:, 0:2].sigmoid() * 2 - 0.5
+            pred_wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * assigned.anchors
+            iou = bbox_iou(torch.cat((pred_xy, pred_wh), 1), assigned.boxes_xywh, xywh=True, kind="ciou")
+            box_loss = (1.0 - iou).mean()
+            # Objectness learns to predict the box quality; where matches collide the last one wins.
+            obj_target[cells] = iou.detach().clamp(min=0)
+            if num_classes > 1:
+                wanted = class_targets(assigned.classes, num_classes, self.label_smoothing)
+                cls_loss = bce_with_logits(pred[:, 5 : 5 + num_classes], wanted, self.cls_pw, self.fl_gamma)
+        obj_loss = bce_with_logits(raw[..., 4], obj_target, self.obj_pw, self.fl_gamma)
+        return box_loss, obj_loss, cls_loss
