@@ -1,0 +1,316 @@
+"""Checkpoint schema, rank-0 atomic save, safe (weights-only) load, resume and final stripping."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import logging
+import os
+import re
+from collections.abc import Mapping
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from utils.distributed import DistContext
+from utils.ema import ModelEMA, unwrap_model
+
+LOGGER = logging.getLogger(__name__)
+
+# Bump when the schema changes incompatibly; load_checkpoint refuses versions it does not know.
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+TASKS = ("detect", "segment")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _RequiredCheckpoint(TypedDict):
+    format_version: int
+    task: str  # "detect" | "segment"
+    model_spec: dict[str, Any]  # ModelSpec.to_dict()
+    names: list[str]  # class names, index = class id
+    model: dict[str, torch.Tensor]
+    ema: dict[str, torch.Tensor] | None  # None only for a run without EMA
+    ema_updates: int
+    optimizer: dict[str, Any] | None
+    scaler: dict[str, Any] | None  # None when AMP is off
+    epoch: int
+    best_fitness: float
+    train_config: dict[str, Any]  # TrainConfig.to_dict(): resolved options, paths as strings
+    hyp: dict[str, float]
+    date: str  # ISO 8601
+    torch_version: str  # str(torch.__version__): the TorchVersion object would not load weights-only
+
+
+class Checkpoint(_RequiredCheckpoint, total=False):
+    """What a .pt file holds: plain Python data and state dicts only, so torch.load(weights_only=True) reads it.
+
+    `epoch` is the last *completed* epoch (0-based); a resume starts at `epoch + 1`.
+    `model` is the raw model in fp32 (exact resume), `ema` the averaged weights that
+    validation uses, `ema_updates` the EMA's update count. `git_hash` is optional.
+    A stripped final checkpoint (`strip_optimizer`) has `optimizer` and `scaler` None and
+    the EMA weights in fp16 as both `model` and `ema`: it is for inference, not resume.
+    """
+
+    git_hash: str | None
+
+
+REQUIRED_KEYS = tuple(sorted(Checkpoint.__required_keys__))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """The parts of a checkpoint fixed for the whole run (task, model description, options)."""
+
+    task: str
+    model_spec: dict[str, Any]
+    names: list[str]
+    train_config: Any  # TrainConfig (converted with plain_data) or a plain dict
+    hyp: Any  # Hyp or a plain dict
+
+
+def plain_data(value: Any) -> Any:
+    """Convert `value` to data torch.load(weights_only=True) accepts: dicts, lists, str, numbers, None, tensors.
+
+    Objects with `to_dict()` and dataclasses become dicts, paths strings, enums their value,
+    tuples lists, numpy scalars/arrays Python numbers/lists, subclasses of str/int/float
+    their base type. Anything else raises TypeError.
+    """
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Enum):
+        return plain_data(value.value)
+    for base in (bool, int, float, str):  # also turns subclasses (torch's TorchVersion is a str) into the base
+        if isinstance(value, base):
+            return base(value)
+    if hasattr(value, "to_dict"):
+        return plain_data(value.to_dict())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain_data(dataclasses.asdict(value))
+    if isinstance(value, Mapping):
+        return {str(key): plain_data(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_data(item) for item in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    raise TypeError(f"cannot store a {type(value).__name__} in a checkpoint; convert it to plain data")
+
+
+@functools.lru_cache(maxsize=1)
+def git_hash(repo: Path = REPO_ROOT) -> str | None:
+    """Return the checked-out commit of `repo`, or None outside a git checkout or before the first commit.
+
+    Reads `.git/HEAD` and the ref it names (loose or packed) directly, so saving a
+    checkpoint never starts a subprocess.
+    """
+    git_dir = repo / ".git"
+    try:
+        head = (git_dir / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head or None  # detached HEAD holds the hash itself
+        ref = head[len("ref: ") :]
+        if (git_dir / ref).is_file():
+            return (git_dir / ref).read_text().strip() or None
+        packed = (git_dir / "packed-refs").read_text() if (git_dir / "packed-refs").is_file() else ""
+    except OSError:
+        return None
+    for line in packed.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1] == ref:
+            return parts[0]
+    return None
+
+
+def build_checkpoint(
+    *,
+    run: RunInfo,
+    model: nn.Module,
+    ema: ModelEMA | None,
+    optimizer: torch.optim.Optimizer | None,
+    scaler: torch.amp.GradScaler | None,
+    epoch: int,
+    best_fitness: float,
+) -> Checkpoint:
+    """Assemble a Checkpoint from the live training objects (DDP wrappers are unwrapped).
+
+    State dicts reference the live tensors, so save it at once. A disabled GradScaler is
+    stored as None. `epoch` is the epoch just completed.
+    """
+    use_scaler = scaler is not None and scaler.is_enabled()
+    return Checkpoint(
+        format_version=FORMAT_VERSION,
+        task=run.task,
+        model_spec=plain_data(run.model_spec),
+        names=[str(name) for name in run.names],
+        model=unwrap_model(model).state_dict(),
+        ema=ema.state_dict() if ema is not None else None,
+        ema_updates=ema.updates if ema is not None else 0,
+        optimizer=optimizer.state_dict() if optimizer is not None else None,
+        scaler=scaler.state_dict() if use_scaler else None,
+        epoch=int(epoch),
+        best_fitness=float(best_fitness),
+        train_config=plain_data(run.train_config),
+        hyp=plain_data(run.hyp),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        torch_version=str(torch.__version__),  # a TorchVersion object would not load weights-only
+        git_hash=git_hash(),
+    )
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Raise TypeError naming the key path of the first value weights-only loading would refuse."""
+    # Exact types: a subclass of str or int pickles as its class, which weights-only loading refuses.
+    if value is None or type(value) in (bool, int, float, str) or isinstance(value, (torch.Tensor, torch.dtype)):
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if type(key) not in (str, int):
+                raise TypeError(f"checkpoint key {where}[{key!r}] is a {type(key).__name__}; keys must be str or int")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+    else:
+        raise TypeError(f"checkpoint value {where} is a {type(value).__name__}; store plain data (see plain_data)")
+
+
+def save_checkpoint(state: Checkpoint, path: Path, ctx: DistContext) -> None:
+    """Write `state` to `path` on rank 0; other ranks return at once (no collective inside).
+
+    The file is written to a temp file in the same folder, fsync'ed, then renamed over
+    `path` with os.replace, so a crash leaves either the old or the new file, never a
+    truncated one, and no temp file. Parent folders are created. Values that weights-only
+    loading would refuse (modules, dataclasses, paths) raise TypeError before anything is written.
+    """
+    if not ctx.is_main:
+        return
+    _check_plain(dict(state), "state")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Hidden, per-process name in the same folder (os.replace is atomic only within a file system);
+    # plain open() keeps the usual umask permissions, unlike mkstemp's 0600.
+    tmp_path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp_path, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_path)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Persist the rename itself (POSIX); silently skipped where folders cannot be opened."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu", for_resume: bool = False) -> Checkpoint:
+    """Read and validate a checkpoint with torch.load(weights_only=True); any rank may call it.
+
+    Raises FileNotFoundError for a missing file and ValueError (one line naming the file)
+    for a file that is not readable, not one of our checkpoints, of an unknown
+    format_version, or, with `for_resume`, stripped of its optimizer state.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as error:  # corrupt zip, truncated file, pickled objects: all mean "not loadable"
+        reason = _first_useful_line(error)
+        raise ValueError(
+            f"checkpoint {path} cannot be read safely (corrupt, or not written by this project): {reason}"
+        ) from error
+    if not isinstance(state, dict) or "format_version" not in state:
+        raise ValueError(f"checkpoint {path} is not a checkpoint of this project (no format_version)")
+    if state["format_version"] not in SUPPORTED_VERSIONS:
+        raise ValueError(
+            f"checkpoint {path} has format_version {state['format_version']!r}; this code reads {SUPPORTED_VERSIONS}"
+        )
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks key(s) {', '.join(missing)}; the file is damaged or incomplete")
+    if state["task"] not in TASKS:
+        raise ValueError(f"checkpoint {path} has unknown task {state['task']!r}; expected one of {TASKS}")
+    if for_resume and state["optimizer"] is None:
+        raise ValueError(f"checkpoint {path} holds final weights without optimizer state; resume from a last.pt")
+    return state  # type: ignore[return-value]
+
+
+def _first_useful_line(error: Exception) -> str:
+    """Return the informative line of a torch.load error (the unpickler's reason, not its advice)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line]
+    reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")
+    return (reason or type(error).__name__)[:200]
+
+
+def restore_training_state(
+    ckpt: Checkpoint,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    ema: ModelEMA | None,
+) -> int:
+    """Load model, optimizer, scaler and EMA from `ckpt` in place and return the epoch to start at.
+
+    Every rank calls it (each loads the same file), so DDP starts from identical weights.
+    Build the optimizer with the same model and options first: group order and sizes must
+    match. A scaler saved as None (AMP off) leaves `scaler` as it is.
+    """
+    unwrap_model(model).load_state_dict(ckpt["model"])
+    if ckpt["optimizer"] is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    if scaler is not None and ckpt["scaler"] is not None:
+        scaler.load_state_dict(ckpt["scaler"])
+    if ema is not None and ckpt["ema"] is not None:
+        ema.load_state_dict(ckpt["ema"], ckpt["ema_updates"])
+    return ckpt["epoch"] + 1
+
+
+def inference_weights(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """Return the weights to evaluate or deploy: the EMA when the checkpoint has one, else `model`."""
+    return ckpt["ema"] if ckpt["ema"] is not None else ckpt["model"]
+
+
+def strip_optimizer(path: Path, ctx: DistContext) -> None:
+    """Rewrite `path` on rank 0 as final inference weights: the EMA in fp16, no optimizer or scaler.
+
+    `model` and `ema` both become the fp16 EMA weights (the same tensors, which torch.save
+    stores once), so readers of either key get the weights that were validated; the file
+    shrinks several times. fp16 is only the storage format: `model.load_state_dict` casts
+    back to the model's dtype; integer buffers keep theirs. The result loads with
+    `load_checkpoint` but refuses `for_resume`.
+    """
+    if not ctx.is_main:
+        return
+    ckpt = load_checkpoint(path)
+    weights = {
+        key: value.half() if value.is_floating_point() else value for key, value in inference_weights(ckpt).items()
+    }
+    ckpt.update(model=weights, ema=weights, optimizer=None, scaler=None)
+    save_checkpoint(ckpt, path, ctx)
+    LOGGER.info("stripped optimizer from %s (%.1f MB)", path, path.stat().st_size / 1e6)
+
+
+def find_last_checkpoint(search_dir: Path | str) -> Path | None:
+    """Return the most recently modified `last.pt` anywhere under `search_dir`, or None (for bare --resume)."""
+    candidates = list(Path(search_dir).rglob("last.pt"))
+    return max(candidates, key=lambda candidate: candidate.stat().st_mtime) if candidates else None

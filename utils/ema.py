@@ -1,0 +1,64 @@
+"""Exponential moving average of model weights, the weights we validate and ship."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Return the plain model inside a DistributedDataParallel (or DataParallel) wrapper, else `model`."""
+    return getattr(model, "module", model)
+
+
+class ModelEMA:
+    """Keep an exponential moving average of a model's state (parameters and buffers).
+
+    `ema` is a deep copy in eval mode with gradients off. Its decay ramps up as
+    `decay * (1 - exp(-updates / tau))`, so early updates follow the fast-changing
+    model closely and later ones average over ~1/(1 - decay) steps. Every rank can keep
+    one (they stay identical under DDP, since the models are); rank 0's is saved.
+    """
+
+    def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000, updates: int = 0) -> None:
+        self.ema = copy.deepcopy(unwrap_model(model)).eval()
+        self.ema.requires_grad_(False)
+        self.decay = decay
+        self.tau = tau
+        self.updates = updates
+
+    def decay_at(self, updates: int) -> float:
+        """Return the decay used by update number `updates` (1-based): near 0 at first, `decay` in the limit."""
+        return self.decay * (1 - math.exp(-updates / self.tau))
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        """Move the average towards `model` (DDP-wrapped or not); call after each optimizer step.
+
+        Floating-point tensors become `d * ema + (1 - d) * model`; integer buffers (BatchNorm
+        `num_batches_tracked`) are copied, since an average of counters means nothing.
+        """
+        self.updates += 1
+        decay = self.decay_at(self.updates)
+        model_state = unwrap_model(model).state_dict()
+        for key, ema_value in self.ema.state_dict().items():
+            value = model_state[key].detach()
+            if ema_value.dtype.is_floating_point:
+                ema_value.mul_(decay).add_(value.to(ema_value.dtype), alpha=1 - decay)
+            else:
+                ema_value.copy_(value)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Return the averaged model's state dict: loads straight into a model for validation or export.
+
+        The update count is not in it; save `updates` next to it (checkpoint key `ema_updates`).
+        """
+        return self.ema.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], updates: int) -> None:
+        """Restore the averaged weights and the update count, which positions the decay ramp."""
+        self.ema.load_state_dict(state)
+        self.updates = int(updates)
