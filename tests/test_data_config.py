@@ -1,0 +1,61 @@
+"""Tests for utils/data_config.py: dataset YAML parsing and its one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from utils.config import ConfigError
+from utils.data_config import load_data_config
+from utils.distributed import DistContext
+
+
+def _layout(tmp_path: Path) -> Path:
+    for split in ("train", "val"):
+        (tmp_path / "ds" / "images" / split).mkdir(parents=True)
+    (tmp_path / "ds" / "extra.txt").write_text("images/train/a.jpg\n")
+    return tmp_path
+
+
+def test_relative_paths_resolve_against_yaml_folder(tmp_path: Path) -> None:
+    _layout(tmp_path)
+    yaml_file = tmp_path / "d.yaml"
+    yaml_file.write_text("path: ds\ntrain: [images/train, extra.txt]\nval: images/val\nnames: {0: cat, 1: dog}\n")
+    data = load_data_config(yaml_file, DistContext())
+    assert data.names == ("cat", "dog")
+    assert data.split("train") == ((tmp_path / "ds/images/train").resolve(), (tmp_path / "ds/extra.txt").resolve())
+    assert data.split("val") == ((tmp_path / "ds/images/val").resolve(),)
+    with pytest.raises(ConfigError, match="no 'test' split"):
+        data.split("test")
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("path: ds\nval: images/val\nnames: [a]\n", "missing key 'train'"),
+        ("path: ds\ntrain: images/train\nval: images/nope\nnames: [a]\n", "'val' path .* does not exist"),
+        ("path: ds\ntrain: images/train\nval: images/val\n", "missing 'names'"),
+        ("path: ds\ntrain: images/train\nval: images/val\nnames: [a]\nnc: 2\n", "nc=2 but 'names' has 1"),
+        ("path: ds\ntrain: images/train\nval: images/val\nnames: [a]\nweights: x\n", "unknown key 'weights'"),
+        ("path: ds\ntrain: images/train\nval: images/val\nnames: [a]\ndownload: http://x\n", "'download'"),
+        ("- just\n- a list\n", "expected a mapping"),
+        ("path: [unclosed\n", "not valid YAML"),
+    ],
+)
+def test_bad_yaml_is_one_line_error_naming_file(tmp_path: Path, content: str, needle: str) -> None:
+    _layout(tmp_path)
+    yaml_file = tmp_path / "bad.yaml"
+    yaml_file.write_text(content)
+    with pytest.raises(ConfigError, match=needle) as error:
+        load_data_config(yaml_file, DistContext())
+    assert "bad.yaml" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_yaml_python_tags_are_not_executed(tmp_path: Path) -> None:
+    _layout(tmp_path)
+    yaml_file = tmp_path / "evil.yaml"
+    yaml_file.write_text("path: !!python/object/apply:os.system ['touch pwned']\ntrain: a\nval: b\nnames: [a]\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_data_config(yaml_file, DistContext())
+    assert not Path("pwned").exists()

@@ -1,0 +1,334 @@
+"""Command-line options parsed once into frozen dataclasses (TrainConfig, ValConfig, Hyp), and their checks."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from utils.distributed import DistContext
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = ROOT / "data" / "synthetic.yaml"
+DEFAULT_HYP = ROOT / "data" / "hyps" / "hyp.scratch-low.yaml"
+CACHE_MODES = ("none", "ram", "disk")
+OPTIMIZERS = ("SGD", "Adam", "AdamW")
+
+
+class ConfigError(ValueError):
+    """A user mistake in a flag or a config file; the message is one line naming the flag or file."""
+
+
+@dataclass(frozen=True)
+class Hyp:
+    """Training hyperparameters, read from a hyp YAML (every key required, unknown keys rejected)."""
+
+    lr0: float
+    lrf: float
+    momentum: float
+    weight_decay: float
+    warmup_epochs: float
+    warmup_momentum: float
+    warmup_bias_lr: float
+    box: float
+    cls: float
+    cls_pw: float
+    obj: float
+    obj_pw: float
+    iou_t: float
+    anchor_t: float
+    fl_gamma: float
+    label_smoothing: float
+    hsv_h: float
+    hsv_s: float
+    hsv_v: float
+    degrees: float
+    translate: float
+    scale: float
+    shear: float
+    perspective: float
+    flipud: float
+    fliplr: float
+    mosaic: float
+    mixup: float
+    copy_paste: float
+
+    def to_dict(self) -> dict[str, float]:
+        """Return the hyperparameters as a plain dict (for YAML and checkpoints)."""
+        return dataclasses.asdict(self)
+
+
+def read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """Read a YAML file that must hold a mapping, with safe_load (nothing in it is executed).
+
+    Raises ConfigError naming the file when it is missing, unparsable or not a mapping.
+    """
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found")
+    try:
+        content = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from error
+    if not isinstance(content, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys to values, got {type(content).__name__}")
+    return content
+
+
+def load_hyp(path: Path, overrides: dict[str, float] | None = None) -> Hyp:
+    """Load a hyp YAML into a Hyp; unknown, missing or non-numeric keys are one-line errors naming the file."""
+    raw = read_yaml_mapping(path)
+    names = {f.name for f in fields(Hyp)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"{path}: unknown hyperparameter '{unknown[0]}' (known: {', '.join(sorted(names))})")
+    missing = sorted(names - set(raw))
+    if missing:
+        raise ConfigError(f"{path}: missing hyperparameter '{missing[0]}'")
+    values: dict[str, float] = {}
+    for key, value in {**raw, **(overrides or {})}.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: hyperparameter '{key}' must be a number, got {value!r}")
+        values[key] = float(value)
+    return Hyp(**values)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every training option, resolved once from the command line. Nothing mutates it."""
+
+    hyp: Hyp
+    data: Path = DEFAULT_DATA
+    cfg: str = "yolov5n"
+    weights: str = ""
+    hyp_path: Path = DEFAULT_HYP
+    epochs: int = 30
+    batch_size: int = 32  # global: summed over all ranks
+    imgsz: int = 320
+    device: str = ""
+    workers: int = 4
+    cache: str = "none"  # "none" | "ram" | "disk"
+    optimizer: str = "SGD"
+    cos_lr: bool = False
+    patience: int = 100
+    freeze: tuple[int, ...] = ()
+    seed: int = 0
+    deterministic: bool = False
+    resume: str = ""  # "" = no resume; "last" = newest last.pt under project; else a path
+    project: Path = ROOT / "runs" / "train"
+    name: str = "exp"
+    exist_ok: bool = False
+    noval: bool = False
+    nosave: bool = False
+    save_period: int = -1
+    rect: bool = False
+    single_cls: bool = False
+    sync_bn: bool = False
+    task: str = "detect"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the options as plain YAML/checkpoint-safe data (paths as strings, hyp nested)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Hyp):
+                value = value.to_dict()
+            elif isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+
+def config_from_dict(options: dict[str, Any]) -> TrainConfig:
+    """Rebuild a TrainConfig from `TrainConfig.to_dict()` output (a checkpoint's stored options)."""
+    known = {f.name: f for f in fields(TrainConfig)}
+    values: dict[str, Any] = {}
+    for key, value in options.items():
+        if key not in known:
+            continue  # options of another version: ignore rather than refuse to resume
+        if key == "hyp":
+            value = Hyp(**value)
+        elif key in ("data", "hyp_path", "project"):
+            value = Path(value)
+        elif key == "freeze":
+            value = tuple(value)
+        values[key] = value
+    return TrainConfig(**values)
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by training and validation entry points."""
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="dataset YAML")
+    parser.add_argument("--imgsz", "--img", "--img-size", type=int, default=320, help="train/val image size (pixels)")
+    parser.add_argument("--device", default="", help="cuda device, e.g. 0 or 0,1, or cpu (default: GPU if present)")
+    parser.add_argument("--workers", type=int, default=4, help="max dataloader workers per rank")
+    parser.add_argument("--single-cls", action="store_true", help="train/validate as a single-class dataset")
+
+
+def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
+    """Return the argparse parser of train.py (and segment/train.py), YOLOv5-compatible flags."""
+    parser = argparse.ArgumentParser(description=f"Train a YOLO {task} model (launch with torchrun for several GPUs)")
+    add_common_flags(parser)
+    default_cfg = "yolov5n-seg" if task == "segment" else "yolov5n"
+    parser.add_argument("--cfg", default=default_cfg, help="model size (yolov5n..yolov5x) or a model YAML path")
+    parser.add_argument("--weights", default="", help="checkpoint to fine-tune from ('' = train from scratch)")
+    parser.add_argument("--hyp", type=Path, default=DEFAULT_HYP, help="hyperparameter YAML")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch size, summed over all ranks")
+    parser.add_argument("--cache", nargs="?", const="ram", default="none", help="cache images: ram | disk | none")
+    parser.add_argument("--optimizer", default="SGD", help="SGD | Adam | AdamW")
+    parser.add_argument("--cos-lr", action="store_true", help="cosine LR schedule (default linear)")
+    parser.add_argument("--label-smoothing", type=float, default=None, help="label smoothing epsilon (overrides hyp)")
+    parser.add_argument("--patience", type=int, default=100, help="early stop after this many epochs without gain")
+    parser.add_argument("--freeze", nargs="+", type=int, default=[], help="freeze first N layers (one value) or a list")
+    parser.add_argument("--seed", type=int, default=0, help="global seed; each rank augments with seed + rank")
+    parser.add_argument("--deterministic", action="store_true", help="use deterministic algorithms (slower)")
+    parser.add_argument("--resume", nargs="?", const="last", default="", help="resume a run: path to last.pt or latest")
+    parser.add_argument("--project", type=Path, default=ROOT / "runs" / ("train-seg" if task == "segment" else "train"))
+    parser.add_argument("--name", default="exp", help="run folder name under --project")
+    parser.add_argument("--exist-ok", action="store_true", help="reuse an existing run folder instead of exp2, exp3...")
+    parser.add_argument("--noval", action="store_true", help="validate only after the final epoch")
+    parser.add_argument("--nosave", action="store_true", help="only save the final checkpoint")
+    parser.add_argument("--save-period", type=int, default=-1, help="also save epoch<N>.pt every N epochs (-1: off)")
+    parser.add_argument("--rect", action="store_true", help="rectangular training batches (disables mosaic)")
+    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs (CUDA and DDP only)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, task: str = "detect") -> TrainConfig:
+    """Build the frozen TrainConfig from parsed flags, reading the hyp YAML once."""
+    overrides = {} if args.label_smoothing is None else {"label_smoothing": args.label_smoothing}
+    hyp = load_hyp(args.hyp, overrides)
+    return TrainConfig(
+        hyp=hyp,
+        data=args.data,
+        cfg=args.cfg,
+        weights=args.weights,
+        hyp_path=args.hyp,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        imgsz=args.imgsz,
+        device=args.device,
+        workers=args.workers,
+        cache=str(args.cache).lower(),
+        optimizer=args.optimizer,
+        cos_lr=args.cos_lr,
+        patience=args.patience,
+        freeze=tuple(args.freeze),
+        seed=args.seed,
+        deterministic=args.deterministic,
+        resume=args.resume or "",
+        project=args.project,
+        name=args.name,
+        exist_ok=args.exist_ok,
+        noval=args.noval,
+        nosave=args.nosave,
+        save_period=args.save_period,
+        rect=args.rect,
+        single_cls=args.single_cls,
+        sync_bn=args.sync_bn,
+        task=task,
+    )
+
+
+def validate(cfg: TrainConfig, ctx: DistContext) -> None:
+    """Reject impossible option combinations before any work starts, with one line naming the flag.
+
+    Every rank runs the same checks on the same options, so every rank raises together.
+    """
+    if cfg.batch_size < 1:
+        raise ConfigError(f"--batch-size {cfg.batch_size} must be at least 1")
+    if cfg.batch_size % ctx.world_size:
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is not divisible by {ctx.world_size} processes; "
+            f"use a multiple of {ctx.world_size} (it is the global batch, split evenly across ranks)"
+        )
+    if cfg.imgsz < 32 or cfg.imgsz % 32:
+        raise ConfigError(f"--imgsz {cfg.imgsz} must be a positive multiple of 32 (the largest model stride)")
+    if cfg.epochs < 1:
+        raise ConfigError(f"--epochs {cfg.epochs} must be at least 1")
+    if cfg.cache not in CACHE_MODES:
+        raise ConfigError(f"--cache {cfg.cache} is not one of {', '.join(CACHE_MODES)}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer {cfg.optimizer} is not one of {', '.join(OPTIMIZERS)}")
+    if cfg.workers < 0:
+        raise ConfigError(f"--workers {cfg.workers} must be >= 0")
+    if not 0.0 <= cfg.hyp.label_smoothing < 1.0:
+        raise ConfigError(f"--label-smoothing {cfg.hyp.label_smoothing} must be in [0, 1)")
+    if cfg.weights and not Path(cfg.weights).is_file():
+        raise ConfigError(f"--weights {cfg.weights}: file not found")
+    if not cfg.resume and not Path(cfg.data).is_file():
+        raise ConfigError(f"--data {cfg.data}: file not found")
+
+
+@dataclass(frozen=True)
+class ValConfig:
+    """Options of val.py, resolved once from the command line."""
+
+    weights: Path
+    data: Path = DEFAULT_DATA
+    batch_size: int = 32  # global
+    imgsz: int = 320
+    conf_thres: float = 0.001
+    iou_thres: float = 0.6
+    max_det: int = 300
+    task: str = "val"  # "val" | "test" | "speed"
+    device: str = ""
+    workers: int = 4
+    single_cls: bool = False
+    verbose: bool = False
+    half: bool = False
+    save_json: bool = False
+    save_txt: bool = False
+    project: Path = ROOT / "runs" / "val"
+    name: str = "exp"
+    exist_ok: bool = False
+
+
+def build_val_parser(task: str = "detect") -> argparse.ArgumentParser:
+    """Return the argparse parser of val.py (and segment/val.py)."""
+    parser = argparse.ArgumentParser(description=f"Validate a YOLO {task} checkpoint on a dataset")
+    add_common_flags(parser)
+    parser.add_argument("--weights", type=Path, required=True, help="checkpoint path (best.pt / last.pt)")
+    parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch size, summed over all ranks")
+    parser.add_argument("--conf-thres", type=float, default=0.001, help="confidence threshold")
+    parser.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
+    parser.add_argument("--max-det", type=int, default=300, help="maximum detections per image")
+    parser.add_argument("--task", default="val", choices=("val", "test", "speed"), help="split to run, or speed")
+    parser.add_argument("--verbose", action="store_true", help="print a per-class table")
+    parser.add_argument("--half", action="store_true", help="FP16 inference (CUDA only)")
+    parser.add_argument("--save-json", action="store_true", help="write COCO-format predictions.json")
+    parser.add_argument("--save-txt", action="store_true", help="write YOLO-format predictions per image")
+    parser.add_argument("--project", type=Path, default=ROOT / "runs" / ("val-seg" if task == "segment" else "val"))
+    parser.add_argument("--name", default="exp")
+    parser.add_argument("--exist-ok", action="store_true")
+    return parser
+
+
+def val_config_from_args(args: argparse.Namespace) -> ValConfig:
+    """Build the frozen ValConfig from parsed flags, checking value ranges (one-line errors)."""
+    for flag, value in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{flag} {value} must be within [0, 1]")
+    if args.imgsz < 32 or args.imgsz % 32:
+        raise ConfigError(f"--imgsz {args.imgsz} must be a positive multiple of 32 (the largest model stride)")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")
+    names = {f.name for f in fields(ValConfig)}
+    return ValConfig(**{key: value for key, value in vars(args).items() if key in names})
+
+
+def save_run_config(cfg: TrainConfig, run_dir: Path, ctx: DistContext) -> None:
+    """Write opt.yaml (resolved options) and hyp.yaml to the run folder, on rank 0 only."""
+    if not ctx.is_main:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    options = cfg.to_dict()
+    hyp = options.pop("hyp")
+    (run_dir / "opt.yaml").write_text(yaml.safe_dump(options, sort_keys=False), encoding="utf-8")
+    (run_dir / "hyp.yaml").write_text(yaml.safe_dump(hyp, sort_keys=False), encoding="utf-8")

@@ -1,0 +1,122 @@
+"""Dataset YAML loading: split paths, class names and annotation files, resolved and checked once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from utils.config import ConfigError, read_yaml_mapping
+from utils.distributed import DistContext, main_first
+
+KNOWN_KEYS = {
+    "path",
+    "train",
+    "val",
+    "test",
+    "names",
+    "nc",
+    "val_annotations",
+    "test_annotations",
+    "builtin",
+    "download",
+}
+BUILTIN_DATASETS = ("synthetic",)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """A dataset description: where each split's images are, the class names, optional COCO annotations.
+
+    Split entries are folders or `.txt` image lists (absolute paths); `annotations` maps a split
+    name to its COCO-format instances JSON when the YAML names one.
+    """
+
+    yaml_file: Path
+    root: Path
+    splits: dict[str, tuple[Path, ...]]
+    names: tuple[str, ...]
+    annotations: dict[str, Path]
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes in `names`."""
+        return len(self.names)
+
+    def split(self, name: str) -> tuple[Path, ...]:
+        """Return the sources of split `name`, or raise ConfigError naming the YAML when it is absent."""
+        if name not in self.splits:
+            raise ConfigError(f"{self.yaml_file}: no '{name}' split defined")
+        return self.splits[name]
+
+
+def parse_names(raw: dict, yaml_file: Path) -> tuple[str, ...]:
+    """Read class names from `names` (list or {index: name}) and check them against optional `nc`."""
+    names = raw.get("names")
+    if isinstance(names, dict):
+        keys = sorted(names)
+        if keys != list(range(len(keys))):
+            raise ConfigError(f"{yaml_file}: 'names' keys must be 0..{len(keys) - 1}, got {keys[:5]}...")
+        names = [names[k] for k in keys]
+    if names is None and "nc" in raw:
+        names = [f"class{i}" for i in range(int(raw["nc"]))]
+    if not isinstance(names, list) or not names:
+        raise ConfigError(f"{yaml_file}: missing 'names' (a list or an index->name mapping)")
+    if "nc" in raw and int(raw["nc"]) != len(names):
+        raise ConfigError(f"{yaml_file}: nc={raw['nc']} but 'names' has {len(names)} entries")
+    return tuple(str(n) for n in names)
+
+
+def _resolve(entry: object, root: Path, yaml_file: Path, key: str) -> tuple[Path, ...]:
+    entries = entry if isinstance(entry, list) else [entry]
+    out = []
+    for item in entries:
+        if not isinstance(item, str):
+            raise ConfigError(f"{yaml_file}: '{key}' entries must be paths, got {item!r}")
+        path = Path(item).expanduser()
+        out.append(path if path.is_absolute() else (root / path).resolve())
+    return tuple(out)
+
+
+def ensure_builtin(name: str, root: Path, yaml_file: Path, ctx: DistContext) -> None:
+    """Generate a built-in dataset at `root` if it is not complete there; one local rank writes, others wait."""
+    if name not in BUILTIN_DATASETS:
+        raise ConfigError(f"{yaml_file}: unknown builtin dataset '{name}' (known: {', '.join(BUILTIN_DATASETS)})")
+    from utils.synthetic import ensure_synthetic_dataset
+
+    # The generator also holds a file lock, so unrelated processes are safe too; main_first
+    # simply avoids every local rank contending for it.
+    with main_first(ctx):
+        ensure_synthetic_dataset(root)
+
+
+def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
+    """Load and check a dataset YAML; relative paths resolve against `path`, itself relative to the YAML.
+
+    Nothing in the YAML is executed: `builtin: synthetic` names a generator this project ships.
+    A missing key or split path is a ConfigError naming the file.
+    """
+    yaml_file = Path(yaml_file).resolve()
+    raw = read_yaml_mapping(yaml_file)
+    unknown = sorted(set(raw) - KNOWN_KEYS)
+    if unknown:
+        raise ConfigError(f"{yaml_file}: unknown key '{unknown[0]}' (known: {', '.join(sorted(KNOWN_KEYS))})")
+    if raw.get("download"):
+        raise ConfigError(f"{yaml_file}: 'download' is not supported; download the dataset yourself and set 'path'")
+    for key in ("train", "val"):
+        if key not in raw:
+            raise ConfigError(f"{yaml_file}: missing key '{key}'")
+    root_raw = Path(str(raw.get("path", "."))).expanduser()
+    root = root_raw if root_raw.is_absolute() else (yaml_file.parent / root_raw).resolve()
+    if raw.get("builtin"):
+        ensure_builtin(str(raw["builtin"]), root, yaml_file, ctx)
+    splits = {key: _resolve(raw[key], root, yaml_file, key) for key in ("train", "val", "test") if raw.get(key)}
+    for key, sources in splits.items():
+        for source in sources:
+            if not source.exists():
+                raise ConfigError(f"{yaml_file}: '{key}' path {source} does not exist")
+    annotations = {}
+    for key in ("val", "test"):
+        ann = raw.get(f"{key}_annotations")
+        if ann:
+            annotations[key] = _resolve(ann, root, yaml_file, f"{key}_annotations")[0]
+    return DataConfig(yaml_file, root, splits, parse_names(raw, yaml_file), annotations)
