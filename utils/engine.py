@@ -1,0 +1,310 @@
+"""The one training loop for every task: fit() and train_one_epoch() with AMP, accumulation, EMA and DDP."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from utils import checkpoint as ckpt_io
+from utils.config import ConfigError, TrainConfig, save_run_config
+from utils.data_config import load_data_config
+from utils.distributed import DistContext, average_bn_stats, broadcast_object, seed_everything, smart_ddp
+from utils.ema import ModelEMA
+from utils.logging import ResultsCSV, tqdm_disabled
+from utils.optim import (
+    accumulate_steps,
+    apply_warmup,
+    build_optimizer,
+    build_scheduler,
+    lr_lambda,
+    scaled_weight_decay,
+    warmup_iterations,
+)
+from utils.run_setup import (
+    ModelBundle,
+    build_datasets,
+    build_model_bundle,
+    create_run_dir,
+    log_startup,
+    resolve_resume,
+    run_anchor_check,
+    verify_identical_weights,
+)
+from utils.tasks import Task
+
+LOGGER = logging.getLogger(__name__)
+NOMINAL_BATCH = 64
+
+
+@dataclass
+class TrainState:
+    """Everything one epoch mutates; built once by fit()."""
+
+    model: nn.Module  # unwrapped
+    ddp: nn.Module  # DDP wrapper, or the model itself in one process
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    ema: ModelEMA
+    loss_fn: Any
+    accumulate: int
+    warmup_iters: int
+    lr_fn: Any
+    use_amp: bool
+    last_opt_step: int = -1
+    best_fitness: float = 0.0
+    start_epoch: int = 0
+
+
+@dataclass
+class FitResult:
+    """What a finished run leaves: where, and the final metrics of best.pt."""
+
+    run_dir: Path
+    best: Path
+    last: Path
+    metrics: dict[str, float]
+    epochs_run: int
+
+
+def train_one_epoch(state: TrainState, loader: Any, epoch: int, cfg: TrainConfig, ctx: DistContext) -> np.ndarray:
+    """Train one epoch; return the mean loss items over this rank's batches.
+
+    One optimiser step per `accumulate` micro-batches. Micro-batches that do not end an
+    accumulation run under DDP's no_sync(), so gradients are all-reduced once per step, and the
+    loss is multiplied by the world size so the summed gradient matches one process with the
+    global batch. The step decision depends only on the iteration number, so ranks agree.
+    """
+    state.model.train()
+    num_batches = len(loader)
+    mean_loss = np.zeros(len(state.loss_fn.item_names) if hasattr(state.loss_fn, "item_names") else 3)
+    progress = tqdm(loader, total=num_batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=tqdm_disabled(ctx))
+    for i, batch in enumerate(progress):
+        iteration = i + num_batches * epoch
+        images = batch["images"].to(ctx.device, non_blocking=True).float() / 255
+        accumulate = _accumulate_now(state, iteration, cfg)
+        if iteration <= state.warmup_iters:
+            apply_warmup(
+                state.optimizer,
+                iteration,
+                state.warmup_iters,
+                epoch,
+                state.lr_fn,
+                cfg.hyp.warmup_bias_lr,
+                cfg.hyp.warmup_momentum,
+                cfg.hyp.momentum,
+            )
+        is_step = iteration - state.last_opt_step >= accumulate
+        sync_context = state.ddp.no_sync() if ctx.is_distributed and not is_step else contextlib.nullcontext()
+        with sync_context:
+            with torch.autocast(ctx.device.type, dtype=torch.float16, enabled=state.use_amp):
+                preds = state.ddp(images)
+                loss, items = state.loss_fn(preds, batch["targets"].to(ctx.device))
+            state.scaler.scale(loss * ctx.world_size).backward()
+        if is_step:
+            _optimizer_step(state)
+            state.last_opt_step = iteration
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss is {loss_value} at epoch {epoch + 1} step {i}; lower lr0 or check labels")
+        mean_loss = (mean_loss * i + items.cpu().numpy()) / (i + 1)
+        if not tqdm_disabled(ctx):
+            progress.set_postfix_str(" ".join(f"{v:.4f}" for v in mean_loss) + f" inst={len(batch['targets'])}")
+    return mean_loss
+
+
+def _accumulate_now(state: TrainState, iteration: int, cfg: TrainConfig) -> int:
+    """Accumulation steps at `iteration`: ramps from 1 to the nominal value during warmup."""
+    if iteration > state.warmup_iters:
+        return state.accumulate
+    global_batch = cfg.batch_size
+    return max(1, int(np.interp(iteration, [0, state.warmup_iters], [1, NOMINAL_BATCH / global_batch]).round()))
+
+
+def _optimizer_step(state: TrainState) -> None:
+    state.scaler.unscale_(state.optimizer)
+    torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm=10.0)
+    state.scaler.step(state.optimizer)
+    state.scaler.update()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.ema.update(state.model)
+
+
+def build_train_state(bundle: ModelBundle, cfg: TrainConfig, task: Task, ctx: DistContext, batches: int) -> TrainState:
+    """Wrap the model for DDP, then create optimizer, LR schedule, scaler, EMA and loss identically on every rank."""
+    model = bundle.model
+    ddp = smart_ddp(model, ctx, sync_bn=cfg.sync_bn)
+    accumulate = accumulate_steps(cfg.batch_size, NOMINAL_BATCH)
+    weight_decay = scaled_weight_decay(cfg.hyp.weight_decay, cfg.batch_size, accumulate, NOMINAL_BATCH)
+    optimizer = build_optimizer(model, cfg.optimizer, cfg.hyp.lr0, cfg.hyp.momentum, weight_decay)
+    lr_fn = lr_lambda(cfg.epochs, cfg.hyp.lrf, cfg.cos_lr)
+    scheduler = build_scheduler(optimizer, lr_fn)
+    use_amp = ctx.device.type == "cuda"
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=use_amp)
+    ema = ModelEMA(model)
+    loss_fn = task.build_loss(model, cfg.hyp, cfg.imgsz)
+    warmup = warmup_iterations(cfg.hyp.warmup_epochs, batches)
+    return TrainState(model, ddp, optimizer, scheduler, scaler, ema, loss_fn, accumulate, warmup, lr_fn, use_amp)
+
+
+def restore_state(state: TrainState, checkpoint: dict[str, Any], cfg: TrainConfig, batches: int) -> None:
+    """Load model, optimizer, scaler, EMA, epoch and best fitness from a checkpoint into `state` (every rank).
+
+    The LR schedule is rebuilt at the resumed epoch, so it continues where it stopped.
+    """
+    state.start_epoch = ckpt_io.restore_training_state(
+        checkpoint, state.model, state.optimizer, state.scaler, state.ema
+    )
+    if state.start_epoch >= cfg.epochs:
+        raise ConfigError(f"--resume: the run already finished all {cfg.epochs} epochs; nothing to resume")
+    state.scheduler = build_scheduler(state.optimizer, state.lr_fn, state.start_epoch)
+    state.best_fitness = float(checkpoint.get("best_fitness", 0.0))
+    state.last_opt_step = state.start_epoch * batches - 1
+
+
+def checkpoint_state(state: TrainState, bundle: ModelBundle, cfg: TrainConfig, epoch: int, task: Task) -> dict:
+    """Return the checkpoint for the end of `epoch`: plain data and state dicts only."""
+    run = ckpt_io.RunInfo(task.name, bundle.spec.to_dict(), bundle.names, cfg.to_dict(), cfg.hyp.to_dict())
+    return ckpt_io.build_checkpoint(
+        run=run,
+        model=state.model,
+        ema=state.ema,
+        optimizer=state.optimizer,
+        scaler=state.scaler,
+        epoch=epoch,
+        best_fitness=state.best_fitness,
+    )
+
+
+class EarlyStopper:
+    """Stop when fitness has not improved for `patience` epochs. Consulted on rank 0 only."""
+
+    def __init__(self, patience: int) -> None:
+        self.patience = patience if patience > 0 else math.inf
+        self.best_fitness = -math.inf
+        self.best_epoch = 0
+
+    def should_stop(self, epoch: int, fitness: float) -> bool:
+        """Record `fitness` for `epoch`; True when the run should end now."""
+        if fitness >= self.best_fitness:
+            self.best_fitness, self.best_epoch = fitness, epoch
+        stop = epoch - self.best_epoch >= self.patience
+        if stop:
+            LOGGER.info(f"Early stop: no improvement for {self.patience} epochs, best epoch {self.best_epoch + 1}")
+        return stop
+
+
+def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
+    """Train `task` with options `cfg` on this rank; every rank of the job calls it.
+
+    Rank 0 writes the run folder, checkpoints and results.csv; decisions that end the loop are
+    taken on rank 0 and broadcast, so every rank leaves at the same epoch.
+    """
+    cfg, resume_ckpt = resolve_resume(cfg, ctx)
+    seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
+    run_dir = create_run_dir(cfg, ctx, resume=resume_ckpt is not None)
+    save_run_config(cfg, run_dir, ctx)
+    data = load_data_config(cfg.data, ctx)
+    bundle = build_model_bundle(cfg, task, data, ctx, resume_ckpt)
+    datasets = build_datasets(cfg, task, data, bundle, ctx)
+    if resume_ckpt is None and not cfg.weights:
+        run_anchor_check(bundle, datasets.train, cfg, ctx)
+    state = build_train_state(bundle, cfg, task, ctx, len(datasets.train_loader))
+    verify_identical_weights(state.model, ctx)
+    if resume_ckpt is not None:
+        restore_state(state, resume_ckpt, cfg, len(datasets.train_loader))
+        del resume_ckpt
+    log_startup(cfg, bundle, datasets, state.accumulate, ctx)
+    weights_dir = run_dir / "weights"
+    last, best = weights_dir / "last.pt", weights_dir / "best.pt"
+    results = ResultsCSV(run_dir / "results.csv", ctx)
+    stopper = EarlyStopper(cfg.patience)
+    epoch = state.start_epoch
+    for epoch in range(state.start_epoch, cfg.epochs):
+        start = time.time()
+        datasets.train_loader.set_epoch(epoch)
+        train_loss = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx)
+        lrs = [group["lr"] for group in state.optimizer.param_groups]
+        state.scheduler.step()
+        # Per-rank BN (CPU, or no --sync-bn): every rank averages statistics before eval and save.
+        average_bn_stats(state.model, ctx)
+        average_bn_stats(state.ema.ema, ctx)
+        is_final = epoch + 1 == cfg.epochs
+        metrics, val_loss = _validate(state, task, datasets, bundle, cfg, ctx, run=not cfg.noval or is_final)
+        fitness = metrics.get("fitness", 0.0)
+        state.best_fitness = max(state.best_fitness, fitness)
+        results.append(_results_row(epoch, train_loss, val_loss, metrics, lrs, task, time.time() - start))
+        if not cfg.nosave or is_final:
+            _save(state, bundle, cfg, task, epoch, fitness, ctx, weights_dir)
+        stop = broadcast_object(stopper.should_stop(epoch, fitness) if ctx.is_main else False, ctx)
+        if stop:
+            break
+    final = _final_validation(best, task, datasets, bundle, ctx)
+    return FitResult(run_dir, best, last, final, epoch + 1 - state.start_epoch)
+
+
+def _validate(state, task, datasets, bundle, cfg, ctx, run: bool) -> tuple[dict[str, float], np.ndarray | None]:
+    if not run:
+        return {}, None
+    from utils.evaluate import EvalOptions
+
+    options = EvalOptions(num_classes=len(bundle.names), description="val")
+    result = task.evaluate(state.ema.ema, datasets.val_loader, options, ctx, state.loss_fn)
+    LOGGER.info(
+        "val: P %.3f R %.3f mAP50 %.3f mAP50-95 %.3f",
+        *(result.as_dict()[k] for k in ("precision", "recall", "mAP50", "mAP50-95")),
+    )
+    return result.as_dict(), result.loss_items
+
+
+def _results_row(epoch, train_loss, val_loss, metrics, lrs, task, seconds) -> dict[str, Any]:
+    row: dict[str, Any] = {"epoch": epoch + 1}
+    row.update({f"train/{name}_loss": float(v) for name, v in zip(task.loss_names, train_loss, strict=False)})
+    for key in ("precision", "recall", "mAP50", "mAP50-95", "fitness"):
+        row[f"metrics/{key}"] = float(metrics.get(key, float("nan")))
+    values = val_loss if val_loss is not None else [float("nan")] * len(task.loss_names)
+    row.update({f"val/{name}_loss": float(v) for name, v in zip(task.loss_names, values, strict=False)})
+    row.update({f"lr/pg{i}": float(lr) for i, lr in enumerate(lrs)})
+    row["time_s"] = round(seconds, 2)
+    return row
+
+
+def _save(state, bundle, cfg, task, epoch, fitness, ctx, weights_dir: Path) -> None:
+    """Write last.pt, best.pt when fitness is the best so far, and periodic copies; rank 0 only."""
+    if not ctx.is_main:
+        return
+    checkpoint = checkpoint_state(state, bundle, cfg, epoch, task)
+    ckpt_io.save_checkpoint(checkpoint, weights_dir / "last.pt", ctx)
+    if fitness >= state.best_fitness:
+        ckpt_io.save_checkpoint(checkpoint, weights_dir / "best.pt", ctx)
+    if cfg.save_period > 0 and (epoch + 1) % cfg.save_period == 0:
+        ckpt_io.save_checkpoint(checkpoint, weights_dir / f"epoch{epoch + 1}.pt", ctx)
+
+
+def _final_validation(path: Path, task, datasets, bundle, ctx) -> dict[str, float]:
+    """Validate the EMA weights stored in `path` (best.pt) once more; every rank takes part.
+
+    Only rank 0 is sure to see the file (other nodes may not share the filesystem), so rank 0
+    reads the weights and broadcasts them.
+    """
+    from utils.evaluate import EvalOptions
+
+    weights = ckpt_io.inference_weights(ckpt_io.load_checkpoint(path)) if ctx.is_main else None
+    weights = broadcast_object(weights, ctx)
+    model = task.build_model(bundle.spec).to(ctx.device)
+    model.load_state_dict(weights)
+    options = EvalOptions(num_classes=len(bundle.names), description="final val")
+    result = task.evaluate(model, datasets.val_loader, options, ctx)
+    metrics = {key: float(value) for key, value in result.as_dict().items()}
+    LOGGER.info(f"Final ({path}): mAP50 {metrics['mAP50']:.4f}  mAP50-95 {metrics['mAP50-95']:.4f}")
+    return metrics

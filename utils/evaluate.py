@@ -1,0 +1,184 @@
+"""Detection evaluation loop: inference, NMS, matching against labels, metrics gathered over ranks."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from utils.boxes import box_iou, non_max_suppression, scale_boxes, xywh_to_xyxy
+from utils.distributed import DistContext, all_gather_objects, all_reduce_sum
+from utils.logging import tqdm_disabled
+from utils.metrics import DetectionMetrics, iou_thresholds, match_predictions
+
+LOGGER = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What evaluate_detection needs besides the model and the data."""
+
+    num_classes: int
+    conf_thres: float = 0.001
+    iou_thres: float = 0.6
+    max_det: int = 300
+    half: bool = False
+    collect_predictions: bool = False  # keep per-image boxes in original pixels (COCO JSON, --save-txt)
+    description: str = "val"
+
+
+@dataclass
+class ImagePredictions:
+    """Detections of one image in original-image pixels: rows x1 y1 x2 y2 conf cls (float32 numpy)."""
+
+    path: str
+    orig_hw: tuple[int, int]
+    detections: np.ndarray
+
+
+@dataclass
+class EvalResult:
+    """Metrics of one evaluation, identical on every rank."""
+
+    metrics: DetectionMetrics
+    num_images: int
+    num_instances: int
+    loss_items: np.ndarray | None  # mean validation losses (box, obj, cls), None without a loss function
+    speed_ms: dict[str, float]  # per image on this rank: preprocess, inference, nms
+    class_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # labels per class, all ranks
+    predictions: list[ImagePredictions] = field(default_factory=list)  # this rank's only
+
+    def as_dict(self) -> dict[str, float]:
+        """Return the summary metrics: precision, recall, mAP50, mAP50-95, fitness."""
+        return self.metrics.as_dict()
+
+
+@dataclass
+class _Stats:
+    correct: list[np.ndarray] = field(default_factory=list)
+    conf: list[np.ndarray] = field(default_factory=list)
+    pred_cls: list[np.ndarray] = field(default_factory=list)
+    target_cls: list[np.ndarray] = field(default_factory=list)
+
+    def concatenated(self) -> tuple[np.ndarray, ...]:
+        empty = (np.zeros((0, 10), bool), np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.float32))
+        parts = (self.correct, self.conf, self.pred_cls, self.target_cls)
+        return tuple(np.concatenate(p, 0) if p else e for p, e in zip(parts, empty, strict=True))
+
+
+def _match_image(pred: torch.Tensor, labels: torch.Tensor, shape: Any, input_hw: tuple[int, int]) -> tuple:
+    """Scale one image's detections and labels to original pixels and match them at 10 IoU thresholds.
+
+    pred: (n, 6) x1 y1 x2 y2 conf cls in input pixels; labels: (m, 5) cls cx cy w h in input pixels.
+    """
+    orig_hw, ratio_pad = shape
+    detections = pred[:, :6].clone()
+    scale_boxes(detections[:, :4], input_hw, orig_hw, ratio_pad)
+    true_boxes = xywh_to_xyxy(labels[:, 1:5].clone())
+    scale_boxes(true_boxes, input_hw, orig_hw, ratio_pad)
+    if len(detections) and len(labels):
+        iou = box_iou(true_boxes, detections[:, :4]).cpu().numpy()
+        correct = match_predictions(
+            detections[:, 5].cpu().numpy(), labels[:, 0].cpu().numpy(), iou, iou_thresholds().numpy()
+        )
+    else:
+        correct = np.zeros((len(detections), 10), bool)
+    return detections, correct
+
+
+@torch.no_grad()
+def evaluate_detection(
+    model: nn.Module,
+    batches: Iterable[dict[str, Any]],
+    options: EvalOptions,
+    ctx: DistContext,
+    loss_fn: Callable[[list[torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> EvalResult:
+    """Run `model` (eval mode) over this rank's validation batches and return metrics over all ranks.
+
+    Every rank must call it: per-image match statistics are gathered from all ranks (the val
+    sampler shards images without padding, so each image is scored exactly once) and every rank
+    computes the same metrics. `model` is a plain module (the EMA or an unwrapped model), never
+    DDP, so ranks with different numbers of batches never meet in a collective mid-loop.
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    dtype = torch.float16 if options.half and device.type == "cuda" else torch.float32
+    stats, predictions = _Stats(), []
+    loss_sum = torch.zeros(3, device=device)
+    seen = torch.zeros(2, device=device)  # images, batches with loss
+    timings = np.zeros(3)
+    for batch in tqdm(batches, desc=options.description, disable=tqdm_disabled(ctx), leave=False):
+        start = time.perf_counter()
+        images = batch["images"].to(device, non_blocking=True).to(dtype) / 255
+        targets = batch["targets"].to(device)
+        _sync(device)
+        after_pre = time.perf_counter()
+        decoded, raw = model(images)
+        _sync(device)
+        after_inference = time.perf_counter()
+        if loss_fn is not None:
+            loss_sum += loss_fn([r.float() for r in raw], targets)[1]
+            seen[1] += 1
+        height, width = images.shape[2:]
+        targets[:, 2:6] *= torch.tensor((width, height, width, height), device=device)
+        outputs = non_max_suppression(decoded.float(), options.conf_thres, options.iou_thres, max_det=options.max_det)
+        after_nms = time.perf_counter()
+        timings += (after_pre - start, after_inference - after_pre, after_nms - after_inference)
+        for index, pred in enumerate(outputs):
+            labels = targets[targets[:, 0] == index, 1:]
+            detections, correct = _match_image(pred, labels, batch["shapes"][index], (height, width))
+            stats.correct.append(correct)
+            stats.conf.append(detections[:, 4].cpu().numpy())
+            stats.pred_cls.append(detections[:, 5].cpu().numpy())
+            stats.target_cls.append(labels[:, 0].cpu().numpy())
+            if options.collect_predictions:
+                orig_hw = tuple(int(v) for v in batch["shapes"][index][0])
+                predictions.append(ImagePredictions(batch["paths"][index], orig_hw, detections.cpu().numpy()))
+        seen[0] += len(outputs)
+    model.train(was_training)
+    return _summarise(stats, loss_sum, seen, timings, predictions, options, ctx)
+
+
+def _summarise(stats, loss_sum, seen, timings, predictions, options, ctx) -> EvalResult:
+    """Gather per-rank statistics and compute the metrics every rank returns."""
+    images_here = max(int(seen[0].item()), 1)
+    speed = dict(zip(("preprocess", "inference", "nms"), (1000 * timings / images_here).tolist(), strict=True))
+    gathered = all_gather_objects(stats.concatenated(), ctx)
+    correct, conf, pred_cls, target_cls = (np.concatenate(parts, 0) for parts in zip(*gathered, strict=True))
+    metrics = DetectionMetrics.from_stats(correct, conf, pred_cls, target_cls, options.num_classes)
+    all_reduce_sum(loss_sum, ctx)
+    all_reduce_sum(seen, ctx)
+    loss_items = (loss_sum / seen[1]).cpu().numpy() if seen[1] > 0 else None
+    counts = np.bincount(target_cls.astype(np.int64), minlength=options.num_classes)
+    return EvalResult(metrics, int(seen[0].item()), int(len(target_cls)), loss_items, speed, counts, predictions)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def format_results(result: EvalResult, names: tuple[str, ...], verbose: bool) -> str:
+    """Return the results table: an 'all' row, and one row per class when `verbose`."""
+    m = result.metrics
+    header = f"{'Class':>20}{'Images':>11}{'Instances':>11}{'P':>11}{'R':>11}{'mAP50':>11}{'mAP50-95':>11}"
+    row = "{:>20}{:>11}{:>11}{:>11.3f}{:>11.3f}{:>11.3f}{:>11.3f}"
+    lines = [
+        header,
+        row.format("all", result.num_images, result.num_instances, m.precision, m.recall, m.map50, m.map50_95),
+    ]
+    if verbose:
+        for i, class_id in enumerate(m.class_ids):
+            name = names[class_id] if class_id < len(names) else str(class_id)
+            values = (m.class_precision[i], m.class_recall[i], m.ap50[i], m.ap[i])
+            lines.append(row.format(name, result.num_images, int(result.class_counts[class_id]), *values))
+    return "\n".join(lines)

@@ -1,0 +1,224 @@
+"""Builds the pieces of a training run before the loop: resume, run folder, model, datasets and loaders."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.anchors import check_anchors
+from models.yolo import ModelSpec, model_info
+from utils import checkpoint as ckpt_io
+from utils.augment import AugmentParams
+from utils.config import ConfigError, Hyp, TrainConfig, config_from_dict
+from utils.data_config import DataConfig
+from utils.dataset import DatasetOptions, LoadImagesAndLabels
+from utils.distributed import DistContext, all_gather_objects, broadcast_object
+from utils.loader import build_train_loader, build_val_loader
+from utils.tasks import Task
+
+LOGGER = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelBundle:
+    """The unwrapped model with what rebuilds it: its spec and class names."""
+
+    model: nn.Module
+    spec: ModelSpec
+    names: tuple[str, ...]
+
+
+@dataclass
+class Datasets:
+    """Train/val datasets and their loaders for this rank."""
+
+    train: LoadImagesAndLabels
+    val: LoadImagesAndLabels
+    train_loader: Any
+    val_loader: Any
+    per_rank_batch: int
+
+
+def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """For --resume, load the checkpoint (on every rank) and return its stored options and contents.
+
+    Machine-specific options (device, workers) come from the new command line; everything that
+    shapes the run (epochs, batch, hyp, data) comes from the checkpoint.
+    """
+    if not cfg.resume:
+        return cfg, None
+    path = ckpt_io.find_last_checkpoint(cfg.project) if cfg.resume == "last" else Path(cfg.resume)
+    if path is None:
+        raise ConfigError(f"--resume: no last.pt found under {cfg.project}; pass the checkpoint path")
+    checkpoint = ckpt_io.load_checkpoint(path)
+    if checkpoint.get("optimizer") is None:
+        raise ConfigError(f"--resume {path}: checkpoint has no optimizer state (a final, stripped checkpoint?)")
+    stored = config_from_dict(checkpoint["train_config"])
+    run_dir = path.resolve().parent.parent
+    cfg = dataclasses.replace(
+        stored,
+        resume=str(path),
+        device=cfg.device,
+        workers=cfg.workers,
+        project=run_dir.parent,
+        name=run_dir.name,
+        exist_ok=True,
+    )
+    LOGGER.info(f"Resuming {run_dir} from epoch {checkpoint['epoch'] + 2}")
+    return cfg, checkpoint
+
+
+def create_run_dir(cfg: TrainConfig, ctx: DistContext, resume: bool) -> Path:
+    """Pick runs/<task>/<name> (name2, name3... unless --exist-ok) on rank 0, create it, share the path."""
+    path = None
+    if ctx.is_main:
+        path = Path(cfg.project) / cfg.name
+        if path.exists() and not (cfg.exist_ok or resume):
+            suffix = 2
+            while (Path(cfg.project) / f"{cfg.name}{suffix}").exists():
+                suffix += 1
+            path = Path(cfg.project) / f"{cfg.name}{suffix}"
+        (path / "weights").mkdir(parents=True, exist_ok=True)
+    return Path(broadcast_object(str(path) if path else None, ctx))
+
+
+def _transfer_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load the entries of `state` whose names and shapes match `model` (fine-tuning to new classes)."""
+    own = model.state_dict()
+    matching = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    model.load_state_dict(matching, strict=False)
+    LOGGER.info(f"Transferred {len(matching)}/{len(own)} tensors from {source}")
+
+
+def _check_task(checkpoint: dict[str, Any], task: Task, path: str) -> None:
+    if checkpoint.get("task", "detect") != task.name:
+        raise ConfigError(f"{path} is a {checkpoint.get('task')} checkpoint; use the {checkpoint.get('task')} scripts")
+
+
+def build_model_bundle(
+    cfg: TrainConfig, task: Task, data: DataConfig, ctx: DistContext, resume: dict[str, Any] | None
+) -> ModelBundle:
+    """Build the model (from scratch, from --weights, or from the resume checkpoint) on ctx.device.
+
+    Initial weights come from the shared seed, so they are identical on every rank before DDP
+    even broadcasts them.
+    """
+    names = ("item",) if cfg.single_cls else data.names
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        if resume is not None:
+            _check_task(resume, task, cfg.resume)
+            spec = ModelSpec.from_dict(resume["model_spec"])
+            model = task.build_model(spec)
+            model.load_state_dict(resume["model"])
+        elif cfg.weights:
+            source = ckpt_io.load_checkpoint(cfg.weights)
+            _check_task(source, task, cfg.weights)
+            spec = dataclasses.replace(ModelSpec.from_dict(source["model_spec"]), num_classes=len(names))
+            model = task.build_model(spec)
+            _transfer_weights(model, source.get("ema") or source["model"], cfg.weights)
+        else:
+            spec = task.spec_from_cfg(cfg.cfg, len(names))
+            model = task.build_model(spec)
+    freeze_layers(model, cfg.freeze)
+    return ModelBundle(model.to(ctx.device), spec, tuple(names))
+
+
+def freeze_layers(model: nn.Module, freeze: tuple[int, ...]) -> None:
+    """Freeze layers by index: one value N freezes layers 0..N-1, several values freeze those layers.
+
+    Layers are numbered in the order of `model.layers()` (backbone first, then neck and head).
+    """
+    if not freeze:
+        return
+    indices = set(range(freeze[0])) if len(freeze) == 1 else set(freeze)
+    frozen = 0
+    for index, layer in enumerate(model.layers()):
+        if index in indices:
+            for parameter in layer.parameters():
+                parameter.requires_grad_(False)
+                frozen += parameter.numel()
+    LOGGER.info(f"Froze layers {sorted(indices)} ({frozen:,} parameters)")
+
+
+def augment_params(hyp: Hyp, rect: bool) -> AugmentParams:
+    """Select the augmentation fields of `hyp`; rectangular batches disable mosaic and mixup."""
+    names = {f.name for f in dataclasses.fields(AugmentParams)}
+    values = {k: v for k, v in hyp.to_dict().items() if k in names}
+    if rect:
+        values.update(mosaic=0.0, mixup=0.0)
+    return AugmentParams(**values)
+
+
+def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: ModelBundle, ctx: DistContext) -> Datasets:
+    """Build this rank's train and val datasets and loaders.
+
+    `cfg.batch_size` is global; each rank loads `batch_size // world_size` images per step.
+    Validation is sharded across ranks without padding (ShardedInferenceSampler) and its
+    statistics gathered, so each val image is scored exactly once and no rank idles.
+    """
+    per_rank = cfg.batch_size // ctx.world_size
+    stride = int(bundle.model.stride.max())
+    common = dict(
+        img_size=cfg.imgsz,
+        stride=stride,
+        single_cls=cfg.single_cls,
+        with_masks=task.with_masks,
+        num_classes=len(data.names),
+        seed=cfg.seed,
+        workers=cfg.workers,
+    )
+    train_options = DatasetOptions(
+        batch_size=per_rank,
+        augment=True,
+        aug=augment_params(cfg.hyp, cfg.rect),
+        rect=cfg.rect,
+        cache_mode=cfg.cache,
+        **common,
+    )
+    train = LoadImagesAndLabels(data.split("train"), train_options, ctx)
+    val_options = DatasetOptions(
+        batch_size=per_rank * 2, augment=False, aug=AugmentParams(), rect=True, pad=0.5, cache_mode="none", **common
+    )
+    val = LoadImagesAndLabels(data.split("val"), val_options, ctx)
+    train_loader = build_train_loader(train, per_rank, cfg.workers, ctx, cfg.seed)
+    val_loader = build_val_loader(val, per_rank * 2, cfg.workers, ctx)
+    return Datasets(train, val, train_loader, val_loader, per_rank)
+
+
+def run_anchor_check(bundle: ModelBundle, train: LoadImagesAndLabels, cfg: TrainConfig, ctx: DistContext) -> None:
+    """Check (and if poor, recompute) anchors on rank 0 and give every rank rank 0's anchors."""
+    head = bundle.model.head
+    if ctx.is_main:
+        check_anchors(train.label_wh_at(cfg.imgsz), bundle.model, threshold=cfg.hyp.anchor_t, imgsz=cfg.imgsz)
+    anchors = broadcast_object(head.anchors.detach().cpu(), ctx)
+    head.anchors.copy_(anchors.to(head.anchors.device))
+
+
+def verify_identical_weights(model: nn.Module, ctx: DistContext) -> None:
+    """Raise when ranks hold different model weights (checksum over parameters and buffers)."""
+    if not ctx.is_distributed:
+        return
+    with torch.no_grad():
+        checksum = sum(float(t.double().sum()) for t in model.state_dict().values() if t.is_floating_point())
+    sums = all_gather_objects(checksum, ctx)
+    if any(abs(s - sums[0]) > 1e-6 * max(1.0, abs(sums[0])) for s in sums):
+        raise RuntimeError(f"model weights differ across ranks (checksums {sums})")
+
+
+def log_startup(cfg: TrainConfig, bundle: ModelBundle, datasets: Datasets, accumulate: int, ctx: DistContext) -> None:
+    """Log the numbers that catch mistakes: world size, batches, accumulation, model and data sizes."""
+    LOGGER.info(model_info(bundle.model, cfg.imgsz))
+    cached = getattr(datasets.train, "cached_count", 0)
+    LOGGER.info(
+        f"world size {ctx.world_size} | global batch {cfg.batch_size} | per-rank batch {datasets.per_rank_batch} | "
+        f"accumulate {accumulate} (nominal 64) | train images {len(datasets.train)} "
+        f"(this rank's shard {len(datasets.train.shard)}, cached {cached}) | val images {len(datasets.val)} | "
+        f"{len(datasets.train_loader)} steps/epoch | device {ctx.device}"
+    )

@@ -1,0 +1,59 @@
+"""The Task record: the few functions that differ between detection and segmentation; DETECT."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from models.yolo import ModelSpec, build_model, spec_from_cfg
+from utils.config import Hyp
+from utils.evaluate import evaluate_detection
+from utils.loss import DetectionLoss, LossGains, scale_loss_gains
+
+
+@dataclass(frozen=True)
+class Task:
+    """The seam between the engine and a task; the engine calls only these fields.
+
+    - build_model(spec) -> nn.Module
+    - spec_from_cfg(cfg, num_classes) -> ModelSpec
+    - build_loss(model, hyp, imgsz) -> callable (preds, batch targets) -> (loss, items)
+    - evaluate(model, batches, EvalOptions, ctx, loss_fn) -> EvalResult
+    """
+
+    name: str
+    with_masks: bool
+    loss_names: tuple[str, ...]
+    build_model: Callable[[ModelSpec], nn.Module]
+    spec_from_cfg: Callable[[str, int], ModelSpec]
+    build_loss: Callable[[nn.Module, Hyp, int], Callable[..., Any]]
+    evaluate: Callable[..., Any]
+
+
+def build_detection_loss(model: nn.Module, hyp: Hyp, imgsz: int) -> DetectionLoss:
+    """Build the YOLOv5-style detection loss with gains scaled for this model, class count and image size."""
+    head = getattr(model, "module", model).head
+    gains: LossGains = scale_loss_gains(hyp.box, hyp.cls, hyp.obj, head.num_classes, imgsz, head.num_levels)
+    return DetectionLoss(
+        model,
+        gains,
+        label_smoothing=hyp.label_smoothing,
+        anchor_t=hyp.anchor_t,
+        fl_gamma=hyp.fl_gamma,
+        cls_pw=hyp.cls_pw,
+        obj_pw=hyp.obj_pw,
+    )
+
+
+DETECT = Task(
+    name="detect",
+    with_masks=False,
+    loss_names=("box", "obj", "cls"),
+    build_model=build_model,
+    spec_from_cfg=spec_from_cfg,
+    build_loss=build_detection_loss,
+    evaluate=evaluate_detection,
+)
