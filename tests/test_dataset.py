@@ -76,6 +76,25 @@ def test_rect_batches_are_stride_multiples_that_fit(tmp_path: Path) -> None:
     assert order.tolist() == [0, 2, 1] and shapes.tolist() == [[32, 64], [64, 64], [64, 32]]
 
 
+def test_rect_training_keeps_aspect_and_batches_collate(tmp_path: Path) -> None:
+    from utils.loader import collate_batch
+
+    options = _options(img_size=128, augment=True, rect=True, stride=32, aug=AugmentParams(translate=0, scale=0))
+    dataset = LoadImagesAndLabels(_folder(tmp_path), options, CTX)
+    assert dataset.batch_shapes is None  # training batches come from a shard: per-image rectangles
+    items = [dataset[(i, 0)] for i in range(len(dataset))]
+    for item in items:
+        height, width = item["image"].shape[1:]
+        height0, width0 = item["shape"][0]
+        ratio = 128 / max(height0, width0)
+        # Each image keeps its aspect ratio: long side 128, short side padded only up to the stride.
+        assert (height, width) == tuple(int(np.ceil(round(v * ratio) / 32) * 32) for v in (height0, width0))
+    batch = collate_batch(items[:4])
+    assert batch["images"].shape[0] == 4
+    boxes = batch["targets"][:, 2:]
+    assert torch.all((boxes >= 0) & (boxes <= 1))
+
+
 def test_training_items_keep_labels_and_polygons_valid(tmp_path: Path) -> None:
     options = _options(augment=True, aug=STRONG, with_masks=True)
     dataset = LoadImagesAndLabels(_folder(tmp_path), options, CTX)

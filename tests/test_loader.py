@@ -88,16 +88,26 @@ def test_collate_concatenates_masks_and_lists_segments() -> None:
     assert [len(segments) for segments in batch["segments"]] == [0, 1, 2]
 
 
-def test_collate_rejects_mixed_masks_and_sizes() -> None:
+def test_collate_rejects_mixed_masks() -> None:
     dataset = FakeDataset(2, DistContext())
     items = [dataset[0], dataset[1]]
     items[0]["masks"] = torch.zeros(0, 4, 6)
     with pytest.raises(ValueError, match="only 1 of 2 items have 'masks'"):
         collate_batch(items)
-    items = [dataset[0], dataset[1]]
-    items[1]["image"] = torch.zeros(3, 4, 4, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="differ in size"):
-        collate_batch(items)
+
+
+def test_collate_pads_mixed_sizes_and_rescales_labels() -> None:
+    dataset = FakeDataset(3, DistContext())
+    items = [dataset[1], dataset[2]]  # 1 and 2 labels, all centred at 0.5 with size 0.5
+    items[1]["image"] = torch.full((3, 4, 6), 7, dtype=torch.uint8)  # half the height and width of (8, 12)
+    batch = collate_batch(items)
+    assert batch["images"].shape == (2, 3, *IMAGE_HW)
+    assert torch.all(batch["images"][1, :, :4, :6] == 7) and torch.all(batch["images"][1, :, 4:, :] == 114)
+    assert torch.all(batch["images"][1, :, :, 6:] == 114)
+    big, small = batch["targets"][0], batch["targets"][1]
+    assert big[2:].tolist() == [0.5, 0.5, 0.5, 0.5]  # the largest image is not touched
+    # The small image's box sits in its top-left 4 x 6 pixels: centre (3, 2) px of the (12, 8) canvas.
+    assert small[2:].tolist() == pytest.approx([0.25, 0.25, 0.25, 0.25])
 
 
 @pytest.mark.parametrize("num_items", [10, 11, 13])

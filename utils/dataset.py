@@ -101,10 +101,14 @@ class LoadImagesAndLabels(Dataset):
         index = scan_labels(list_image_files(sources), options.num_classes, ctx, options.workers)
         self.batch_shapes: np.ndarray | None = None  # (num_batches, 2) (h, w) in rect mode
         if options.rect:
-            order, self.batch_shapes = rect_batch_shapes(
+            order, batch_shapes = rect_batch_shapes(
                 index.shapes, options.batch_size, options.img_size, options.stride, options.pad
             )
             index = index.reordered(order)
+            # Evaluation walks the dataset in order, so its batches match these shapes. Training
+            # batches come from a rank's shard, so each image gets its own minimal rectangle instead
+            # and the collate pads the few mismatches.
+            self.batch_shapes = None if options.augment else batch_shapes
         self.index: LabelIndex = index
         self.labels = index.labels.copy() if options.single_cls else index.labels  # (M, 5), packed
         if options.single_cls:
@@ -205,7 +209,11 @@ class LoadImagesAndLabels(Dataset):
             target: int | tuple[int, int] = tuple(int(v) for v in self.batch_shapes[index // self.options.batch_size])
         else:
             target = self.options.img_size
-        image, (ratio_w, ratio_h), pad = letterbox(image, target, auto=False, scaleup=self.options.augment)
+        # auto: a rect training image keeps its aspect ratio, padded only to the stride.
+        is_rect_train = self.options.rect and self.batch_shapes is None
+        image, (ratio_w, ratio_h), pad = letterbox(
+            image, target, auto=is_rect_train, scaleup=self.options.augment, stride=self.options.stride
+        )
         inst = transform_instances(self._instances(index, width, height), (ratio_w, ratio_h), pad)
         # Overall scale from the original pixels to the returned image: load resize x letterbox resize.
         shape = ((height0, width0), ((height / height0 * ratio_h, width / width0 * ratio_w), pad))

@@ -45,16 +45,20 @@ def collate_batch(items: list[dict[str, Any]]) -> Batch:
     """Stack dataset items (dicts per docs/CONTRACTS.md) into one `Batch`.
 
     Writes each image's position in the batch into column 0 of its labels (on a copy, so a
-    cached item is never modified). Masks are concatenated, so per-instance masks (n_i, h, w)
-    become (N, h, w) aligned with `targets` rows. Raises ValueError when images differ in size
-    or only some items carry masks/segments.
+    cached item is never modified). Images of different sizes (rectangular training) are padded
+    at the right/bottom to the largest height and width with grey 114, and their normalised
+    labels rescaled to the padded size. Masks are concatenated, so per-instance masks
+    (n_i, h, w) become (N, h, w) aligned with `targets` rows. Raises ValueError when only some
+    items carry masks/segments.
     """
     if not items:
         raise ValueError("collate_batch: got an empty batch")
     paths = [str(item["path"]) for item in items]
-    image_shapes = {tuple(item["image"].shape) for item in items}
-    if len(image_shapes) > 1:
-        raise ValueError(f"collate_batch: images differ in size {sorted(image_shapes)} in batch starting {paths[0]}")
+    if len({tuple(item["image"].shape) for item in items}) > 1:
+        items = [
+            _pad_item(item, max(i["image"].shape[1] for i in items), max(i["image"].shape[2] for i in items))
+            for item in items
+        ]
     targets = []
     for position, item in enumerate(items):
         labels = item["labels"]
@@ -75,6 +79,26 @@ def collate_batch(items: list[dict[str, Any]]) -> Batch:
     if _carried_by(items, "masks"):
         batch["masks"] = torch.cat([item["masks"] for item in items], 0)
     return batch
+
+
+def _pad_item(item: dict[str, Any], height: int, width: int) -> dict[str, Any]:
+    """Return a copy of `item` with its image padded right/bottom to (height, width), labels rescaled."""
+    image = item["image"]
+    _, own_height, own_width = image.shape
+    if (own_height, own_width) == (height, width):
+        return item
+    if "masks" in item:
+        raise ValueError(f"collate_batch: {item['path']} differs in size from its batch and carries masks")
+    padded = torch.full((image.shape[0], height, width), 114, dtype=image.dtype)
+    padded[:, :own_height, :own_width] = image
+    labels = item["labels"].clone()
+    labels[:, [2, 4]] *= own_width / width
+    labels[:, [3, 5]] *= own_height / height
+    out = {**item, "image": padded, "labels": labels}
+    if "segments" in item:
+        scale = torch.tensor([own_width / width, own_height / height]).numpy()
+        out["segments"] = [segment * scale for segment in item["segments"]]
+    return out
 
 
 def _carried_by(items: list[dict[str, Any]], key: str) -> bool:
@@ -173,6 +197,7 @@ def build_train_loader(
     ctx: DistContext,
     seed: int,
     prefetch_factor: int = 2,
+    shuffle: bool = True,
 ) -> TrainLoader:
     """Build this rank's training loader over `dataset.shard`, with equal batches per epoch on every rank.
 
@@ -181,9 +206,10 @@ def build_train_loader(
     world size), the last batch of an epoch may be short (drop_last=False). `num_workers` is
     capped by `resolve_num_workers`; workers persist across epochs (no re-fork, cache pages
     and file handles stay warm) and are seeded by `seed_worker` from (seed, rank, worker id).
-    Memory is pinned when the device is CUDA.
+    Memory is pinned when the device is CUDA. `shuffle=False` (rectangular training) walks the
+    shard in dataset order, which is aspect-ratio order there, so each batch holds similar shapes.
     """
-    sampler = SmartDistributedSampler(dataset.shard, ctx, seed, dataset_len=len(dataset))
+    sampler = SmartDistributedSampler(dataset.shard, ctx, seed, dataset_len=len(dataset), shuffle=shuffle)
     workers = resolve_num_workers(num_workers, ctx, per_rank_batch)
     loader = DataLoader(
         dataset,

@@ -187,7 +187,7 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
         batch_size=per_rank * 2, augment=False, aug=AugmentParams(), rect=True, pad=0.5, cache_mode="none", **common
     )
     val = LoadImagesAndLabels(data.split("val"), val_options, ctx)
-    train_loader = build_train_loader(train, per_rank, cfg.workers, ctx, cfg.seed)
+    train_loader = build_train_loader(train, per_rank, cfg.workers, ctx, cfg.seed, shuffle=not cfg.rect)
     val_loader = build_val_loader(val, per_rank * 2, cfg.workers, ctx)
     return Datasets(train, val, train_loader, val_loader, per_rank)
 
