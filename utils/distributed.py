@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,10 +57,14 @@ _CONTEXT: DistContext | None = None
 
 
 def _env_int(names: tuple[str, ...], default: int) -> int:
+    """First of `names` set in the environment, as an int; SLURM's "8(x2)" task lists give 8."""
     for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            return int(value)
+        value = os.environ.get(name, "").strip()
+        if value:
+            digits = re.match(r"\d+", value)
+            if digits is None:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer")
+            return int(digits.group())
     return default
 
 
@@ -197,13 +202,19 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def smart_ddp(model: torch.nn.Module, ctx: DistContext, sync_bn: bool = False) -> torch.nn.Module:
+def smart_ddp(
+    model: torch.nn.Module, ctx: DistContext, sync_bn: bool = False, static_graph: bool = False
+) -> torch.nn.Module:
     """Wrap `model` for DistributedDataParallel when the job has several processes; else return it.
 
     On CUDA the module uses the local-rank GPU (`device_ids`), and with `sync_bn` its BatchNorm
     layers become SyncBatchNorm first. SyncBatchNorm refuses CPU tensors, so on CPU/gloo one
     warning is logged and per-rank BN is kept (the engine averages BN statistics before each
     evaluation and save). DDP broadcasts rank 0's parameters and buffers at construction.
+
+    `static_graph` lets DDP skip re-discovering the graph each step. Callers must pass False
+    when they accumulate gradients under `no_sync()`: that combination crashes or silently stops
+    all-reducing in current PyTorch releases (pytorch/pytorch#187732).
     """
     if not ctx.is_distributed:
         return model
@@ -215,7 +226,12 @@ def smart_ddp(model: torch.nn.Module, ctx: DistContext, sync_bn: bool = False) -
     elif sync_bn:
         LOGGER.warning("--sync-bn needs CUDA; on CPU each rank keeps its own BatchNorm (stats averaged before eval)")
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None)
+    return DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        output_device=device_ids[0] if device_ids else None,
+        static_graph=static_graph,
+    )
 
 
 def average_bn_stats(model: torch.nn.Module, ctx: DistContext) -> None:

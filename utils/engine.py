@@ -143,8 +143,9 @@ def _optimizer_step(state: TrainState) -> None:
 def build_train_state(bundle: ModelBundle, cfg: TrainConfig, task: Task, ctx: DistContext, batches: int) -> TrainState:
     """Wrap the model for DDP, then create optimizer, LR schedule, scaler, EMA and loss identically on every rank."""
     model = bundle.model
-    ddp = smart_ddp(model, ctx, sync_bn=cfg.sync_bn)
     accumulate = accumulate_steps(cfg.batch_size, NOMINAL_BATCH)
+    # Accumulation (also during warmup's ramp) uses no_sync(), which static_graph does not support.
+    ddp = smart_ddp(model, ctx, sync_bn=cfg.sync_bn, static_graph=cfg.batch_size >= NOMINAL_BATCH)
     weight_decay = scaled_weight_decay(cfg.hyp.weight_decay, cfg.batch_size, accumulate, NOMINAL_BATCH)
     optimizer = build_optimizer(model, cfg.optimizer, cfg.hyp.lr0, cfg.hyp.momentum, weight_decay)
     lr_fn = lr_lambda(cfg.epochs, cfg.hyp.lrf, cfg.cos_lr)

@@ -1,0 +1,116 @@
+"""End-to-end tests: train.py on a tiny generated dataset, val.py on its best.pt, and --resume."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import train
+import val
+from utils.config import ConfigError
+from utils.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
+
+TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.15)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 16/8-image shapes dataset and its YAML, shared by this module's tests."""
+    root = tmp_path_factory.mktemp("tiny")
+    ensure_synthetic_dataset(root / "shapes", TINY)
+    yaml_file = root / "tiny.yaml"
+    yaml_file.write_text(
+        yaml.safe_dump({"path": "shapes", "train": "images/train", "val": "images/val", "names": list(SHAPE_NAMES)})
+    )
+    return yaml_file
+
+
+def _train_args(data: Path, project: Path, name: str, *extra: str) -> list[str]:
+    return ["--data", str(data), "--imgsz", "64", "--batch-size", "8", "--workers", "0", "--device", "cpu",
+            "--project", str(project), "--name", name, "--seed", "3", *extra]
+
+
+def _read_rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as file:
+        return list(csv.DictReader(file))
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Two epochs of train.py, saving epoch1.pt too so --resume can be tested against it."""
+    project = tmp_path_factory.mktemp("runs")
+    result = train.main(_train_args(tiny_data, project, "e2e", "--epochs", "2", "--save-period", "1"))
+    return result
+
+
+def test_train_writes_run_folder_and_finite_results(trained_run) -> None:
+    run_dir = trained_run.run_dir
+    for name in ("weights/last.pt", "weights/best.pt", "weights/epoch1.pt", "results.csv", "opt.yaml", "hyp.yaml"):
+        assert (run_dir / name).is_file(), name
+    rows = _read_rows(run_dir / "results.csv")
+    assert [row["epoch"] for row in rows] == ["1", "2"]
+    for row in rows:
+        for key in ("train/box_loss", "train/obj_loss", "train/cls_loss", "metrics/mAP50", "metrics/mAP50-95"):
+            assert math.isfinite(float(row[key])), key
+    assert set(trained_run.metrics) >= {"precision", "recall", "mAP50", "mAP50-95", "fitness"}
+    options = yaml.safe_load((run_dir / "opt.yaml").read_text())
+    assert options["epochs"] == 2 and options["batch_size"] == 8
+
+
+def test_checkpoints_load_weights_only_and_hold_state(trained_run) -> None:
+    checkpoint = torch.load(trained_run.last, map_location="cpu", weights_only=True)
+    assert checkpoint["epoch"] == 1 and checkpoint["task"] == "detect"
+    assert checkpoint["names"] == list(SHAPE_NAMES)
+    assert checkpoint["optimizer"] is not None and checkpoint["ema"] is not None
+    assert not list(trained_run.last.parent.glob("*.tmp*")), "no temp files left behind"
+
+
+def test_val_reproduces_training_metrics_on_best(trained_run, tiny_data: Path, tmp_path: Path) -> None:
+    # Training validates with global batch 2 x 8 = 16 rect batches; the same batch gives the same padding.
+    result = val.main(["--weights", str(trained_run.best), "--data", str(tiny_data), "--imgsz", "64",
+                       "--batch-size", "16", "--workers", "0", "--device", "cpu", "--project", str(tmp_path)])
+    assert result.num_images == TINY.num_val
+    assert result.as_dict()["mAP50-95"] == pytest.approx(trained_run.metrics["mAP50-95"], abs=0.02)
+    assert set(result.speed_ms) == {"preprocess", "inference", "nms"}
+
+
+def test_resume_continues_from_saved_epoch(trained_run, tmp_path: Path) -> None:
+    # Resume epoch1.pt in a copy of the run folder: it must run exactly epoch 2 and end like the original.
+    import shutil
+
+    copy = tmp_path / "e2e"
+    shutil.copytree(trained_run.run_dir, copy)
+    rows = _read_rows(copy / "results.csv")[:1]
+    with (copy / "results.csv").open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    result = train.main(["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0"])
+    assert result.run_dir == copy and result.epochs_run == 1
+    assert [row["epoch"] for row in _read_rows(copy / "results.csv")] == ["1", "2"]
+    resumed = torch.load(copy / "weights" / "last.pt", weights_only=True)
+    original = torch.load(trained_run.last, weights_only=True)
+    assert resumed["epoch"] == original["epoch"] == 1
+    for key, tensor in original["model"].items():
+        torch.testing.assert_close(resumed["model"][key], tensor, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_resume_of_finished_run_is_one_line_error(trained_run) -> None:
+    with pytest.raises(ConfigError, match="already finished"):
+        train.main(["--resume", str(trained_run.last), "--device", "cpu", "--workers", "0"])
+
+
+def test_val_refuses_mismatched_class_count(trained_run, tmp_path: Path) -> None:
+    data = yaml.safe_load(Path(trained_run.run_dir / "opt.yaml").read_text())["data"]
+    other = tmp_path / "other.yaml"
+    raw = yaml.safe_load(Path(data).read_text())
+    raw["path"] = str((Path(data).parent / raw["path"]).resolve())
+    raw["names"] = ["only"]
+    other.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="trained on 6 classes"):
+        val.main(["--weights", str(trained_run.best), "--data", str(other), "--device", "cpu", "--workers", "0"])
