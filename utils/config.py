@@ -56,6 +56,7 @@ class Hyp:
     mosaic: float
     mixup: float
     copy_paste: float
+    nbs: float  # nominal batch: gradients are accumulated up to it, weight decay scales with it
 
     def to_dict(self) -> dict[str, float]:
         """Return the hyperparameters as a plain dict (for YAML and checkpoints)."""
@@ -203,37 +204,17 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, task: str = "detect") -> TrainConfig:
     """Build the frozen TrainConfig from parsed flags, reading the hyp YAML once."""
     overrides = {} if args.label_smoothing is None else {"label_smoothing": args.label_smoothing}
-    hyp = load_hyp(args.hyp, overrides)
-    return TrainConfig(
-        hyp=hyp,
-        data=args.data,
-        cfg=args.cfg,
-        weights=args.weights,
+    names = {f.name for f in fields(TrainConfig)}
+    values: dict[str, Any] = {key: value for key, value in vars(args).items() if key in names}
+    values.update(
+        hyp=load_hyp(args.hyp, overrides),
         hyp_path=args.hyp,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        imgsz=args.imgsz,
-        device=args.device,
-        workers=args.workers,
         cache=str(args.cache).lower(),
-        optimizer=args.optimizer,
-        cos_lr=args.cos_lr,
-        patience=args.patience,
         freeze=tuple(args.freeze),
-        seed=args.seed,
-        deterministic=args.deterministic,
         resume=args.resume or "",
-        project=args.project,
-        name=args.name,
-        exist_ok=args.exist_ok,
-        noval=args.noval,
-        nosave=args.nosave,
-        save_period=args.save_period,
-        rect=args.rect,
-        single_cls=args.single_cls,
-        sync_bn=args.sync_bn,
         task=task,
     )
+    return TrainConfig(**values)
 
 
 def validate(cfg: TrainConfig, ctx: DistContext) -> None:
@@ -258,6 +239,8 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
         raise ConfigError(f"--optimizer {cfg.optimizer} is not one of {', '.join(OPTIMIZERS)}")
     if cfg.workers < 0:
         raise ConfigError(f"--workers {cfg.workers} must be >= 0")
+    if cfg.hyp.nbs < 1:
+        raise ConfigError(f"{cfg.hyp_path}: nbs {cfg.hyp.nbs} must be at least 1")
     if not 0.0 <= cfg.hyp.label_smoothing < 1.0:
         raise ConfigError(f"--label-smoothing {cfg.hyp.label_smoothing} must be in [0, 1)")
     if cfg.weights and not Path(cfg.weights).is_file():

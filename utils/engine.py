@@ -43,7 +43,6 @@ from utils.run_setup import (
 from utils.tasks import Task
 
 LOGGER = logging.getLogger(__name__)
-NOMINAL_BATCH = 64
 
 
 @dataclass
@@ -128,7 +127,7 @@ def _accumulate_now(state: TrainState, iteration: int, cfg: TrainConfig) -> int:
     if iteration > state.warmup_iters:
         return state.accumulate
     global_batch = cfg.batch_size
-    return max(1, int(np.interp(iteration, [0, state.warmup_iters], [1, NOMINAL_BATCH / global_batch]).round()))
+    return max(1, int(np.interp(iteration, [0, state.warmup_iters], [1, cfg.hyp.nbs / global_batch]).round()))
 
 
 def _optimizer_step(state: TrainState) -> None:
@@ -143,10 +142,11 @@ def _optimizer_step(state: TrainState) -> None:
 def build_train_state(bundle: ModelBundle, cfg: TrainConfig, task: Task, ctx: DistContext, batches: int) -> TrainState:
     """Wrap the model for DDP, then create optimizer, LR schedule, scaler, EMA and loss identically on every rank."""
     model = bundle.model
-    accumulate = accumulate_steps(cfg.batch_size, NOMINAL_BATCH)
+    nominal = int(cfg.hyp.nbs)
+    accumulate = accumulate_steps(cfg.batch_size, nominal)
     # Accumulation (also during warmup's ramp) uses no_sync(), which static_graph does not support.
-    ddp = smart_ddp(model, ctx, sync_bn=cfg.sync_bn, static_graph=cfg.batch_size >= NOMINAL_BATCH)
-    weight_decay = scaled_weight_decay(cfg.hyp.weight_decay, cfg.batch_size, accumulate, NOMINAL_BATCH)
+    ddp = smart_ddp(model, ctx, sync_bn=cfg.sync_bn, static_graph=cfg.batch_size >= nominal)
+    weight_decay = scaled_weight_decay(cfg.hyp.weight_decay, cfg.batch_size, accumulate, nominal)
     optimizer = build_optimizer(model, cfg.optimizer, cfg.hyp.lr0, cfg.hyp.momentum, weight_decay)
     lr_fn = lr_lambda(cfg.epochs, cfg.hyp.lrf, cfg.cos_lr)
     scheduler = build_scheduler(optimizer, lr_fn)

@@ -218,7 +218,7 @@ def log_startup(cfg: TrainConfig, bundle: ModelBundle, datasets: Datasets, accum
     cached = getattr(datasets.train, "cached_count", 0)
     LOGGER.info(
         f"world size {ctx.world_size} | global batch {cfg.batch_size} | per-rank batch {datasets.per_rank_batch} | "
-        f"accumulate {accumulate} (nominal 64) | train images {len(datasets.train)} "
+        f"accumulate {accumulate} (nominal batch {int(cfg.hyp.nbs)}) | train images {len(datasets.train)} "
         f"(this rank's shard {len(datasets.train.shard)}, cached {cached}) | val images {len(datasets.val)} | "
         f"{len(datasets.train_loader)} steps/epoch | device {ctx.device}"
     )

@@ -1,0 +1,47 @@
+"""Unit tests for engine/run-setup pieces that need no training run: freezing, early stop, augment params."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.yolo import build_model, spec_from_cfg
+from utils.config import DEFAULT_HYP, load_hyp
+from utils.engine import EarlyStopper
+from utils.run_setup import augment_params, freeze_layers
+
+
+def test_freeze_first_ten_layers_freezes_exactly_the_backbone() -> None:
+    model = build_model(spec_from_cfg("yolov5n", 3))
+    freeze_layers(model, (10,))
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert frozen and all(name.startswith("backbone.") for name in frozen)
+    assert not any(name.startswith("backbone.") for name in trainable)
+    assert any(name.startswith("head.") for name in trainable)
+
+
+def test_freeze_list_of_indices() -> None:
+    model = build_model(spec_from_cfg("yolov5n", 3))
+    freeze_layers(model, (0, 24))  # the stem and the head
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    assert all(name.startswith(("backbone.stem.", "head.")) for name in frozen)
+    assert any(name.startswith("backbone.stem.") for name in frozen)
+    assert any(name.startswith("head.") for name in frozen)
+    assert all(p.requires_grad for name, p in model.named_parameters() if name.startswith(("backbone.stage", "neck.")))
+
+
+def test_early_stopper_waits_patience_epochs_after_best() -> None:
+    stopper = EarlyStopper(patience=2)
+    decisions = [stopper.should_stop(epoch, fitness) for epoch, fitness in enumerate([0.1, 0.3, 0.2, 0.25, 0.1])]
+    assert decisions == [False, False, False, True, True]
+    assert stopper.best_epoch == 1
+    never = EarlyStopper(patience=0)
+    assert not any(never.should_stop(epoch, 0.0 if epoch else 1.0) for epoch in range(50))
+
+
+@pytest.mark.parametrize("rect", [False, True])
+def test_augment_params_take_hyp_values_and_rect_disables_mosaic(rect: bool) -> None:
+    hyp = load_hyp(DEFAULT_HYP)
+    params = augment_params(hyp, rect)
+    assert params.hsv_s == hyp.hsv_s and params.fliplr == hyp.fliplr and params.scale == hyp.scale
+    assert params.mosaic == (0.0 if rect else hyp.mosaic)
