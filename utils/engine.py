@@ -81,8 +81,10 @@ def train_one_epoch(state: TrainState, loader: Any, epoch: int, cfg: TrainConfig
 
     One optimiser step per `accumulate` micro-batches. Micro-batches that do not end an
     accumulation run under DDP's no_sync(), so gradients are all-reduced once per step, and the
-    loss is multiplied by the world size so the summed gradient matches one process with the
-    global batch. The step decision depends only on the iteration number, so ranks agree.
+    loss is multiplied by the world size so DDP's averaged gradient matches one process with the
+    global batch. (The loss normalises its box/cls terms by each rank's own number of matched
+    anchors, as YOLOv5 does, so the match is exact when ranks have equal match counts.) The step
+    decision depends only on the iteration number, so ranks agree.
     """
     state.model.train()
     num_batches = len(loader)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,14 +203,23 @@ def run_anchor_check(bundle: ModelBundle, train: LoadImagesAndLabels, cfg: Train
 
 
 def verify_identical_weights(model: nn.Module, ctx: DistContext) -> None:
-    """Raise when ranks hold different model weights (checksum over parameters and buffers)."""
+    """Raise when ranks hold different model weights or buffers; every rank must call it.
+
+    After DDP's broadcast every rank must hold bit-identical tensors, so each rank hashes the
+    raw bytes of every floating-point tensor and the digests are compared exactly (a summed
+    checksum would miss swapped or slightly different values).
+    """
     if not ctx.is_distributed:
         return
-    with torch.no_grad():
-        checksum = sum(float(t.double().sum()) for t in model.state_dict().values() if t.is_floating_point())
-    sums = all_gather_objects(checksum, ctx)
-    if any(abs(s - sums[0]) > 1e-6 * max(1.0, abs(sums[0])) for s in sums):
-        raise RuntimeError(f"model weights differ across ranks (checksums {sums})")
+    digests = {
+        name: hashlib.sha1(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+        for name, tensor in model.state_dict().items()
+        if tensor.is_floating_point()
+    }
+    every = all_gather_objects(digests, ctx)
+    differing = sorted({name for other in every[1:] for name in digests if other.get(name) != every[0].get(name)})
+    if differing:
+        raise RuntimeError(f"model weights differ across ranks in {len(differing)} tensors, first {differing[0]}")
 
 
 def log_startup(cfg: TrainConfig, bundle: ModelBundle, datasets: Datasets, accumulate: int, ctx: DistContext) -> None:

@@ -1,0 +1,159 @@
+"""train.py under torchrun with 2 CPU processes: a run, rank-0-only writes and logs, a batch error, --resume.
+
+Each launch is a real `python -m torch.distributed.run` subprocess with a timeout, so a hang fails the
+test instead of the suite. torchrun redirects each rank's stdout/stderr to its own file under
+--log-dir, which lets the tests say which rank printed what.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from utils.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = SyntheticSpec(num_train=8, num_val=4, max_objects=3, min_object_frac=0.2, min_side=64, max_side=96)
+LAUNCH_TIMEOUT_S = 240
+NPROC = 2
+
+
+@dataclass
+class Launch:
+    """What one torchrun launch left: its exit code and wall time, and each rank's stdout and stderr."""
+
+    returncode: int
+    seconds: float
+    launcher_output: str
+    rank_stdout: list[str]
+    rank_stderr: list[str]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun(log_dir: Path, *train_args: str) -> Launch:
+    """Run `torchrun --nproc_per_node 2 train.py --device cpu --workers 0 <train_args>` and collect its output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC),
+               "--master_port", str(_free_port()), "--log-dir", str(log_dir), "--redirects", "3",
+               "train.py", "--device", "cpu", "--workers", "0", *train_args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    start = time.monotonic()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    seconds = time.monotonic() - start
+    rank_dirs = [next(log_dir.glob(f"*/attempt_0/{rank}"), None) for rank in range(NPROC)]
+    if None in rank_dirs:
+        pytest.fail(f"torchrun left no per-rank logs (exit {done.returncode}):\n{done.stdout}{done.stderr}")
+    return Launch(
+        returncode=done.returncode,
+        seconds=seconds,
+        launcher_output=done.stdout + done.stderr,
+        rank_stdout=[(d / "stdout.log").read_text() for d in rank_dirs],
+        rank_stderr=[(d / "stderr.log").read_text() for d in rank_dirs],
+    )
+
+
+def _train_args(data: Path, project: Path, name: str, *extra: str) -> list[str]:
+    return ["--data", str(data), "--imgsz", "64", "--batch-size", "4", "--project", str(project),
+            "--name", name, "--seed", "3", *extra]  # fmt: skip
+
+
+def _epochs_in_csv(path: Path) -> list[str]:
+    with path.open() as file:
+        return [row["epoch"] for row in csv.DictReader(file)]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An 8/4-image shapes dataset (64-96 px images) and its YAML."""
+    root = tmp_path_factory.mktemp("torchrun_data")
+    ensure_synthetic_dataset(root / "shapes", TINY)
+    yaml_file = root / "tiny.yaml"
+    yaml_file.write_text(
+        yaml.safe_dump({"path": "shapes", "train": "images/train", "val": "images/val", "names": list(SHAPE_NAMES)})
+    )
+    return yaml_file
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Launch, Path]:
+    """Two epochs of train.py on 2 processes, saving epoch1.pt so --resume can be tested; (launch, project)."""
+    root = tmp_path_factory.mktemp("torchrun")
+    project = root / "runs"
+    launch = _torchrun(root / "logs", *_train_args(tiny_data, project, "ddp", "--epochs", "2", "--save-period", "1"))
+    assert launch.returncode == 0, launch.launcher_output + "\n".join(launch.rank_stderr)
+    return launch, project
+
+
+def test_run_succeeds_with_one_csv_row_per_epoch_and_loadable_weights(ddp_run) -> None:
+    _, project = ddp_run
+    run_dir = project / "ddp"
+    assert _epochs_in_csv(run_dir / "results.csv") == ["1", "2"]
+    for name in ("best.pt", "last.pt"):
+        checkpoint = torch.load(run_dir / "weights" / name, map_location="cpu", weights_only=True)
+        assert checkpoint["train_config"]["batch_size"] == 4
+        assert checkpoint["names"] == list(SHAPE_NAMES)
+    assert torch.load(run_dir / "weights" / "last.pt", weights_only=True)["epoch"] == 1
+
+
+def test_only_rank0_writes_files_and_info_logs(ddp_run, tiny_data: Path) -> None:
+    launch, project = ddp_run
+    assert [p.name for p in project.iterdir()] == ["ddp"], "exactly one run folder (no ddp2 from rank 1)"
+    assert not [p for p in project.rglob("*") if ".tmp" in p.name], "no temporary files left behind"
+    assert len(list(tiny_data.parent.rglob("*.cache"))) == 2, "one label cache per split, written once"
+    rank0, rank1 = launch.rank_stderr
+    for info in ("world size 2 | global batch 4 | per-rank batch 2", "optimizer:", "val: P", "Final ("):
+        assert info in rank0, f"rank 0 should log {info!r}"
+        assert info not in rank1, f"rank 1 must not log {info!r}"
+    # Rank 1 logs warnings only, tagged with its rank; indented lines belong to Python warnings.
+    untagged = [line for line in rank1.splitlines() if line.strip() and not line.startswith(("[rank 1]", " "))]
+    assert not [line for line in untagged if "Warning" not in line], rank1
+    assert "Done: 2 epochs" in launch.rank_stdout[0] and "Done" not in launch.rank_stdout[1]
+
+
+def test_batch_size_not_divisible_by_processes_fails_fast_with_one_line(tiny_data: Path, tmp_path: Path) -> None:
+    launch = _torchrun(tmp_path / "logs", *_train_args(tiny_data, tmp_path / "runs", "bad", "--batch-size", "3"))
+    assert launch.returncode != 0
+    for stderr in launch.rank_stderr:
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1, stderr
+        assert lines[0].startswith("error: --batch-size 3 is not divisible by 2 processes"), stderr
+    assert not (tmp_path / "runs").exists(), "nothing is written before the options are validated"
+    assert launch.seconds < LAUNCH_TIMEOUT_S / 4, f"took {launch.seconds:.0f} s: a rank waited instead of failing"
+
+
+def test_resume_under_torchrun_continues_from_saved_epoch(ddp_run, tmp_path: Path) -> None:
+    # Resume epoch1.pt in a copy of the run folder: it must run exactly epoch 2 and end like the original.
+    _, project = ddp_run
+    copy = tmp_path / "runs" / "ddp"
+    shutil.copytree(project / "ddp", copy)
+    with (copy / "results.csv").open() as file:
+        first_row = next(csv.DictReader(file))
+    with (copy / "results.csv").open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(first_row))
+        writer.writeheader()
+        writer.writerow(first_row)
+    launch = _torchrun(tmp_path / "logs", "--resume", str(copy / "weights" / "epoch1.pt"))
+    assert launch.returncode == 0, launch.launcher_output + "\n".join(launch.rank_stderr)
+    assert "Done: 1 epochs. Final mAP50" in launch.rank_stdout[0] and str(copy) in launch.rank_stdout[0]
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["ddp"], "resume writes into the copied folder"
+    assert _epochs_in_csv(copy / "results.csv") == ["1", "2"]
+    resumed = torch.load(copy / "weights" / "last.pt", weights_only=True)
+    original = torch.load(project / "ddp" / "weights" / "last.pt", weights_only=True)
+    assert resumed["epoch"] == original["epoch"] == 1
+    for key, tensor in original["model"].items():
+        torch.testing.assert_close(resumed["model"][key], tensor, rtol=1e-4, atol=1e-5, msg=key)
