@@ -18,7 +18,14 @@ from tqdm import tqdm
 from utils import checkpoint as ckpt_io
 from utils.config import ConfigError, TrainConfig, save_run_config
 from utils.data_config import load_data_config
-from utils.distributed import DistContext, average_bn_stats, broadcast_object, seed_everything, smart_ddp
+from utils.distributed import (
+    DistContext,
+    all_reduce_sum,
+    average_bn_stats,
+    broadcast_object,
+    seed_everything,
+    smart_ddp,
+)
 from utils.ema import ModelEMA
 from utils.logging import ResultsCSV, tqdm_disabled
 from utils.optim import (
@@ -82,12 +89,14 @@ def train_one_epoch(state: TrainState, loader: Any, epoch: int, cfg: TrainConfig
     One optimiser step per `accumulate` micro-batches. Micro-batches that do not end an
     accumulation run under DDP's no_sync(), so gradients are all-reduced once per step, and the
     loss is multiplied by the world size so DDP's averaged gradient matches one process with the
-    global batch. (The loss normalises its box/cls terms by each rank's own number of matched
-    anchors, as YOLOv5 does, so the match is exact when ranks have equal match counts.) The step
-    decision depends only on the iteration number, so ranks agree.
+    global batch; the loss normalises by match counts averaged over ranks, so this holds exactly
+    even when ranks match different numbers of anchors. The step decision depends only on the
+    iteration number, so ranks agree.
     """
     state.model.train()
     num_batches = len(loader)
+    # Every rank runs the same number of steps, so the loss may all-reduce its match counts.
+    reduce_counts = (lambda counts: all_reduce_sum(counts, ctx) / ctx.world_size) if ctx.is_distributed else None
     mean_loss = np.zeros(len(state.loss_fn.item_names) if hasattr(state.loss_fn, "item_names") else 3)
     progress = tqdm(loader, total=num_batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=tqdm_disabled(ctx))
     for i, batch in enumerate(progress):
@@ -110,7 +119,7 @@ def train_one_epoch(state: TrainState, loader: Any, epoch: int, cfg: TrainConfig
         with sync_context:
             with torch.autocast(ctx.device.type, dtype=torch.float16, enabled=state.use_amp):
                 preds = state.ddp(images)
-                loss, items = state.loss_fn(preds, batch["targets"].to(ctx.device))
+                loss, items = state.loss_fn(preds, batch["targets"].to(ctx.device), reduce_counts)
             state.scaler.scale(loss * ctx.world_size).backward()
         if is_step:
             _optimizer_step(state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,10 @@ def class_targets(classes: torch.Tensor, num_classes: int, label_smoothing: floa
     return targets
 
 
-def bce_with_logits(logits: torch.Tensor, targets: torch.Tensor, pos_weight: float, fl_gamma: float) -> torch.Tensor:
-    """Mean BCE on logits with a positive-class weight; focal-modulated (alpha 0.25) when fl_gamma > 0.
+def bce_with_logits(
+    logits: torch.Tensor, targets: torch.Tensor, pos_weight: float, fl_gamma: float, reduction: str = "mean"
+) -> torch.Tensor:
+    """BCE on logits (mean or sum) with a positive-class weight; focal-modulated (alpha 0.25) when fl_gamma > 0.
 
     The focal factor (1 - p_t)^gamma down-weights easy examples (Lin et al. 2017).
     """
@@ -67,7 +70,7 @@ def bce_with_logits(logits: torch.Tensor, targets: torch.Tensor, pos_weight: flo
         p_t = targets * prob + (1 - targets) * (1 - prob)
         alpha = targets * FOCAL_ALPHA + (1 - targets) * (1 - FOCAL_ALPHA)
         loss = loss * alpha * (1 - p_t) ** fl_gamma
-    return loss.mean()
+    return loss.sum() if reduction == "sum" else loss.mean()
 
 
 @dataclass
@@ -126,6 +129,16 @@ def assign_targets(
     )
 
 
+@dataclass(frozen=True)
+class LevelTerms:
+    """One level's loss pieces before normalisation: box and class sums over matches, objectness mean."""
+
+    box_sum: torch.Tensor
+    cls_sum: torch.Tensor
+    obj_mean: torch.Tensor
+    num_matches: int
+
+
 class DetectionLoss:
     """YOLOv5 detection loss: (1 - CIoU) box + objectness BCE (IoU as target) + class BCE.
 
@@ -159,39 +172,58 @@ class DetectionLoss:
         self.cls_pw = cls_pw
         self.obj_pw = obj_pw
 
-    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compute the loss for one batch; see the class docstring for shapes."""
+    def __call__(
+        self,
+        preds: list[torch.Tensor],
+        targets: torch.Tensor,
+        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute the loss for one batch; see the class docstring for shapes.
+
+        Box and class terms are means over matched anchors. Under DDP pass `reduce_counts`
+        (e.g. all-reduce then divide by the world size): each level's match count is then the
+        mean over ranks, so the ranks' losses add up to exactly one process's loss on the global
+        batch even when ranks match different numbers of anchors. Objectness is a mean over
+        cells, which equal per-rank batches already make exact. Without it (evaluation, one
+        process) each call normalises by its own counts, as YOLOv5 does.
+        """
         targets = targets.to(device=preds[0].device, dtype=torch.float32)
         balance = LEVEL_BALANCE[self.head.num_levels]
+        levels = [self._level_losses(raw.float(), level, targets) for level, raw in enumerate(preds)]  # fp32 in AMP
+        counts = torch.tensor([float(level.num_matches) for level in levels], device=preds[0].device)
+        if reduce_counts is not None:
+            counts = reduce_counts(counts)
         box_loss = obj_loss = cls_loss = preds[0].new_zeros((), dtype=torch.float32)
-        for level, raw in enumerate(preds):
-            level_box, level_obj, level_cls = self._level_losses(raw.float(), level, targets)  # fp32 under AMP
-            box_loss = box_loss + level_box
-            obj_loss = obj_loss + level_obj * balance[level]
-            cls_loss = cls_loss + level_cls
+        for level, (terms, count) in enumerate(zip(levels, counts, strict=True)):
+            denominator = count.clamp(min=1.0)
+            box_loss = box_loss + terms.box_sum / denominator
+            cls_loss = cls_loss + terms.cls_sum / (denominator * max(self.head.num_classes, 1))
+            obj_loss = obj_loss + terms.obj_mean * balance[level]
         losses = torch.stack((box_loss * self.gains.box, obj_loss * self.gains.obj, cls_loss * self.gains.cls))
         batch_size = preds[0].shape[0]
         return losses.sum().view(1) * batch_size, losses.detach()
 
-    def _level_losses(
-        self, raw: torch.Tensor, level: int, targets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return the unweighted (box, obj, cls) losses of one level; raw: (B, na, H, W, no) float32."""
+    def _level_losses(self, raw: torch.Tensor, level: int, targets: torch.Tensor) -> LevelTerms:
+        """Return one level's box and class loss sums over matches and its objectness mean.
+
+        raw: (B, na, H, W, no) float32.
+        """
         num_classes = self.head.num_classes
         assigned = assign_targets(targets, self.head.anchors[level].float(), tuple(raw.shape[2:4]), self.anchor_t)
         obj_target = torch.zeros(raw.shape[:4], device=raw.device)
-        box_loss = cls_loss = raw.new_zeros(())
-        if len(assigned.image_index):
+        box_sum = cls_sum = raw.new_zeros(())
+        num_matches = len(assigned.image_index)
+        if num_matches:
             cells = (assigned.image_index, assigned.anchor_index, assigned.cell_y, assigned.cell_x)
             pred = raw[cells]  # (m, no)
             pred_xy = pred[:, 0:2].sigmoid() * 2 - 0.5
             pred_wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * assigned.anchors
             iou = bbox_iou(torch.cat((pred_xy, pred_wh), 1), assigned.boxes_xywh, xywh=True, kind="ciou")
-            box_loss = (1.0 - iou).mean()
+            box_sum = (1.0 - iou).sum()
             # Objectness learns to predict the box quality; where matches collide the last one wins.
             obj_target[cells] = iou.detach().clamp(min=0)
             if num_classes > 1:
                 wanted = class_targets(assigned.classes, num_classes, self.label_smoothing)
-                cls_loss = bce_with_logits(pred[:, 5 : 5 + num_classes], wanted, self.cls_pw, self.fl_gamma)
-        obj_loss = bce_with_logits(raw[..., 4], obj_target, self.obj_pw, self.fl_gamma)
-        return box_loss, obj_loss, cls_loss
+                cls_sum = bce_with_logits(pred[:, 5 : 5 + num_classes], wanted, self.cls_pw, self.fl_gamma, "sum")
+        obj_mean = bce_with_logits(raw[..., 4], obj_target, self.obj_pw, self.fl_gamma)
+        return LevelTerms(box_sum, cls_sum, obj_mean, num_matches)
