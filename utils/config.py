@@ -16,11 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT / "data" / "synthetic.yaml"
 DEFAULT_HYP = ROOT / "data" / "hyps" / "hyp.scratch-low.yaml"
 # `python train.py` with no flags is the quick start: a short from-scratch run on the built-in
-# dataset that finishes in ~15 minutes on 2 CPU cores. For your own data use the YOLOv5 recipe:
+# dataset that finishes in under 15 minutes on 2 CPU cores. For your own data use the YOLOv5 recipe:
 # --hyp data/hyps/hyp.scratch-low.yaml --optimizer SGD --imgsz 640 --epochs 100 --batch-size 64.
 QUICKSTART_HYP = ROOT / "data" / "hyps" / "hyp.quickstart.yaml"
-QUICKSTART_IMGSZ = 256
-QUICKSTART_EPOCHS = 15
+QUICKSTART_IMGSZ = 224
+QUICKSTART_EPOCHS = 20
 QUICKSTART_BATCH = 16
 QUICKSTART_OPTIMIZER = "AdamW"
 CACHE_MODES = ("none", "ram", "disk")
