@@ -31,8 +31,25 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _train_args(data: Path, project: Path, name: str, *extra: str) -> list[str]:
-    return ["--data", str(data), "--imgsz", "64", "--batch-size", "8", "--workers", "0", "--device", "cpu",
-            "--project", str(project), "--name", name, "--seed", "3", *extra]
+    return [
+        "--data",
+        str(data),
+        "--imgsz",
+        "64",
+        "--batch-size",
+        "8",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--project",
+        str(project),
+        "--name",
+        name,
+        "--seed",
+        "3",
+        *extra,
+    ]
 
 
 def _read_rows(path: Path) -> list[dict[str, str]]:
@@ -72,8 +89,24 @@ def test_checkpoints_load_weights_only_and_hold_state(trained_run) -> None:
 
 def test_val_reproduces_training_metrics_on_best(trained_run, tiny_data: Path, tmp_path: Path) -> None:
     # Training validates with global batch 2 x 8 = 16 rect batches; the same batch gives the same padding.
-    result = val.main(["--weights", str(trained_run.best), "--data", str(tiny_data), "--imgsz", "64",
-                       "--batch-size", "16", "--workers", "0", "--device", "cpu", "--project", str(tmp_path)])
+    result = val.main(
+        [
+            "--weights",
+            str(trained_run.best),
+            "--data",
+            str(tiny_data),
+            "--imgsz",
+            "64",
+            "--batch-size",
+            "16",
+            "--workers",
+            "0",
+            "--device",
+            "cpu",
+            "--project",
+            str(tmp_path),
+        ]
+    )
     assert result.num_images == TINY.num_val
     assert result.as_dict()["mAP50-95"] == pytest.approx(trained_run.metrics["mAP50-95"], abs=0.02)
     assert set(result.speed_ms) == {"preprocess", "inference", "nms"}
