@@ -21,17 +21,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import yaml
 from torch import nn
 
 from models.yolo import build_model, spec_from_cfg
+from tests.conftest import make_tiny_dataset
 from tests.dist_helpers import run_distributed
 from utils.config import DEFAULT_HYP, TrainConfig, build_train_parser, config_from_args, load_hyp
 from utils.distributed import DistContext, average_bn_stats
 from utils.engine import build_train_state, fit, train_one_epoch
 from utils.evaluate import evaluate_detection
 from utils.run_setup import ModelBundle, verify_identical_weights
-from utils.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
+from utils.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.tasks import DETECT
 
 IMGSZ = 64
@@ -270,13 +270,7 @@ def _parts(rank_results: tuple[list[dict[str, Any]], Path], name: str) -> list[A
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An 8/4-image shapes dataset (64-96 px images) and its YAML."""
-    root = tmp_path_factory.mktemp("ddp_data")
-    ensure_synthetic_dataset(root / "shapes", TINY)
-    yaml_file = root / "tiny.yaml"
-    yaml_file.write_text(
-        yaml.safe_dump({"path": "shapes", "train": "images/train", "val": "images/val", "names": list(SHAPE_NAMES)})
-    )
-    return yaml_file
+    return make_tiny_dataset(tmp_path_factory.mktemp("ddp_data"), TINY)
 
 
 @pytest.fixture(scope="module")

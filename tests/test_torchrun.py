@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from utils.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
+from tests.conftest import make_tiny_dataset
+from utils.synthetic import SHAPE_NAMES, SyntheticSpec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = SyntheticSpec(num_train=8, num_val=4, max_objects=3, min_object_frac=0.2, min_side=64, max_side=96)
@@ -80,13 +80,7 @@ def _epochs_in_csv(path: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An 8/4-image shapes dataset (64-96 px images) and its YAML."""
-    root = tmp_path_factory.mktemp("torchrun_data")
-    ensure_synthetic_dataset(root / "shapes", TINY)
-    yaml_file = root / "tiny.yaml"
-    yaml_file.write_text(
-        yaml.safe_dump({"path": "shapes", "train": "images/train", "val": "images/val", "names": list(SHAPE_NAMES)})
-    )
-    return yaml_file
+    return make_tiny_dataset(tmp_path_factory.mktemp("torchrun_data"), TINY)
 
 
 @pytest.fixture(scope="module")

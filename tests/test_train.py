@@ -12,8 +12,9 @@ import yaml
 
 import train
 import val
+from tests.conftest import make_tiny_dataset
 from utils.config import ConfigError
-from utils.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
+from utils.synthetic import SHAPE_NAMES, SyntheticSpec
 
 TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.15)
 
@@ -21,13 +22,7 @@ TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.1
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 16/8-image shapes dataset and its YAML, shared by this module's tests."""
-    root = tmp_path_factory.mktemp("tiny")
-    ensure_synthetic_dataset(root / "shapes", TINY)
-    yaml_file = root / "tiny.yaml"
-    yaml_file.write_text(
-        yaml.safe_dump({"path": "shapes", "train": "images/train", "val": "images/val", "names": list(SHAPE_NAMES)})
-    )
-    return yaml_file
+    return make_tiny_dataset(tmp_path_factory.mktemp("tiny"), TINY)
 
 
 def _train_args(data: Path, project: Path, name: str, *extra: str) -> list[str]:
