@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from tests.dist_helpers import run_distributed
 from utils.augment import AugmentParams
+from utils.cache import resized_hw
 from utils.dataset import DatasetOptions, LoadImagesAndLabels, rect_batch_shapes
 from utils.distributed import DistContext
 
@@ -207,6 +208,8 @@ def _build_on_rank(ctx: DistContext, folder: str) -> dict[str, Any]:
         "files": dataset.im_files,
         "shard": dataset.shard.tolist(),
         "cached": dataset.cache.indices.tolist() if dataset.cache else None,
+        "cached_bytes": dataset.cache.nbytes if dataset.cache else None,
+        "shard_bytes": sum(3 * int(np.prod(resized_hw(int(h), int(w), 64))) for w, h in dataset.shapes[dataset.shard]),
         "counts": dataset.counts,
         "labels": dataset.index.labels.tolist(),
     }
@@ -221,3 +224,5 @@ def test_two_gloo_ranks_share_the_label_cache_and_split_the_images(tmp_path: Pat
     assert rank0["counts"] == rank1["counts"] == {"found": 16, "missing": 0, "empty": 0, "corrupt": 0}
     assert sorted(rank0["shard"] + rank1["shard"]) == list(range(16)) and len(rank0["shard"]) == 8
     assert rank0["cached"] == rank0["shard"] and rank1["cached"] == rank1["shard"]
+    # Each rank holds exactly its shard's resized pixels, nothing of the other rank's.
+    assert rank0["cached_bytes"] == rank0["shard_bytes"] and rank1["cached_bytes"] == rank1["shard_bytes"]
