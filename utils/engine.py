@@ -261,7 +261,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
         stop = broadcast_object(stopper.should_stop(epoch, fitness) if ctx.is_main else False, ctx)
         if stop:
             break
-    final = _final_validation(best, task, datasets, bundle, ctx)
+    final, best = _final_validation(best, last, task, datasets, bundle, ctx)
     return FitResult(run_dir, best, last, final, epoch + 1 - state.start_epoch)
 
 
@@ -303,14 +303,16 @@ def _save(state, bundle, cfg, task, epoch, fitness, ctx, weights_dir: Path) -> N
         ckpt_io.save_checkpoint(checkpoint, weights_dir / f"epoch{epoch + 1}.pt", ctx)
 
 
-def _final_validation(path: Path, task, datasets, bundle, ctx) -> dict[str, float]:
-    """Validate the EMA weights stored in `path` (best.pt) once more; every rank takes part.
+def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx) -> tuple[dict[str, float], Path]:
+    """Validate the EMA weights of best.pt (last.pt when --nosave never wrote a best) once more.
 
-    Only rank 0 is sure to see the file (other nodes may not share the filesystem), so rank 0
-    reads the weights and broadcasts them.
+    Returns the metrics and the checkpoint they belong to.
+    Every rank takes part. Only rank 0 is sure to see the file (other nodes may not share the
+    filesystem), so rank 0 reads the weights and broadcasts them.
     """
     from utils.evaluate import EvalOptions
 
+    path = Path(broadcast_object(str(best if best.exists() else last) if ctx.is_main else None, ctx))
     weights = ckpt_io.inference_weights(ckpt_io.load_checkpoint(path)) if ctx.is_main else None
     weights = broadcast_object(weights, ctx)
     model = task.build_model(bundle.spec).to(ctx.device)
@@ -319,4 +321,4 @@ def _final_validation(path: Path, task, datasets, bundle, ctx) -> dict[str, floa
     result = task.evaluate(model, datasets.val_loader, options, ctx)
     metrics = {key: float(value) for key, value in result.as_dict().items()}
     LOGGER.info(f"Final ({path}): mAP50 {metrics['mAP50']:.4f}  mAP50-95 {metrics['mAP50-95']:.4f}")
-    return metrics
+    return metrics, path
