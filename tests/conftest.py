@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
 from utils.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
@@ -17,3 +20,15 @@ def make_tiny_dataset(root: Path, spec: SyntheticSpec) -> Path:
         yaml.safe_dump({"path": "shapes", "train": "images/train", "val": "images/val", "names": list(SHAPE_NAMES)})
     )
     return yaml_file
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Run a module's model-heavy tests on one intra-op thread, restoring the previous count after.
+
+    Two threads on a loaded 2-core machine made single yolov5n steps up to 20x slower.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -23,13 +21,7 @@ GAINS = scale_loss_gains(0.05, 0.5, 1.0, num_classes=3, imgsz=64, num_levels=3)
 TARGETS = torch.tensor([[0, 1, 0.50, 0.50, 0.30, 0.40], [1, 0, 0.20, 0.70, 0.20, 0.30], [1, 2, 0.70, 0.30, 0.50, 0.50]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Test machines run several suites at once on 2 cores; one intra-op thread avoids oversubscription stalls.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(num_classes: int = 3) -> DetectionModel:
