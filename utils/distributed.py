@@ -52,7 +52,7 @@ class DistContext:
         return self.world_size > 1
 
 
-# The single piece of global mutable state (see docs/DESIGN.md): set once by init_distributed().
+# The single piece of global mutable state (see docs/DESIGN.md): set by init_distributed(), cleared by cleanup().
 _CONTEXT: DistContext | None = None
 
 
@@ -121,14 +121,6 @@ def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT
         dist.init_process_group(**init_kwargs)
     _CONTEXT = DistContext(rank, local_rank, world_size, device, local_world_size)
     return _CONTEXT
-
-
-def get_context() -> DistContext:
-    """Return the context set by init_distributed(), or a single-process CPU one before that.
-
-    Only entry points and logging call this; library code receives `ctx` as a parameter.
-    """
-    return _CONTEXT if _CONTEXT is not None else DistContext()
 
 
 def cleanup() -> None:

@@ -97,7 +97,7 @@ def train_one_epoch(state: TrainState, loader: Any, epoch: int, cfg: TrainConfig
     num_batches = len(loader)
     # Every rank runs the same number of steps, so the loss may all-reduce its match counts.
     reduce_counts = (lambda counts: all_reduce_sum(counts, ctx) / ctx.world_size) if ctx.is_distributed else None
-    mean_loss = np.zeros(len(state.loss_fn.item_names) if hasattr(state.loss_fn, "item_names") else 3)
+    mean_loss = np.zeros(len(state.loss_fn.item_names))
     progress = tqdm(loader, total=num_batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=tqdm_disabled(ctx))
     for i, batch in enumerate(progress):
         iteration = i + num_batches * epoch
