@@ -137,6 +137,8 @@ class TrainConfig:
     single_cls: bool = False
     sync_bn: bool = False
     task: str = "detect"
+    overlap_mask: bool = False  # segmentation: one index mask per image instead of one mask per instance
+    mask_ratio: int = 4  # segmentation: masks at image size / mask_ratio (the prototype resolution)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the options as plain YAML/checkpoint-safe data (paths as strings, hyp nested)."""
@@ -213,6 +215,11 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     parser.add_argument("--save-period", type=int, default=-1, help="also save epoch<N>.pt every N epochs (-1: off)")
     parser.add_argument("--rect", action="store_true", help="rectangular training batches (disables mosaic)")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs (CUDA and DDP only)")
+    if task == "segment":
+        parser.add_argument(
+            "--overlap-mask", action="store_true", help="one index mask per image, not one per instance (less RAM)"
+        )
+        parser.add_argument("--mask-ratio", type=int, default=4, help="mask downsample ratio (4 = prototype size)")
     return parser
 
 
@@ -254,6 +261,8 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
         raise ConfigError(f"--optimizer {cfg.optimizer} is not one of {', '.join(OPTIMIZERS)}")
     if cfg.workers < 0:
         raise ConfigError(f"--workers {cfg.workers} must be >= 0")
+    if cfg.mask_ratio not in (1, 2, 4, 8):
+        raise ConfigError(f"--mask-ratio {cfg.mask_ratio} must be one of 1, 2, 4, 8 (a divisor of the stride 8)")
     if cfg.hyp.nbs < 1:
         raise ConfigError(f"{cfg.hyp_path}: nbs {cfg.hyp.nbs} must be at least 1")
     if not 0.0 <= cfg.hyp.label_smoothing < 1.0:

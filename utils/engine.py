@@ -164,7 +164,7 @@ def build_train_state(bundle: ModelBundle, cfg: TrainConfig, task: Task, ctx: Di
     use_amp = ctx.device.type == "cuda"
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=use_amp)
     ema = ModelEMA(model)
-    loss_fn = task.build_loss(model, cfg.hyp, cfg.imgsz)
+    loss_fn = task.build_loss(model, cfg)
     warmup = warmup_iterations(cfg.hyp.warmup_epochs, batches)
     return TrainState(model, ddp, optimizer, scheduler, scaler, ema, loss_fn, accumulate, warmup, lr_fn, use_amp)
 

@@ -41,6 +41,7 @@ class ImagePredictions:
     path: str
     orig_hw: tuple[int, int]
     detections: np.ndarray
+    masks_rle: list[dict] | None = None  # segmentation: pycocotools RLE per detection at original size
 
 
 @dataclass
@@ -54,10 +55,17 @@ class EvalResult:
     speed_ms: dict[str, float]  # per image on this rank: preprocess, inference, nms
     class_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # labels per class, all ranks
     predictions: list[ImagePredictions] = field(default_factory=list)  # this rank's only
+    mask_metrics: DetectionMetrics | None = None  # segmentation: the same metrics on masks
+    metric_source: str = "internal"  # or "pycocotools" once COCOeval replaced the mAPs
 
     def as_dict(self) -> dict[str, float]:
-        """Return the summary metrics: precision, recall, mAP50, mAP50-95, fitness."""
-        return self.metrics.as_dict()
+        """Return precision, recall, mAP50, mAP50-95 (box), mask_* (segmentation) and fitness (box + mask)."""
+        out = self.metrics.as_dict()
+        if self.mask_metrics is not None:
+            masks = self.mask_metrics.as_dict()
+            out.update({f"mask_{key}": value for key, value in masks.items() if key != "fitness"})
+            out["fitness"] += masks["fitness"]
+        return out
 
 
 @dataclass

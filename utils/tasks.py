@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from models.yolo import ModelSpec, build_model, spec_from_cfg
-from utils.config import Hyp
+from utils.config import TrainConfig
 from utils.evaluate import evaluate_detection
 from utils.loss import DetectionLoss, LossGains, scale_loss_gains
 
@@ -20,7 +20,7 @@ class Task:
 
     - build_model(spec) -> nn.Module
     - spec_from_cfg(cfg, num_classes) -> ModelSpec
-    - build_loss(model, hyp, imgsz) -> callable (preds, batch targets) -> (loss, items)
+    - build_loss(model, cfg: TrainConfig) -> callable (preds, targets, reduce_counts[, masks=]) -> (loss, items)
     - evaluate(model, batches, EvalOptions, ctx, loss_fn) -> EvalResult
     """
 
@@ -29,14 +29,15 @@ class Task:
     loss_names: tuple[str, ...]
     build_model: Callable[[ModelSpec], nn.Module]
     spec_from_cfg: Callable[[str, int], ModelSpec]
-    build_loss: Callable[[nn.Module, Hyp, int], Callable[..., Any]]
+    build_loss: Callable[[nn.Module, TrainConfig], Callable[..., Any]]
     evaluate: Callable[..., Any]
 
 
-def build_detection_loss(model: nn.Module, hyp: Hyp, imgsz: int) -> DetectionLoss:
+def build_detection_loss(model: nn.Module, cfg: TrainConfig) -> DetectionLoss:
     """Build the YOLOv5-style detection loss with gains scaled for this model, class count and image size."""
+    hyp = cfg.hyp
     head = getattr(model, "module", model).head
-    gains: LossGains = scale_loss_gains(hyp.box, hyp.cls, hyp.obj, head.num_classes, imgsz, head.num_levels)
+    gains: LossGains = scale_loss_gains(hyp.box, hyp.cls, hyp.obj, head.num_classes, cfg.imgsz, head.num_levels)
     return DetectionLoss(
         model,
         gains,
