@@ -46,11 +46,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _torchrun(log_dir: Path, *train_args: str) -> Launch:
-    """Run `torchrun --nproc_per_node 2 train.py --device cpu --workers 0 <train_args>` and collect its output."""
+def _torchrun(log_dir: Path, *train_args: str, script: str = "train.py") -> Launch:
+    """Run `torchrun --nproc_per_node 2 <script> --device cpu --workers 0 <train_args>` and collect its output."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC),
                "--master_port", str(_free_port()), "--log-dir", str(log_dir), "--redirects", "3",
-               "train.py", "--device", "cpu", "--workers", "0", *train_args]  # fmt: skip
+               script, "--device", "cpu", "--workers", "0", *train_args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     start = time.monotonic()
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)

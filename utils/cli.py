@@ -5,11 +5,23 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from utils.config import ConfigError
+from utils.config import (
+    ConfigError,
+    build_train_parser,
+    build_val_parser,
+    config_from_args,
+    val_config_from_args,
+    validate,
+)
 from utils.distributed import DistContext, cleanup, init_distributed
 from utils.logging import setup_logging
+
+if TYPE_CHECKING:
+    from utils.engine import FitResult
+    from utils.evaluate import EvalResult
+    from utils.tasks import Task
 
 T = TypeVar("T")
 LOGGER = logging.getLogger(__name__)
@@ -36,3 +48,28 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
     except (ConfigError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+
+
+def train_main(argv: list[str] | None, task: Task) -> FitResult:
+    """The whole of train.py / segment/train.py: parse flags, set up the process group, train `task`."""
+    from utils.engine import fit
+
+    cfg = config_from_args(build_train_parser(task.name).parse_args(argv), task.name)
+
+    def body(ctx: DistContext) -> FitResult:
+        validate(cfg, ctx)
+        result = fit(cfg, task, ctx)
+        if ctx.is_main:
+            scores = " ".join(f"{key} {value:.4f}" for key, value in result.metrics.items() if "mAP" in key)
+            print(f"Done: {result.epochs_run} epochs. Final {scores}. Best weights: {result.best}")
+        return result
+
+    return run_entry(cfg.device, body)
+
+
+def val_main(argv: list[str] | None, task: Task) -> EvalResult:
+    """The whole of val.py / segment/val.py: parse flags and validate a `task` checkpoint on every rank."""
+    from utils.val_run import validate_checkpoint
+
+    cfg = val_config_from_args(build_val_parser(task.name).parse_args(argv))
+    return run_entry(cfg.device, lambda ctx: validate_checkpoint(cfg, task, ctx))

@@ -119,7 +119,8 @@ def train_one_epoch(state: TrainState, loader: Any, epoch: int, cfg: TrainConfig
         with sync_context:
             with torch.autocast(ctx.device.type, dtype=torch.float16, enabled=state.use_amp):
                 preds = state.ddp(images)
-                loss, items = state.loss_fn(preds, batch["targets"].to(ctx.device), reduce_counts)
+                extra = {"masks": batch["masks"].to(ctx.device, non_blocking=True)} if "masks" in batch else {}
+                loss, items = state.loss_fn(preds, batch["targets"].to(ctx.device), reduce_counts, **extra)
             state.scaler.scale(loss * ctx.world_size).backward()
         if is_step:
             _optimizer_step(state)
@@ -272,17 +273,24 @@ def _validate(state, task, datasets, bundle, cfg, ctx, run: bool) -> tuple[dict[
 
     options = EvalOptions(num_classes=len(bundle.names), description="val")
     result = task.evaluate(state.ema.ema, datasets.val_loader, options, ctx, state.loss_fn)
-    LOGGER.info(
-        "val: P %.3f R %.3f mAP50 %.3f mAP50-95 %.3f",
-        *(result.as_dict()[k] for k in ("precision", "recall", "mAP50", "mAP50-95")),
-    )
+    LOGGER.info(f"val: {_scores_line(result.as_dict())}")
     return result.as_dict(), result.loss_items
+
+
+def _scores_line(metrics: dict[str, float]) -> str:
+    """Return 'P .. R .. mAP50 .. mAP50-95 ..' for boxes, and the same for masks when present."""
+    groups = [("", "")] + ([(" | mask ", "mask_")] if "mask_mAP50" in metrics else [])
+    return "".join(
+        f"{title}P {metrics[prefix + 'precision']:.3f} R {metrics[prefix + 'recall']:.3f} "
+        f"mAP50 {metrics[prefix + 'mAP50']:.3f} mAP50-95 {metrics[prefix + 'mAP50-95']:.3f}"
+        for title, prefix in groups
+    )
 
 
 def _results_row(epoch, train_loss, val_loss, metrics, lrs, task, seconds) -> dict[str, Any]:
     row: dict[str, Any] = {"epoch": epoch + 1}
     row.update({f"train/{name}_loss": float(v) for name, v in zip(task.loss_names, train_loss, strict=False)})
-    for key in ("precision", "recall", "mAP50", "mAP50-95", "fitness"):
+    for key in (*task.metric_names, "fitness"):
         row[f"metrics/{key}"] = float(metrics.get(key, float("nan")))
     values = val_loss if val_loss is not None else [float("nan")] * len(task.loss_names)
     row.update({f"val/{name}_loss": float(v) for name, v in zip(task.loss_names, values, strict=False)})

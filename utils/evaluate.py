@@ -69,36 +69,91 @@ class EvalResult:
 
 
 @dataclass
+class ImageScore:
+    """One image's evaluation: detections in original pixels and which are correct at each IoU threshold."""
+
+    detections: np.ndarray  # (n, 6) x1 y1 x2 y2 conf cls, original-image pixels
+    correct: np.ndarray  # (n, 10) bool, box IoU
+    target_cls: np.ndarray  # (m,) classes of the image's labels
+    mask_correct: np.ndarray | None = None  # (n, 10) bool, mask IoU (segmentation)
+    masks_rle: list[dict] | None = None  # segmentation with collect_predictions
+
+
+class DetectionScorer:
+    """The detection-specific steps of the evaluation loop; SegmentationScorer extends it with masks.
+
+    `split_output` separates the eval forward's output into decoded predictions and what the loss
+    takes; `loss_kwargs` gives extra loss inputs from the batch; `score_batch` matches one batch.
+    """
+
+    num_masks = 0
+    with_masks = False
+
+    def split_output(self, output: Any) -> tuple[torch.Tensor, Any]:
+        """Return (decoded (B, N, no), loss input) from the eval forward's output."""
+        return output[0], output[1]
+
+    def loss_kwargs(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """Extra keyword arguments of the loss for this batch (none for detection)."""
+        return {}
+
+    def score_batch(
+        self, outputs: list[torch.Tensor], loss_input: Any, targets: torch.Tensor, batch: dict[str, Any], collect: bool
+    ) -> list[ImageScore]:
+        """Match each image's NMS output against its labels; targets (N, 6) with boxes in input pixels."""
+        input_hw = tuple(batch["images"].shape[2:])
+        scores = []
+        for index, pred in enumerate(outputs):
+            labels = targets[targets[:, 0] == index, 1:]
+            detections, correct = match_image_boxes(pred, labels, batch["shapes"][index], input_hw)
+            scores.append(ImageScore(detections.cpu().numpy(), correct, labels[:, 0].cpu().numpy()))
+        return scores
+
+
+@dataclass
 class _Stats:
     correct: list[np.ndarray] = field(default_factory=list)
     conf: list[np.ndarray] = field(default_factory=list)
     pred_cls: list[np.ndarray] = field(default_factory=list)
     target_cls: list[np.ndarray] = field(default_factory=list)
+    mask_correct: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, score: ImageScore) -> None:
+        self.correct.append(score.correct)
+        self.conf.append(score.detections[:, 4])
+        self.pred_cls.append(score.detections[:, 5])
+        self.target_cls.append(score.target_cls)
+        if score.mask_correct is not None:
+            self.mask_correct.append(score.mask_correct)
 
     def concatenated(self) -> tuple[np.ndarray, ...]:
         empty = (np.zeros((0, 10), bool), np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.float32))
-        parts = (self.correct, self.conf, self.pred_cls, self.target_cls)
-        return tuple(np.concatenate(p, 0) if p else e for p, e in zip(parts, empty, strict=True))
+        parts = (self.correct, self.conf, self.pred_cls, self.target_cls, self.mask_correct)
+        return tuple(np.concatenate(p, 0) if p else e for p, e in zip(parts, (*empty, empty[0]), strict=True))
 
 
-def _match_image(pred: torch.Tensor, labels: torch.Tensor, shape: Any, input_hw: tuple[int, int]) -> tuple:
+def match_image_boxes(pred: torch.Tensor, labels: torch.Tensor, shape: Any, input_hw: tuple[int, int]) -> tuple:
     """Scale one image's detections and labels to original pixels and match them at 10 IoU thresholds.
 
-    pred: (n, 6) x1 y1 x2 y2 conf cls in input pixels; labels: (m, 5) cls cx cy w h in input pixels.
+    pred: (n, 6+) x1 y1 x2 y2 conf cls in input pixels; labels: (m, 5) cls cx cy w h in input pixels.
+    Returns (detections (n, 6) in original pixels, correct (n, 10) bool numpy).
     """
     orig_hw, ratio_pad = shape
     detections = pred[:, :6].clone()
     scale_boxes(detections[:, :4], input_hw, orig_hw, ratio_pad)
     true_boxes = xywh_to_xyxy(labels[:, 1:5].clone())
     scale_boxes(true_boxes, input_hw, orig_hw, ratio_pad)
-    if len(detections) and len(labels):
-        iou = box_iou(true_boxes, detections[:, :4]).cpu().numpy()
-        correct = match_predictions(
-            detections[:, 5].cpu().numpy(), labels[:, 0].cpu().numpy(), iou, iou_thresholds().numpy()
-        )
-    else:
-        correct = np.zeros((len(detections), 10), bool)
-    return detections, correct
+    iou = box_iou(true_boxes, detections[:, :4]) if len(detections) and len(labels) else None
+    return detections, match_classes(detections[:, 5], labels[:, 0], iou)
+
+
+def match_classes(pred_cls: torch.Tensor, true_cls: torch.Tensor, iou: torch.Tensor | None) -> np.ndarray:
+    """Return (n_pred, 10) bool: prediction j is a true positive at each IoU threshold (None iou: no matches)."""
+    if iou is None:
+        return np.zeros((len(pred_cls), 10), bool)
+    return match_predictions(
+        pred_cls.cpu().numpy(), true_cls.cpu().numpy(), iou.cpu().numpy(), iou_thresholds().numpy()
+    )
 
 
 @torch.no_grad()
@@ -107,7 +162,8 @@ def evaluate_detection(
     batches: Iterable[dict[str, Any]],
     options: EvalOptions,
     ctx: DistContext,
-    loss_fn: Callable[[list[torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    scorer: DetectionScorer | None = None,
 ) -> EvalResult:
     """Run `model` (eval mode) over this rank's validation batches and return metrics over all ranks.
 
@@ -115,13 +171,15 @@ def evaluate_detection(
     sampler shards images without padding, so each image is scored exactly once) and every rank
     computes the same metrics. `model` is a plain module (the EMA or an unwrapped model), never
     DDP, so ranks with different numbers of batches never meet in a collective mid-loop.
+    `scorer` holds the task-specific steps (DetectionScorer by default).
     """
+    scorer = scorer or DetectionScorer()
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     dtype = torch.float16 if options.half and device.type == "cuda" else torch.float32
     stats, predictions = _Stats(), []
-    loss_sum = torch.zeros(3, device=device)
+    loss_sum = torch.zeros(len(getattr(loss_fn, "item_names", ())) or 3, device=device)
     seen = torch.zeros(2, device=device)  # images, batches with loss
     timings = np.zeros(3)
     for batch in tqdm(batches, desc=options.description, disable=tqdm_disabled(ctx), leave=False):
@@ -130,44 +188,52 @@ def evaluate_detection(
         targets = batch["targets"].to(device)
         _sync(device)
         after_pre = time.perf_counter()
-        decoded, raw = model(images)
+        decoded, loss_input = scorer.split_output(model(images))
         _sync(device)
         after_inference = time.perf_counter()
         if loss_fn is not None:
-            loss_sum += loss_fn([r.float() for r in raw], targets)[1]
+            loss_sum += loss_fn(loss_input, targets, **scorer.loss_kwargs(batch, device))[1]
             seen[1] += 1
         height, width = images.shape[2:]
         targets[:, 2:6] *= torch.tensor((width, height, width, height), device=device)
-        outputs = non_max_suppression(decoded.float(), options.conf_thres, options.iou_thres, max_det=options.max_det)
+        outputs = non_max_suppression(
+            decoded.float(), options.conf_thres, options.iou_thres, max_det=options.max_det, num_masks=scorer.num_masks
+        )
         after_nms = time.perf_counter()
         timings += (after_pre - start, after_inference - after_pre, after_nms - after_inference)
-        for index, pred in enumerate(outputs):
-            labels = targets[targets[:, 0] == index, 1:]
-            detections, correct = _match_image(pred, labels, batch["shapes"][index], (height, width))
-            stats.correct.append(correct)
-            stats.conf.append(detections[:, 4].cpu().numpy())
-            stats.pred_cls.append(detections[:, 5].cpu().numpy())
-            stats.target_cls.append(labels[:, 0].cpu().numpy())
+        for index, score in enumerate(
+            scorer.score_batch(outputs, loss_input, targets, batch, options.collect_predictions)
+        ):
+            stats.add(score)
             if options.collect_predictions:
                 orig_hw = tuple(int(v) for v in batch["shapes"][index][0])
-                predictions.append(ImagePredictions(batch["paths"][index], orig_hw, detections.cpu().numpy()))
+                predictions.append(ImagePredictions(batch["paths"][index], orig_hw, score.detections, score.masks_rle))
         seen[0] += len(outputs)
     model.train(was_training)
-    return _summarise(stats, loss_sum, seen, timings, predictions, options, ctx)
+    return _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, scorer.with_masks)
 
 
-def _summarise(stats, loss_sum, seen, timings, predictions, options, ctx) -> EvalResult:
+def _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, with_masks: bool) -> EvalResult:
     """Gather per-rank statistics and compute the metrics every rank returns."""
     images_here = max(int(seen[0].item()), 1)
     speed = dict(zip(("preprocess", "inference", "nms"), (1000 * timings / images_here).tolist(), strict=True))
     gathered = all_gather_objects(stats.concatenated(), ctx)
-    correct, conf, pred_cls, target_cls = (np.concatenate(parts, 0) for parts in zip(*gathered, strict=True))
+    correct, conf, pred_cls, target_cls, mask_correct = (
+        np.concatenate(parts, 0) for parts in zip(*gathered, strict=True)
+    )
     metrics = DetectionMetrics.from_stats(correct, conf, pred_cls, target_cls, options.num_classes)
+    mask_metrics = (
+        DetectionMetrics.from_stats(mask_correct, conf, pred_cls, target_cls, options.num_classes)
+        if with_masks
+        else None
+    )
     all_reduce_sum(loss_sum, ctx)
     all_reduce_sum(seen, ctx)
     loss_items = (loss_sum / seen[1]).cpu().numpy() if seen[1] > 0 else None
     counts = np.bincount(target_cls.astype(np.int64), minlength=options.num_classes)
-    return EvalResult(metrics, int(seen[0].item()), int(len(target_cls)), loss_items, speed, counts, predictions)
+    return EvalResult(
+        metrics, int(seen[0].item()), int(len(target_cls)), loss_items, speed, counts, predictions, mask_metrics
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -176,17 +242,22 @@ def _sync(device: torch.device) -> None:
 
 
 def format_results(result: EvalResult, names: tuple[str, ...], verbose: bool) -> str:
-    """Return the results table: an 'all' row, and one row per class when `verbose`."""
-    m = result.metrics
-    header = f"{'Class':>20}{'Images':>11}{'Instances':>11}{'P':>11}{'R':>11}{'mAP50':>11}{'mAP50-95':>11}"
-    row = "{:>20}{:>11}{:>11}{:>11.3f}{:>11.3f}{:>11.3f}{:>11.3f}"
-    lines = [
-        header,
-        row.format("all", result.num_images, result.num_instances, m.precision, m.recall, m.map50, m.map50_95),
-    ]
+    """Return the results table: an 'all' row, and one row per class when `verbose`.
+
+    Segmentation results get a second group of P, R, mAP50, mAP50-95 columns for the masks.
+    """
+    groups = [result.metrics] if result.mask_metrics is None else [result.metrics, result.mask_metrics]
+    titles = ("P", "R", "mAP50", "mAP50-95")
+    suffixes = ("",) if len(groups) == 1 else ("(B)", "(M)")
+    header = f"{'Class':>20}{'Images':>11}{'Instances':>11}" + "".join(
+        f"{title + suffix:>11}" for suffix in suffixes for title in titles
+    )
+    row = "{:>20}{:>11}{:>11}" + "{:>11.3f}" * 4 * len(groups)
+    overall = [value for m in groups for value in (m.precision, m.recall, m.map50, m.map50_95)]
+    lines = [header, row.format("all", result.num_images, result.num_instances, *overall)]
     if verbose:
-        for i, class_id in enumerate(m.class_ids):
+        for i, class_id in enumerate(result.metrics.class_ids):
             name = names[class_id] if class_id < len(names) else str(class_id)
-            values = (m.class_precision[i], m.class_recall[i], m.ap50[i], m.ap[i])
+            values = [v for m in groups for v in (m.class_precision[i], m.class_recall[i], m.ap50[i], m.ap[i])]
             lines.append(row.format(name, result.num_images, int(result.class_counts[class_id]), *values))
     return "\n".join(lines)

@@ -13,6 +13,8 @@ from utils.config import TrainConfig
 from utils.evaluate import evaluate_detection
 from utils.loss import DetectionLoss, LossGains, scale_loss_gains
 
+BOX_METRICS = ("precision", "recall", "mAP50", "mAP50-95")
+
 
 @dataclass(frozen=True)
 class Task:
@@ -27,6 +29,7 @@ class Task:
     name: str
     with_masks: bool
     loss_names: tuple[str, ...]
+    metric_names: tuple[str, ...]  # keys of EvalResult.as_dict() logged per epoch (besides fitness)
     build_model: Callable[[ModelSpec], nn.Module]
     spec_from_cfg: Callable[[str, int], ModelSpec]
     build_loss: Callable[[nn.Module, TrainConfig], Callable[..., Any]]
@@ -53,6 +56,7 @@ DETECT = Task(
     name="detect",
     with_masks=False,
     loss_names=("box", "obj", "cls"),
+    metric_names=BOX_METRICS,
     build_model=build_model,
     spec_from_cfg=spec_from_cfg,
     build_loss=build_detection_loss,
