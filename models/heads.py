@@ -1,4 +1,4 @@
-"""Detection head: per-level 1x1 convs predicting anchor boxes, and their decoding to pixels."""
+"""Detection head (per-level 1x1 convs predicting anchor boxes, decoded to pixels) and its segmentation variant."""
 
 from __future__ import annotations
 
@@ -7,6 +7,13 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from models.blocks import Conv, upsample2x
+
+# Training output: raw list [(B, na, H_l, W_l, no)], plus protos (B, nm, H/4, W/4) for segmentation.
+TrainOutput = list[torch.Tensor] | tuple[list[torch.Tensor], torch.Tensor]
+# Eval output: (decoded (B, N, no), the training output).
+HeadOutput = TrainOutput | tuple[torch.Tensor, TrainOutput]
 
 
 class DetectHead(nn.Module):
@@ -61,7 +68,7 @@ class DetectHead(nn.Module):
             bias[:, 4] += math.log(objects_per_image / (image_size / stride) ** 2)
             bias[:, 5 : 5 + self.num_classes] += math.log(class_prior / (self.num_classes - 0.99))
 
-    def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, features: list[torch.Tensor]) -> HeadOutput:
         """features: (B, C_l, H_l, W_l) per level, finest first. See the class docstring for outputs."""
         raw: list[torch.Tensor] = []
         for feature, conv in zip(features, self.convs, strict=True):
@@ -101,3 +108,55 @@ class DetectHead(nn.Module):
             )
             self._grids[key] = torch.stack((xs, ys), dim=-1).view(1, 1, height, width, 2)
         return self._grids[key]
+
+
+class Proto(nn.Module):
+    """Mask prototype branch (YOLOv5-seg): 3x3 Conv, nearest 2x upsample, 3x3 Conv, 1x1 Conv to `num_masks`.
+
+    On the stride-8 P3 feature it yields `num_masks` prototype masks at stride 4 (input size / 4);
+    each detection's mask is a linear combination of them (see segment/ops.assemble_masks).
+    """
+
+    def __init__(self, in_channels: int, num_protos: int, num_masks: int) -> None:
+        super().__init__()
+        self.expand = Conv(in_channels, num_protos, 3)
+        self.upsample = upsample2x()
+        self.refine = Conv(num_protos, num_protos, 3)
+        self.project = Conv(num_protos, num_masks, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C_in, H, W) -> (B, num_masks, 2H, 2W)."""
+        return self.project(self.refine(self.upsample(self.expand(x))))
+
+
+class SegmentHead(DetectHead):
+    """DetectHead whose predictions end in `num_masks` mask coefficients, plus a `proto` branch on P3.
+
+    Training forward returns `(raw list, protos (B, num_masks, H/4, W/4))`; eval forward returns
+    `(decoded (B, N, 5 + nc + nm), (raw list, protos))`, so the eval output's second element is
+    exactly what the training forward returns (what the loss takes).
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        anchors_px: torch.Tensor,
+        strides: torch.Tensor,
+        in_channels: Sequence[int],
+        num_masks: int,
+        num_protos: int,
+    ) -> None:
+        if num_masks < 1 or num_protos < 1:
+            raise ValueError(f"SegmentHead needs num_masks and num_protos >= 1, got {num_masks}, {num_protos}")
+        super().__init__(num_classes, anchors_px, strides, in_channels, num_masks)
+        self.num_protos = num_protos
+        self.proto = Proto(in_channels[0], num_protos, num_masks)
+
+    def forward(self, features: list[torch.Tensor]) -> HeadOutput:
+        """features: (B, C_l, H_l, W_l) per level, finest (stride 8) first. See the class docstring for outputs."""
+        protos = self.proto(features[0])
+        detections = super().forward(features)
+        if self.training:
+            return detections, protos
+        decoded, raw = detections
+        return decoded, (raw, protos)

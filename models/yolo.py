@@ -1,10 +1,10 @@
-"""YOLOv5 (v6+) detection model in plain Python: scale table, ModelSpec, backbone, PAN neck, build_model()."""
+"""YOLOv5 (v6+) detection and -seg models in plain Python: scale table, ModelSpec, backbone, PAN neck, build_model()."""
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from models.blocks import C3, SPPF, Concat, Conv, upsample2x
-from models.heads import DetectHead
+from models.heads import DetectHead, HeadOutput, SegmentHead
 from utils.config import ConfigError, read_yaml_mapping
 
 LOGGER = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ BASE_WIDTHS = (64, 128, 256, 512, 1024)
 BASE_DEPTHS = (3, 6, 9, 3)
 SEG_NUM_MASKS = 32
 SEG_BASE_PROTOS = 256
-YAML_KEYS = ("depth_multiple", "width_multiple", "anchors", "nc")
+YAML_KEYS = ("depth_multiple", "width_multiple", "anchors", "nc", "num_masks")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class ModelSpec:
 
     `anchors` holds 3 levels (P3, P4, P5) of flat (w1, h1, w2, h2, ...) pixel pairs. Stored in
     checkpoints via `to_dict()` so a model can be rebuilt without the original `--cfg`.
+    `num_masks > 0` (mask coefficients per detection) makes it a segmentation model with
+    `num_protos` prototype channels; see `segmentation_spec`.
     """
 
     depth_multiple: float
@@ -59,6 +61,9 @@ class ModelSpec:
             raise ValueError(f"depth_multiple and width_multiple must be > 0, got {scale}")
         if self.num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
+        if self.num_masks < 0 or (self.num_masks > 0) != (self.num_protos > 0):
+            masks = (self.num_masks, self.num_protos)
+            raise ValueError(f"num_masks and num_protos must both be 0 or both be > 0, got {masks}")
         sizes = {len(level) for level in self.anchors}
         if len(self.anchors) != 3 or len(sizes) != 1 or sizes.pop() % 2 or not self.anchors[0]:
             raise ValueError(f"anchors must be 3 levels of equally many (w, h) pixel pairs, got {self.anchors}")
@@ -90,12 +95,18 @@ def scale_width(channels: int, width_multiple: float) -> int:
     return int(math.ceil(channels * width_multiple / 8) * 8)
 
 
+def segmentation_spec(spec: ModelSpec, num_masks: int = SEG_NUM_MASKS) -> ModelSpec:
+    """Return `spec` with `num_masks` mask coefficients and YOLOv5-seg's 256 width-scaled prototype channels."""
+    return replace(spec, num_masks=num_masks, num_protos=scale_width(SEG_BASE_PROTOS, spec.width_multiple))
+
+
 def spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
     """Resolve `--cfg` to a ModelSpec: a size name ('yolov5s', 's', 'yolov5s-seg', 'yolov5s.yaml') or a YAML file.
 
-    A YAML file may set `depth_multiple`, `width_multiple` (required), `anchors` and `nc`; any other
-    key is a ConfigError (a ValueError) naming the file and key. `num_classes` (from the dataset)
-    wins over the file's `nc`. '-seg' records 32 mask coefficients and 256 width-scaled prototypes.
+    A YAML file may set `depth_multiple`, `width_multiple` (required), `anchors`, `nc` and `num_masks`
+    (> 0 for a segmentation model); any other key is a ConfigError (a ValueError) naming the file and
+    key. `num_classes` (from the dataset) wins over the file's `nc`. '-seg' records 32 mask
+    coefficients and 256 width-scaled prototypes.
     """
     path = Path(cfg)
     if path.suffix in {".yaml", ".yml"} and path.is_file():
@@ -106,14 +117,8 @@ def spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
     if size not in SCALES:
         raise ConfigError(f"--cfg {cfg}: not a YAML file and not a model name (yolov5n|s|m|l|x, optionally -seg)")
     depth, width = SCALES[size]
-    return ModelSpec(
-        depth_multiple=depth,
-        width_multiple=width,
-        anchors=DEFAULT_ANCHORS,
-        num_classes=num_classes,
-        num_masks=SEG_NUM_MASKS if is_seg else 0,
-        num_protos=scale_width(SEG_BASE_PROTOS, width) if is_seg else 0,
-    )
+    spec = ModelSpec(depth_multiple=depth, width_multiple=width, anchors=DEFAULT_ANCHORS, num_classes=num_classes)
+    return segmentation_spec(spec) if is_seg else spec
 
 
 def _spec_from_yaml(path: Path, num_classes: int) -> ModelSpec:
@@ -126,6 +131,9 @@ def _spec_from_yaml(path: Path, num_classes: int) -> ModelSpec:
         value = raw.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: '{key}' must be a number, got {value!r}")
+    num_masks = raw.get("num_masks", 0)
+    if isinstance(num_masks, bool) or not isinstance(num_masks, int) or num_masks < 0:
+        raise ConfigError(f"{path}: 'num_masks' must be an integer >= 0, got {num_masks!r}")
     if "nc" in raw and raw["nc"] != num_classes:
         LOGGER.info("%s: overriding nc=%s with the dataset's %d classes", path, raw["nc"], num_classes)
     try:
@@ -133,7 +141,8 @@ def _spec_from_yaml(path: Path, num_classes: int) -> ModelSpec:
     except (TypeError, ValueError) as error:
         raise ConfigError(f"{path}: 'anchors' must be 3 lists of w, h pixel pairs ({error})") from error
     try:
-        return ModelSpec(float(raw["depth_multiple"]), float(raw["width_multiple"]), anchors, num_classes)
+        spec = ModelSpec(float(raw["depth_multiple"]), float(raw["width_multiple"]), anchors, num_classes)
+        return segmentation_spec(spec, num_masks) if num_masks else spec
     except ValueError as error:
         raise ConfigError(f"{path}: {error}") from error
 
@@ -202,7 +211,7 @@ class DetectionModel(nn.Module):
         self.neck = PANNeck(widths, depths[-1])
         strides = self._measure_strides()
         anchors_px = order_anchors(torch.tensor(spec.anchors, dtype=torch.float32).view(3, -1, 2), strides)
-        self.head = DetectHead(spec.num_classes, anchors_px, strides, self.neck.out_channels)
+        self.head = self._make_head(anchors_px, strides)
         for module in self.modules():
             if isinstance(module, nn.BatchNorm2d):
                 module.eps, module.momentum = 1e-3, 0.03  # YOLOv5 values: smoother running stats
@@ -216,7 +225,11 @@ class DetectionModel(nn.Module):
         self.train(was_training)
         return torch.tensor([probe_size / f.shape[-1] for f in features], dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+    def _make_head(self, anchors_px: torch.Tensor, strides: torch.Tensor) -> DetectHead:
+        """Build the head on the neck's outputs; anchors (3, na, 2) pixels ordered by stride."""
+        return DetectHead(self.spec.num_classes, anchors_px, strides, self.neck.out_channels)
+
+    def forward(self, x: torch.Tensor) -> HeadOutput:
         """x: (B, 3, H, W) float in [0, 1]; H, W multiples of 32."""
         return self.head(self.neck(self.backbone(x)))
 
@@ -280,6 +293,21 @@ class DetectionModel(nn.Module):
         return self
 
 
+class SegmentationModel(DetectionModel):
+    """YOLOv5-seg: the detector with a SegmentHead (mask coefficients per box + prototype branch on P3).
+
+    Output: see SegmentHead (train: (raw list, protos (B, nm, H/4, W/4)); eval: (decoded (B, N, 5+nc+nm),
+    (raw list, protos))).
+    """
+
+    def _make_head(self, anchors_px: torch.Tensor, strides: torch.Tensor) -> SegmentHead:
+        """Build the segmentation head; `spec.num_masks` and `spec.num_protos` size its mask outputs."""
+        spec = self.spec
+        return SegmentHead(
+            spec.num_classes, anchors_px, strides, self.neck.out_channels, spec.num_masks, spec.num_protos
+        )
+
+
 def order_anchors(anchors_px: torch.Tensor, strides: torch.Tensor) -> torch.Tensor:
     """Return anchors (nl, na, 2) re-ordered so the smallest anchor set sits on the smallest stride.
 
@@ -295,12 +323,11 @@ def order_anchors(anchors_px: torch.Tensor, strides: torch.Tensor) -> torch.Tens
 
 
 def build_model(spec: ModelSpec) -> DetectionModel:
-    """Build the detector described by `spec` (CPU, train mode, biases initialised)."""
-    if spec.num_masks > 0:
-        raise NotImplementedError(
-            f"segmentation models (num_masks={spec.num_masks}) are not built yet; the segment head is a later issue"
-        )
-    return DetectionModel(spec)
+    """Build the model described by `spec` (CPU, train mode, biases initialised).
+
+    A SegmentationModel when `spec.num_masks > 0`, otherwise a DetectionModel.
+    """
+    return SegmentationModel(spec) if spec.num_masks > 0 else DetectionModel(spec)
 
 
 @torch.no_grad()

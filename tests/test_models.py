@@ -150,8 +150,7 @@ def test_spec_from_size_names() -> None:
     assert spec_from_cfg("n-seg", 5).num_protos == 64
     with pytest.raises(ValueError, match="yolov5q"):
         spec_from_cfg("yolov5q", 5)
-    with pytest.raises(NotImplementedError, match="segment"):
-        build_model(seg)
+    assert type(build_model(spec_from_cfg("n-seg", 2))).__name__ == "SegmentationModel"  # see test_seg_model.py
 
 
 def test_spec_from_yaml_reorders_anchors(tmp_path: Path) -> None:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from utils.boxes import bbox_iou
+
+if TYPE_CHECKING:
+    from utils.config import Hyp
 
 # Objectness weight per level (P3, P4, P5): fine grids have many more cells, mostly background.
 LEVEL_BALANCE = {3: (4.0, 1.0, 0.4)}
@@ -88,6 +92,7 @@ class LevelTargets:
     boxes_xywh: torch.Tensor  # (m, 4) float
     anchors: torch.Tensor  # (m, 2) float
     classes: torch.Tensor  # (m,) long
+    target_index: torch.Tensor  # (m,) long, the matched row of `targets`
 
 
 def assign_targets(
@@ -126,17 +131,27 @@ def assign_targets(
         boxes_xywh=torch.cat((boxes[:, :2] - cells, boxes[:, 2:4]), dim=1),
         anchors=anchors[anchor_index],
         classes=targets[target_index, 1].long(),
+        target_index=target_index,
     )
 
 
 @dataclass(frozen=True)
 class LevelTerms:
-    """One level's loss pieces before normalisation: box and class sums over matches, objectness mean."""
+    """One level's loss pieces before normalisation: box and class sums over matches, objectness mean.
+
+    `assigned` and `matched_preds` (m, no) float32, the raw predictions at the matched cells, let a
+    subclass add terms over the same matches (segmentation's mask coefficients).
+    """
 
     box_sum: torch.Tensor
     cls_sum: torch.Tensor
     obj_mean: torch.Tensor
     num_matches: int
+    assigned: LevelTargets
+    matched_preds: torch.Tensor
+
+
+LossT = TypeVar("LossT", bound="DetectionLoss")
 
 
 class DetectionLoss:
@@ -172,6 +187,17 @@ class DetectionLoss:
         self.cls_pw = cls_pw
         self.obj_pw = obj_pw
 
+    @classmethod
+    def from_hyp(cls: type[LossT], model: nn.Module, hyp: Hyp, imgsz: int, **kwargs: Any) -> LossT:
+        """Build the loss with gains scaled for this model's head, class count and `imgsz`, options from `hyp`.
+
+        `kwargs` are extra constructor arguments of a subclass (e.g. segmentation's `overlap`).
+        """
+        head = getattr(model, "module", model).head
+        gains = scale_loss_gains(hyp.box, hyp.cls, hyp.obj, head.num_classes, imgsz, head.num_levels)
+        options = {"anchor_t": hyp.anchor_t, "fl_gamma": hyp.fl_gamma, "cls_pw": hyp.cls_pw, "obj_pw": hyp.obj_pw}
+        return cls(model, gains, label_smoothing=hyp.label_smoothing, **options, **kwargs)
+
     def __call__(
         self,
         preds: list[torch.Tensor],
@@ -187,21 +213,39 @@ class DetectionLoss:
         cells, which equal per-rank batches already make exact. Without it (evaluation, one
         process) each call normalises by its own counts, as YOLOv5 does.
         """
+        levels, denominators = self._match_levels(preds, targets, reduce_counts)
+        losses = torch.stack(self._detection_terms(levels, denominators))
+        return losses.sum().view(1) * preds[0].shape[0], losses.detach()
+
+    def _match_levels(
+        self,
+        preds: list[torch.Tensor],
+        targets: torch.Tensor,
+        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> tuple[list[LevelTerms], torch.Tensor]:
+        """Assign targets and compute every level's terms; return them and the (nl,) match-count denominators.
+
+        A denominator is the level's match count (reduced over ranks by `reduce_counts` when given),
+        at least 1. Math is fp32 even under AMP.
+        """
         targets = targets.to(device=preds[0].device, dtype=torch.float32)
-        balance = LEVEL_BALANCE[self.head.num_levels]
-        levels = [self._level_losses(raw.float(), level, targets) for level, raw in enumerate(preds)]  # fp32 in AMP
+        levels = [self._level_losses(raw.float(), level, targets) for level, raw in enumerate(preds)]
         counts = torch.tensor([float(level.num_matches) for level in levels], device=preds[0].device)
         if reduce_counts is not None:
             counts = reduce_counts(counts)
-        box_loss = obj_loss = cls_loss = preds[0].new_zeros((), dtype=torch.float32)
-        for level, (terms, count) in enumerate(zip(levels, counts, strict=True)):
-            denominator = count.clamp(min=1.0)
+        return levels, counts.clamp(min=1.0)
+
+    def _detection_terms(
+        self, levels: list[LevelTerms], denominators: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return the weighted (box, obj, cls) losses, 0-d each, from `_match_levels`'s output."""
+        balance = LEVEL_BALANCE[self.head.num_levels]
+        box_loss = obj_loss = cls_loss = denominators.new_zeros(())
+        for level, (terms, denominator) in enumerate(zip(levels, denominators, strict=True)):
             box_loss = box_loss + terms.box_sum / denominator
             cls_loss = cls_loss + terms.cls_sum / (denominator * max(self.head.num_classes, 1))
             obj_loss = obj_loss + terms.obj_mean * balance[level]
-        losses = torch.stack((box_loss * self.gains.box, obj_loss * self.gains.obj, cls_loss * self.gains.cls))
-        batch_size = preds[0].shape[0]
-        return losses.sum().view(1) * batch_size, losses.detach()
+        return box_loss * self.gains.box, obj_loss * self.gains.obj, cls_loss * self.gains.cls
 
     def _level_losses(self, raw: torch.Tensor, level: int, targets: torch.Tensor) -> LevelTerms:
         """Return one level's box and class loss sums over matches and its objectness mean.
@@ -213,9 +257,9 @@ class DetectionLoss:
         obj_target = torch.zeros(raw.shape[:4], device=raw.device)
         box_sum = cls_sum = raw.new_zeros(())
         num_matches = len(assigned.image_index)
+        cells = (assigned.image_index, assigned.anchor_index, assigned.cell_y, assigned.cell_x)
+        pred = raw[cells]  # (m, no)
         if num_matches:
-            cells = (assigned.image_index, assigned.anchor_index, assigned.cell_y, assigned.cell_x)
-            pred = raw[cells]  # (m, no)
             pred_xy = pred[:, 0:2].sigmoid() * 2 - 0.5
             pred_wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * assigned.anchors
             iou = bbox_iou(torch.cat((pred_xy, pred_wh), 1), assigned.boxes_xywh, xywh=True, kind="ciou")
@@ -226,4 +270,4 @@ class DetectionLoss:
                 wanted = class_targets(assigned.classes, num_classes, self.label_smoothing)
                 cls_sum = bce_with_logits(pred[:, 5 : 5 + num_classes], wanted, self.cls_pw, self.fl_gamma, "sum")
         obj_mean = bce_with_logits(raw[..., 4], obj_target, self.obj_pw, self.fl_gamma)
-        return LevelTerms(box_sum, cls_sum, obj_mean, num_matches)
+        return LevelTerms(box_sum, cls_sum, obj_mean, num_matches, assigned, pred)

@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from models.yolo import ModelSpec, build_model, spec_from_cfg
-from utils.config import TrainConfig
+from utils.config import ConfigError, TrainConfig
 from utils.evaluate import evaluate_detection
 from utils.loss import DetectionLoss, LossGains, scale_loss_gains
 
@@ -36,6 +36,14 @@ class Task:
     evaluate: Callable[..., Any]
 
 
+def detect_spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
+    """Resolve `--cfg` for detection; a segmentation model ('-seg', num_masks) is a one-line ConfigError."""
+    spec = spec_from_cfg(cfg, num_classes)
+    if spec.num_masks:
+        raise ConfigError(f"--cfg {cfg} is a segmentation model; train it with segment/train.py")
+    return spec
+
+
 def build_detection_loss(model: nn.Module, cfg: TrainConfig) -> DetectionLoss:
     """Build the YOLOv5-style detection loss with gains scaled for this model, class count and image size."""
     hyp = cfg.hyp
@@ -58,7 +66,7 @@ DETECT = Task(
     loss_names=("box", "obj", "cls"),
     metric_names=BOX_METRICS,
     build_model=build_model,
-    spec_from_cfg=spec_from_cfg,
+    spec_from_cfg=detect_spec_from_cfg,
     build_loss=build_detection_loss,
     evaluate=evaluate_detection,
 )

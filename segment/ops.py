@@ -1,0 +1,55 @@
+"""Mask tensor operations: assemble masks from prototypes and coefficients, crop them to boxes, upsample them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def crop_mask(masks: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """Zero every mask pixel outside its box; masks (n, h, w) any dtype, boxes (n, 4) xyxy in mask pixels.
+
+    Pixel (row r, column c) covers [c, c+1) x [r, r+1); it is kept when its centre (c + 0.5, r + 0.5)
+    satisfies x1 <= c + 0.5 < x2 and y1 <= r + 0.5 < y2. So a box on whole-pixel edges keeps exactly
+    the pixels it covers, and a fractional box keeps the pixels it covers at least half-way along
+    each axis. Returns a new (n, h, w) tensor of the masks' dtype.
+    """
+    if masks.dim() != 3 or boxes.shape != (len(masks), 4):
+        raise ValueError(
+            f"crop_mask: need masks (n, h, w) and boxes (n, 4), got {tuple(masks.shape)}, {tuple(boxes.shape)}"
+        )
+    _, height, width = masks.shape
+    x1, y1, x2, y2 = boxes.float()[:, :, None, None].unbind(1)  # each (n, 1, 1)
+    cols = torch.arange(width, device=masks.device, dtype=torch.float32).view(1, 1, width) + 0.5
+    rows = torch.arange(height, device=masks.device, dtype=torch.float32).view(1, height, 1) + 0.5
+    inside = (cols >= x1) & (cols < x2) & (rows >= y1) & (rows < y2)  # (n, h, w)
+    return masks.masked_fill(~inside, 0)
+
+
+def assemble_masks(coeffs: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
+    """Return mask logits (n, h, w): each row of coeffs (n, nm) weighting the prototypes protos (nm, h, w)."""
+    num_masks, height, width = protos.shape
+    if coeffs.dim() != 2 or coeffs.shape[1] != num_masks:
+        raise ValueError(f"assemble_masks: coeffs {tuple(coeffs.shape)} do not match {num_masks} prototypes")
+    return (coeffs @ protos.reshape(num_masks, -1)).view(-1, height, width)
+
+
+def process_masks(
+    protos: torch.Tensor, coeffs: torch.Tensor, boxes_xyxy: torch.Tensor, input_hw: tuple[int, int]
+) -> torch.Tensor:
+    """Turn detections' mask coefficients into (n, H, W) bool masks at the network input size.
+
+    protos: (nm, h, w) one image's prototypes; coeffs: (n, nm); boxes_xyxy: (n, 4) in input pixels;
+    input_hw: (H, W) of the network input. Steps (YOLOv5-seg): assemble, sigmoid, crop to the box at
+    prototype resolution, bilinear upsample to (H, W) (align_corners=False), threshold at 0.5.
+    Memory peaks at n x H x W float32 (300 masks at 640 px: ~0.5 GB); chunk the rows for more.
+    """
+    height, width = input_hw
+    if len(coeffs) == 0:
+        return torch.zeros((0, height, width), dtype=torch.bool, device=protos.device)
+    _, proto_h, proto_w = protos.shape
+    masks = assemble_masks(coeffs.float(), protos.float()).sigmoid()
+    to_proto = boxes_xyxy.new_tensor([proto_w / width, proto_h / height, proto_w / width, proto_h / height])
+    masks = crop_mask(masks, boxes_xyxy.float() * to_proto)
+    masks = F.interpolate(masks[None], size=(height, width), mode="bilinear", align_corners=False)[0]
+    return masks > 0.5
