@@ -222,3 +222,41 @@ def test_all_corrupt_raises(tmp_path: Path) -> None:
     (tmp_path / "images" / "a.jpg").write_bytes(b"")
     with pytest.raises(ValueError, match="no usable images"):
         scan_labels(list_image_files(tmp_path / "images"), 1, CTX)
+
+
+def test_degenerate_instances_are_dropped_counted_and_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    image = _image(tmp_path / "images" / "mixed.jpg")
+    mixed = _label(
+        tmp_path,
+        "mixed",
+        "0 0.1 0.1 0.5 0.5 0.9 0.9\n"  # collinear: zero area
+        "1 0.2 0.2 0.2 0.2 0.2 0.2\n"  # one point three times
+        "2 0.5 0.5 0 0.3\n"  # box of zero width
+        "0 0.1 0.1 0.4 0.1 0.4 0.4\n"  # kept: triangle
+        "1 0.5 0.5 0.2 0.2\n"  # kept: box
+        "2 0.5 0.5 0.001 0.001\n",  # kept: tiny (1e-6 of the image) but not degenerate
+    )
+    record = verify_image_label(str(image), str(mixed), 3)
+    assert record.status == "found" and record.num_degenerate == 3
+    assert record.labels[:, 0].tolist() == [0, 1, 2] and len(record.segments) == 3
+    assert record.message == f"fixed label {mixed}: dropped 3 degenerate (zero-area) instance(s)"
+    _image(tmp_path / "images" / "flat.jpg")
+    flat = _label(tmp_path, "flat", "0 0.3 0.3 0.6 0.6 0.9 0.9\n")
+    _image(tmp_path / "images" / "good.jpg")
+    _label(tmp_path, "good", "1 0.5 0.5 0.2 0.2\n")
+    caplog.set_level(logging.INFO)
+    files = list_image_files(tmp_path / "images")
+    index = scan_labels(files, 3, CTX)
+    assert index.num_degenerate == 4 and len(index.labels) == 4
+    assert index.counts == {"found": 2, "missing": 0, "empty": 1, "corrupt": 0}  # all rows dropped: background
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sorted(warnings) == sorted(
+        [record.message, f"fixed label {flat}: dropped 1 degenerate (zero-area) instance(s)"]
+    )
+    assert "2 found, 0 missing (background), 1 empty, 0 corrupt, 4 degenerate instance(s) dropped" in caplog.text
+    caplog.clear()
+    cached = scan_labels(files, 3, CTX)
+    assert "(cached)" in caplog.text and cached.num_degenerate == 4
+    assert cached.reordered(np.array([2, 1, 0])).num_degenerate == 4

@@ -235,3 +235,38 @@ def _gather_loader_batches(ctx: DistContext, num_items: int) -> None:
 @pytest.mark.distributed
 def test_two_gloo_ranks_get_equal_batches(tmp_path: Path) -> None:
     run_distributed(_gather_loader_batches, 2, tmp_path, 13)
+
+
+def test_collate_pads_masks_of_mixed_sizes_with_zeros() -> None:
+    dataset = FakeDataset(3, DistContext())
+    items = [dataset[1], dataset[2]]  # 1 and 2 labels
+    # Tall and wide images at mask ratio 2: the batch is (8, 12) with (4, 6) masks, taken from different items.
+    items[0]["image"], items[0]["masks"] = (
+        torch.zeros((3, 8, 6), dtype=torch.uint8),
+        torch.ones((1, 4, 3), dtype=torch.uint8),
+    )
+    items[1]["image"], items[1]["masks"] = (
+        torch.zeros((3, 4, 12), dtype=torch.uint8),
+        torch.ones((2, 2, 6), dtype=torch.uint8),
+    )
+    batch = collate_batch(items)
+    assert batch["images"].shape == (2, 3, 8, 12)
+    masks = batch["masks"]
+    assert masks.shape == (3, 4, 6) and masks.dtype == torch.uint8
+    assert masks[0, :, :3].all() and not masks[0, :, 3:].any()  # padded on the right only
+    assert masks[1:, :2].all() and not masks[1:, 2:].any()  # padded at the bottom only
+    assert items[0]["masks"].shape == (1, 4, 3)  # the items themselves are left as they were
+
+
+def test_collate_stacks_overlap_masks_per_image() -> None:
+    dataset = FakeDataset(3, DistContext())
+    items = [dataset[i] for i in range(3)]  # 0, 1, 2 labels: one index mask per image all the same
+    for item in items[:2]:
+        item["masks"] = torch.full((1, 4, 6), 3, dtype=torch.int16)  # images (8, 12) at mask ratio 2
+    small = torch.tensor([[[1, 2, 0], [2, 2, 1]]], dtype=torch.int16)
+    items[2]["image"], items[2]["masks"] = torch.zeros((3, 4, 6), dtype=torch.uint8), small
+    batch = collate_batch(items)
+    masks = batch["masks"]
+    assert masks.shape == (3, 4, 6) and masks.dtype == torch.int16
+    assert masks[:2].eq(3).all()
+    assert torch.equal(masks[2, :2, :3], small[0]) and masks[2, 2:].eq(0).all() and masks[2, :, 3:].eq(0).all()

@@ -29,6 +29,7 @@ from utils.augment import (
 from utils.cache import CACHE_MODES, ImageCache, rank_shard, resize_long_side
 from utils.distributed import DistContext
 from utils.labels import LabelIndex, list_image_files, scan_labels
+from utils.masks import polygons_to_masks, polygons_to_overlap_mask
 
 if TYPE_CHECKING:
     from utils.loader import ShapeInfo
@@ -42,7 +43,9 @@ class DatasetOptions:
 
     `batch_size` is the per-rank batch, used only for rectangular batch shapes; `cache_mode`
     is "none", "ram" or "disk"; `seed` is the shared seed (shard split, augmentation streams);
-    `workers` sizes the label-scan and cache-fill thread pools.
+    `workers` sizes the label-scan and cache-fill thread pools. With `with_masks` items carry
+    polygons and masks at image size / `mask_ratio`, one per instance or, with `overlap_mask`,
+    one index mask per image (docs/CONTRACTS.md, "Segmentation").
     """
 
     img_size: int = 640
@@ -55,6 +58,8 @@ class DatasetOptions:
     cache_mode: str = "none"
     single_cls: bool = False
     with_masks: bool = False
+    mask_ratio: int = 4
+    overlap_mask: bool = False
     num_classes: int
     seed: int = 0
     workers: int = 8
@@ -96,6 +101,8 @@ class LoadImagesAndLabels(Dataset):
     def __init__(self, sources: str | Path | Sequence[str | Path], options: DatasetOptions, ctx: DistContext) -> None:
         if options.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache mode '{options.cache_mode}' is not one of {', '.join(CACHE_MODES)}")
+        if options.mask_ratio < 1:
+            raise ValueError(f"mask ratio {options.mask_ratio} must be a positive integer")
         self.options = options
         self.ctx = ctx
         index = scan_labels(list_image_files(sources), options.num_classes, ctx, options.workers)
@@ -253,4 +260,15 @@ class LoadImagesAndLabels(Dataset):
         if self.options.with_masks:
             scale = np.array([width, height], dtype=np.float32)
             item["segments"] = [(segment / scale).astype(np.float32) for segment in inst.segments]
+            item["masks"] = torch.from_numpy(self._masks(inst.segments, height, width))
         return item
+
+    def _masks(self, segments: list[np.ndarray], height: int, width: int) -> np.ndarray:
+        """Rasterise the item's final pixel polygons at 1 / mask_ratio of the image.
+
+        Per instance: uint8 (n, H // r, W // r), row i for labels row i; with overlap_mask: int16
+        (1, H // r, W // r) holding i + 1 where instance i is (smaller instances win overlaps).
+        """
+        if self.options.overlap_mask:
+            return polygons_to_overlap_mask(segments, height, width, self.options.mask_ratio)
+        return polygons_to_masks(segments, height, width, self.options.mask_ratio)

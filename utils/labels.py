@@ -17,13 +17,15 @@ from tqdm import tqdm
 
 from utils.distributed import DistContext, main_first
 from utils.logging import tqdm_disabled
+from utils.masks import polygon_areas
 
 LOGGER = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = frozenset({".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp"})
 PIL_FORMATS = frozenset({"BMP", "JPEG", "MPO", "PNG", "TIFF", "WEBP"})
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: degenerate (zero-area) instances are dropped and counted
 COORD_TOLERANCE = 0.01  # coordinates this far outside [0, 1] are clipped with a warning, further is corrupt
+MIN_RELATIVE_AREA = 1e-8  # an instance covering less of the image (shoelace area) is degenerate and dropped
 MIN_IMAGE_SIDE = 10
 MAX_LOGGED_MESSAGES = 10
 STATUSES = ("found", "missing", "empty", "corrupt")
@@ -75,6 +77,7 @@ class LabelRecord:
     "corrupt" (image skipped). `labels`: (n, 5) float32 [cls, cx, cy, w, h] normalised, the box
     being the min/max of the polygon; `segments`: n (k, 2) float32 normalised polygons (the 4
     corners for a box-only row). `message` is one line naming the file, empty when clean.
+    `num_degenerate` counts the zero-area rows left out of `labels`.
     """
 
     image_path: str
@@ -83,6 +86,7 @@ class LabelRecord:
     labels: np.ndarray = field(default_factory=lambda: np.zeros((0, 5), np.float32))
     segments: list[np.ndarray] = field(default_factory=list)
     message: str = ""
+    num_degenerate: int = 0
 
 
 def _orientation(image: Image.Image) -> int:
@@ -199,11 +203,23 @@ def _rows_to_instances(rows: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndar
     return labels, segments
 
 
+def _drop_degenerate(labels: np.ndarray, segments: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """Leave out instances whose polygon (a box's clipped corners) has area < MIN_RELATIVE_AREA of the image.
+
+    Such rows (collinear or repeated points, a box of zero width or height) cover no pixel, and
+    their box outlines a line or a point, not an object. Returns (labels, segments, number dropped).
+    """
+    keep = np.flatnonzero(polygon_areas(segments) >= MIN_RELATIVE_AREA)
+    return labels[keep], [segments[i] for i in keep], len(segments) - len(keep)
+
+
 def verify_image_label(image_path: str, label_path: str, num_classes: int) -> LabelRecord:
     """Check one image and its label file and return what the dataset should use.
 
     Never raises for bad data: an unusable image or label gives status "corrupt" with a
     one-line reason naming the file; fixable labels are repaired and the repair described.
+    Degenerate (zero-area) instances are dropped, counted and named in that line; a file left
+    with no instance is "empty" (background).
     """
     try:
         shape_wh = _check_image(image_path)
@@ -215,11 +231,12 @@ def verify_image_label(image_path: str, label_path: str, num_classes: int) -> La
         rows, fixes = _check_rows(_read_label_rows(label_path), num_classes)
     except BadInputError as error:
         return LabelRecord(image_path, "corrupt", shape_wh, message=f"corrupt label {label_path}: {error}; skipped")
-    if not rows:
-        return LabelRecord(image_path, "empty", shape_wh)
-    labels, segments = _rows_to_instances(rows)
+    labels, segments, num_degenerate = _drop_degenerate(*_rows_to_instances(rows))
+    if num_degenerate:
+        fixes.append(f"dropped {num_degenerate} degenerate (zero-area) instance(s)")
     message = f"fixed label {label_path}: {'; '.join(fixes)}" if fixes else ""
-    return LabelRecord(image_path, "found", shape_wh, labels, segments, message)
+    status = "found" if len(labels) else "empty"
+    return LabelRecord(image_path, status, shape_wh, labels, segments, message, num_degenerate)
 
 
 @dataclass
@@ -231,7 +248,8 @@ class LabelIndex:
     `shapes`: (N, 2) int32 (w, h) after EXIF rotation. `labels`: (M, 5) float32
     [cls, cx, cy, w, h] normalised; image i owns rows label_offsets[i]:label_offsets[i+1].
     `seg_points`: (P, 2) float32 normalised; instance j owns rows seg_offsets[j]:seg_offsets[j+1].
-    `counts` maps found/missing/empty/corrupt to numbers; `messages` holds one line per bad file.
+    `counts` maps found/missing/empty/corrupt to numbers of images; `messages` holds one line per
+    bad or repaired file; `num_degenerate` is how many zero-area instances were left out in all.
     """
 
     im_files: list[str]
@@ -242,6 +260,7 @@ class LabelIndex:
     seg_offsets: np.ndarray
     counts: dict[str, int]
     messages: list[str]
+    num_degenerate: int = 0
 
     def __len__(self) -> int:
         return len(self.im_files)
@@ -260,7 +279,8 @@ class LabelIndex:
         """Return a new index holding images in `order` (e.g. sorted by aspect ratio), packed afresh."""
         records = [(self.labels_of(i), self.segments_of(i)) for i in order]
         packed = _pack([r[0] for r in records], [r[1] for r in records])
-        return LabelIndex([self.im_files[i] for i in order], self.shapes[order], *packed, self.counts, self.messages)
+        files = [self.im_files[i] for i in order]
+        return LabelIndex(files, self.shapes[order], *packed, self.counts, self.messages, self.num_degenerate)
 
 
 def _pack(
@@ -284,7 +304,8 @@ def build_index(records: list[LabelRecord]) -> LabelIndex:
     shapes = np.array([r.shape_wh for r in kept], dtype=np.int32).reshape(-1, 2)
     packed = _pack([r.labels for r in kept], [r.segments for r in kept])
     messages = [r.message for r in records if r.message]
-    return LabelIndex([r.image_path for r in kept], shapes, *packed, counts, messages)
+    num_degenerate = sum(r.num_degenerate for r in records)
+    return LabelIndex([r.image_path for r in kept], shapes, *packed, counts, messages, num_degenerate)
 
 
 def label_cache_path(image_files: Sequence[str]) -> Path:
@@ -324,6 +345,7 @@ def save_label_cache(path: Path, index: LabelIndex, digest: str) -> bool:
                 seg_offsets=index.seg_offsets,
                 counts=np.array([index.counts[s] for s in STATUSES], dtype=np.int64),
                 messages=np.array(index.messages, dtype=str),
+                num_degenerate=np.array(index.num_degenerate, dtype=np.int64),
             )
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; the other ranks' users must read it
         os.replace(tmp, path)
@@ -351,6 +373,7 @@ def load_label_cache(path: Path, digest: str) -> LabelIndex | None:
                 data["seg_offsets"],
                 counts,
                 data["messages"].tolist(),
+                int(data["num_degenerate"]),
             )
     except Exception:  # missing, truncated or foreign file: treat as no cache and rebuild
         return None
@@ -378,8 +401,10 @@ def _report(index: LabelIndex, source: str) -> None:
     if len(index.messages) > MAX_LOGGED_MESSAGES:
         LOGGER.warning(f"... and {len(index.messages) - MAX_LOGGED_MESSAGES} more label/image warnings not shown")
     c = index.counts
+    dropped = f", {index.num_degenerate} degenerate instance(s) dropped" if index.num_degenerate else ""
     LOGGER.info(
-        f"{source}: {c['found']} found, {c['missing']} missing (background), {c['empty']} empty, {c['corrupt']} corrupt"
+        f"{source}: {c['found']} found, {c['missing']} missing (background), {c['empty']} empty, "
+        f"{c['corrupt']} corrupt{dropped}"
     )
 
 

@@ -46,19 +46,21 @@ def collate_batch(items: list[dict[str, Any]]) -> Batch:
 
     Writes each image's position in the batch into column 0 of its labels (on a copy, so a
     cached item is never modified). Images of different sizes (rectangular training) are padded
-    at the right/bottom to the largest height and width with grey 114, and their normalised
-    labels rescaled to the padded size. Masks are concatenated, so per-instance masks
-    (n_i, h, w) become (N, h, w) aligned with `targets` rows. Raises ValueError when only some
-    items carry masks/segments.
+    at the right/bottom to the largest height and width with grey 114, their normalised labels
+    and polygons rescaled to the padded size, and their masks padded with zeros at the mask
+    resolution to the largest mask. Masks are concatenated, so per-instance masks (n_i, h, w)
+    become (N, h, w) aligned with `targets` rows and overlap masks (1, h, w) become (B, h, w).
+    Raises ValueError when only some items carry masks/segments.
     """
     if not items:
         raise ValueError("collate_batch: got an empty batch")
     paths = [str(item["path"]) for item in items]
     if len({tuple(item["image"].shape) for item in items}) > 1:
-        items = [
-            _pad_item(item, max(i["image"].shape[1] for i in items), max(i["image"].shape[2] for i in items))
-            for item in items
-        ]
+        image_hw = (max(i["image"].shape[1] for i in items), max(i["image"].shape[2] for i in items))
+        mask_hw = (0, 0)  # mask sides are image sides // mask_ratio, so the largest masks fit the padded image
+        if _carried_by(items, "masks"):
+            mask_hw = (max(i["masks"].shape[1] for i in items), max(i["masks"].shape[2] for i in items))
+        items = [_pad_item(item, image_hw, mask_hw) for item in items]
     targets = []
     for position, item in enumerate(items):
         labels = item["labels"]
@@ -81,14 +83,17 @@ def collate_batch(items: list[dict[str, Any]]) -> Batch:
     return batch
 
 
-def _pad_item(item: dict[str, Any], height: int, width: int) -> dict[str, Any]:
-    """Return a copy of `item` with its image padded right/bottom to (height, width), labels rescaled."""
+def _pad_item(item: dict[str, Any], image_hw: tuple[int, int], mask_hw: tuple[int, int]) -> dict[str, Any]:
+    """Return a copy of `item` padded right/bottom to `image_hw` (grey 114), labels and polygons rescaled.
+
+    Its masks, if any, are padded with zeros (background) to `mask_hw`, their own resolution,
+    so every mask pixel keeps its place relative to the image's top-left corner.
+    """
     image = item["image"]
+    height, width = image_hw
     _, own_height, own_width = image.shape
     if (own_height, own_width) == (height, width):
         return item
-    if "masks" in item:
-        raise ValueError(f"collate_batch: {item['path']} differs in size from its batch and carries masks")
     padded = torch.full((image.shape[0], height, width), 114, dtype=image.dtype)
     padded[:, :own_height, :own_width] = image
     labels = item["labels"].clone()
@@ -96,8 +101,12 @@ def _pad_item(item: dict[str, Any], height: int, width: int) -> dict[str, Any]:
     labels[:, [3, 5]] *= own_height / height
     out = {**item, "image": padded, "labels": labels}
     if "segments" in item:
-        scale = torch.tensor([own_width / width, own_height / height]).numpy()
+        scale = np.array([own_width / width, own_height / height], dtype=np.float32)
         out["segments"] = [segment * scale for segment in item["segments"]]
+    if "masks" in item:
+        masks = item["masks"]
+        out["masks"] = masks.new_zeros((masks.shape[0], *mask_hw))
+        out["masks"][:, : masks.shape[1], : masks.shape[2]] = masks
     return out
 
 

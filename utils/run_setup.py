@@ -171,6 +171,8 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
         stride=stride,
         single_cls=cfg.single_cls,
         with_masks=task.with_masks,
+        mask_ratio=cfg.mask_ratio,
+        overlap_mask=cfg.overlap_mask,
         num_classes=len(data.names),
         seed=cfg.seed,
         workers=cfg.workers,
