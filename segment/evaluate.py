@@ -1,0 +1,104 @@
+"""Segmentation evaluation: the detection loop plus mask IoU matching and COCO RLE masks per detection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pycocotools.mask as mask_utils
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from segment.ops import process_masks
+from utils.distributed import DistContext
+from utils.evaluate import DetectionScorer, EvalOptions, EvalResult, ImageScore, evaluate_detection, match_classes
+from utils.masks import polygons_to_masks
+
+RLE_CHUNK = 32  # detections resized to original size at a time (bounds memory on large images)
+
+
+def mask_iou(true_masks: torch.Tensor, pred_masks: torch.Tensor) -> torch.Tensor:
+    """Return the (m, n) IoU between m true and n predicted binary masks of the same (H, W)."""
+    true_flat = true_masks.reshape(len(true_masks), -1).float()
+    pred_flat = pred_masks.reshape(len(pred_masks), -1).float()
+    inter = true_flat @ pred_flat.T
+    union = true_flat.sum(1)[:, None] + pred_flat.sum(1)[None, :] - inter
+    return inter / union.clamp(min=1e-9)
+
+
+def masks_to_original(masks: torch.Tensor, shape: Any) -> np.ndarray:
+    """Map (n, H, W) bool masks on the letterboxed input back to the original image: (h0, w0, n) uint8.
+
+    The padding is cut off (letterbox geometry in `shape`, see docs/CONTRACTS.md), then the
+    content is resized bilinearly to the original size and thresholded at 0.5.
+    """
+    (height0, width0), ((ratio_h, ratio_w), (pad_w, pad_h)) = shape
+    top, left = int(round(pad_h - 0.1)), int(round(pad_w - 0.1))
+    bottom = min(top + max(int(round(height0 * ratio_h)), 1), masks.shape[1])
+    right = min(left + max(int(round(width0 * ratio_w)), 1), masks.shape[2])
+    out = np.zeros((height0, width0, len(masks)), np.uint8)
+    for start in range(0, len(masks), RLE_CHUNK):
+        chunk = masks[start : start + RLE_CHUNK, top:bottom, left:right].float()[None]
+        resized = F.interpolate(chunk, (height0, width0), mode="bilinear", align_corners=False)[0]
+        out[..., start : start + RLE_CHUNK] = (resized > 0.5).permute(1, 2, 0).cpu().numpy()
+    return out
+
+
+def encode_rle(masks_hwn: np.ndarray) -> list[dict]:
+    """Encode (h, w, n) uint8 masks as COCO RLE dicts with `counts` as str (JSON-ready)."""
+    if masks_hwn.shape[2] == 0:
+        return []
+    rles = mask_utils.encode(np.asfortranarray(masks_hwn))
+    for rle in rles:
+        rle["counts"] = rle["counts"].decode("ascii")
+    return rles
+
+
+class SegmentationScorer(DetectionScorer):
+    """Adds mask matching to the detection scorer: predicted masks vs polygons rasterised at input size."""
+
+    with_masks = True
+
+    def __init__(self, num_masks: int) -> None:
+        self.num_masks = num_masks
+
+    def loss_kwargs(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """The segmentation loss also needs the batch's ground-truth masks."""
+        return {"masks": batch["masks"].to(device, non_blocking=True)}
+
+    def score_batch(
+        self, outputs: list[torch.Tensor], loss_input: Any, targets: torch.Tensor, batch: dict[str, Any], collect: bool
+    ) -> list[ImageScore]:
+        """Box matching as for detection, then mask IoU matching with masks upsampled to the input size."""
+        scores = super().score_batch(outputs, loss_input, targets, batch, collect)
+        protos = loss_input[1]
+        height, width = batch["images"].shape[2:]
+        for index, (pred, score) in enumerate(zip(outputs, scores, strict=True)):
+            pred_masks = process_masks(protos[index].float(), pred[:, 6:], pred[:, :4], (height, width))
+            true_masks = self._true_masks(batch["segments"][index], height, width, pred.device)
+            iou = mask_iou(true_masks, pred_masks) if len(pred) and len(true_masks) else None
+            labels = targets[targets[:, 0] == index]
+            score.mask_correct = match_classes(pred[:, 5], labels[:, 1], iou)
+            if collect:
+                score.masks_rle = encode_rle(masks_to_original(pred_masks, batch["shapes"][index]))
+        return scores
+
+    @staticmethod
+    def _true_masks(segments: list[np.ndarray], height: int, width: int, device: torch.device) -> torch.Tensor:
+        """Rasterise an image's normalised polygons at the input size: (m, H, W) uint8."""
+        scale = np.array([width, height], np.float32)
+        masks = polygons_to_masks([segment * scale for segment in segments], height, width)
+        return torch.from_numpy(masks).to(device)
+
+
+def evaluate_segmentation(
+    model: nn.Module,
+    batches: Any,
+    options: EvalOptions,
+    ctx: DistContext,
+    loss_fn: Any = None,
+) -> EvalResult:
+    """Evaluate boxes and masks of a segmentation model; see utils.evaluate.evaluate_detection."""
+    num_masks = getattr(model, "module", model).head.num_masks
+    return evaluate_detection(model, batches, options, ctx, loss_fn, SegmentationScorer(num_masks))

@@ -1,0 +1,24 @@
+"""Train instance segmentation: `python segment/train.py`, or `torchrun --nproc_per_node N segment/train.py`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, Python puts segment/ first on sys.path; the package imports need the project root instead.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from segment.task import SEGMENT  # noqa: E402
+from utils.cli import exit_on_user_error, train_main  # noqa: E402
+from utils.engine import FitResult  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> FitResult:
+    """Parse the flags and run the shared train entry point with the segmentation task."""
+    return train_main(argv, SEGMENT)
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)

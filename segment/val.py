@@ -1,0 +1,24 @@
+"""Validate a segmentation checkpoint (boxes and masks): `python segment/val.py --weights best.pt`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, Python puts segment/ first on sys.path; the package imports need the project root instead.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from segment.task import SEGMENT  # noqa: E402
+from utils.cli import exit_on_user_error, val_main  # noqa: E402
+from utils.evaluate import EvalResult  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> EvalResult:
+    """Parse the flags and run the shared val entry point with the segmentation task."""
+    return val_main(argv, SEGMENT)
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)
