@@ -56,8 +56,11 @@ class SegmentationLoss(DetectionLoss):
             masks = self._prepare_masks(masks.to(protos.device), targets, len(protos), tuple(protos.shape[-2:]))
             # The zero term keeps the prototype branch in the graph when nothing matched (DDP needs every parameter).
             seg = protos.sum() * 0.0
+            # One unbind instead of protos[image] per level and image: each indexing op's backward
+            # would allocate and zero a gradient the size of all the prototypes.
+            per_image = protos.unbind(0)
             for terms, denominator in zip(levels, denominators, strict=True):
-                seg = seg + self._mask_sum(terms, protos, masks, targets) / denominator
+                seg = seg + self._mask_sum(terms, per_image, masks, targets) / denominator
         losses = torch.stack((box, seg * self.gains.box, obj, cls))
         return losses.sum().view(1) * len(protos), losses.detach()
 
@@ -81,18 +84,18 @@ class SegmentationLoss(DetectionLoss):
         return (masks[image_index[target_rows]] == instance_ids.view(-1, 1, 1)).float()
 
     def _mask_sum(
-        self, terms: LevelTerms, protos: torch.Tensor, masks: torch.Tensor, targets: torch.Tensor
+        self, terms: LevelTerms, protos: tuple[torch.Tensor, ...], masks: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor:
         """Sum over one level's matches of the box-cropped mask BCE / normalised box area (0-d float32).
 
         Matches are grouped by image so only one image's (m_i, h, w) masks exist at a time.
         """
         assigned = terms.assigned
-        total = protos.new_zeros(())
+        total = protos[0].new_zeros(())
         if terms.num_matches == 0:
             return total
         coeffs = terms.matched_preds[:, 5 + self.head.num_classes :]
-        height, width = protos.shape[-2:]
+        height, width = protos[0].shape[-2:]
         boxes_xywhn = targets[assigned.target_index, 2:6]
         boxes_xyxy = xywhn_to_xyxy(boxes_xywhn, width, height)  # prototype pixels
         areas = boxes_xywhn[:, 2:].prod(dim=1).clamp(min=1e-9)
