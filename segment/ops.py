@@ -35,21 +35,25 @@ def assemble_masks(coeffs: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
 
 
 def process_masks(
-    protos: torch.Tensor, coeffs: torch.Tensor, boxes_xyxy: torch.Tensor, input_hw: tuple[int, int]
+    protos: torch.Tensor,
+    coeffs: torch.Tensor,
+    boxes_xyxy: torch.Tensor,
+    input_hw: tuple[int, int],
+    chunk: int = 64,
 ) -> torch.Tensor:
     """Turn detections' mask coefficients into (n, H, W) bool masks at the network input size.
 
     protos: (nm, h, w) one image's prototypes; coeffs: (n, nm); boxes_xyxy: (n, 4) in input pixels;
-    input_hw: (H, W) of the network input. Steps (YOLOv5-seg): assemble, sigmoid, crop to the box at
-    prototype resolution, bilinear upsample to (H, W) (align_corners=False), threshold at 0.5.
-    Memory peaks at n x H x W float32 (300 masks at 640 px: ~0.5 GB); chunk the rows for more.
+    input_hw: (H, W) of the network input. Steps: assemble the logits, bilinear upsample them to
+    (H, W) (align_corners=False), keep logit > 0 (probability > 0.5), then crop to the box at input
+    resolution. Cropping after upsampling keeps the box edges sharp; cropping at the 4x coarser
+    prototype resolution first (YOLOv5-seg) blurs them and shrinks small objects' masks.
+    `chunk` rows are upsampled at a time, so memory peaks at chunk x H x W float32.
     """
     height, width = input_hw
-    if len(coeffs) == 0:
-        return torch.zeros((0, height, width), dtype=torch.bool, device=protos.device)
-    _, proto_h, proto_w = protos.shape
-    masks = assemble_masks(coeffs.float(), protos.float()).sigmoid()
-    to_proto = boxes_xyxy.new_tensor([proto_w / width, proto_h / height, proto_w / width, proto_h / height])
-    masks = crop_mask(masks, boxes_xyxy.float() * to_proto)
-    masks = F.interpolate(masks[None], size=(height, width), mode="bilinear", align_corners=False)[0]
-    return masks > 0.5
+    out = torch.zeros((len(coeffs), height, width), dtype=torch.bool, device=protos.device)
+    for start in range(0, len(coeffs), chunk):
+        logits = assemble_masks(coeffs[start : start + chunk].float(), protos.float())
+        logits = F.interpolate(logits[None], size=(height, width), mode="bilinear", align_corners=False)[0]
+        out[start : start + chunk] = crop_mask(logits > 0, boxes_xyxy[start : start + chunk])
+    return out

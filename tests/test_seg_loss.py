@@ -77,19 +77,26 @@ def test_assemble_masks_is_a_weighted_sum_of_prototypes() -> None:
         assemble_masks(coeffs, torch.zeros(3, 2, 2))
 
 
-def test_process_masks_crops_and_upsamples_to_the_box() -> None:
-    protos = torch.full((1, 4, 4), 10.0)  # sigmoid ~1 everywhere
-    coeffs = torch.tensor([[1.0], [-1.0]])
-    boxes = torch.tensor([[4.0, 4.0, 12.0, 12.0], [0.0, 0.0, 16.0, 16.0]])  # input pixels of a 16 x 16 input
-    masks = process_masks(protos, coeffs, boxes, (16, 16))
-    # Crop keeps proto pixels 1..2. Bilinear x4 samples input pixel x at proto x (x + 0.5) / 4 - 0.5, so along
-    # one axis pixels 4..11 get 0.625, 0.875, 1, 1, 1, 1, 0.875, 0.625: inside the box only the four corner
-    # pixels (0.625^2 < 0.5) fall below the threshold.
+def test_process_masks_upsamples_then_crops_to_the_exact_box() -> None:
+    protos = torch.full((1, 4, 4), 10.0)  # logit 10 everywhere
+    coeffs = torch.tensor([[1.0], [-1.0], [1.0]])
+    # Input pixels of a 16 x 16 input: a whole-pixel box, the full image, and a fractional box.
+    boxes = torch.tensor([[4.0, 4.0, 12.0, 12.0], [0.0, 0.0, 16.0, 16.0], [2.4, 3.6, 5.5, 9.5]])
+    masks = process_masks(protos, coeffs, boxes, (16, 16), chunk=2)
+    # Cropping at input resolution keeps exactly the pixels whose centres lie in the box (corners included;
+    # cropping the 4x4 prototypes first would lose the corner pixels to bilinear blur).
     expected = torch.zeros(16, 16, dtype=torch.bool)
     expected[4:12, 4:12] = True
-    expected[[4, 4, 11, 11], [4, 11, 4, 11]] = False
-    assert masks.dtype == torch.bool and masks.shape == (2, 16, 16)
-    assert torch.equal(masks[0], expected) and not masks[1].any()
+    fractional = torch.zeros(16, 16, dtype=torch.bool)
+    fractional[4:9, 2:5] = True  # centres x 2.5..4.5 and y 4.5..8.5 fall in [2.4, 5.5) x [3.6, 9.5)
+    assert masks.dtype == torch.bool and masks.shape == (3, 16, 16)
+    assert torch.equal(masks[0], expected) and not masks[1].any() and torch.equal(masks[2], fractional)
+    # A prototype edge: logits -1 | +1 between columns 1 and 2 put the upsampled zero crossing at input x = 8.
+    edge = torch.tensor([[-1.0, -1.0, 1.0, 1.0]]).expand(4, 4)[None]
+    assert (
+        process_masks(edge, torch.ones(1, 1), torch.tensor([[0.0, 0.0, 16.0, 16.0]]), (16, 16))[0, 0].nonzero().min()
+        == 8
+    )
     assert process_masks(protos, torch.zeros(0, 1), torch.zeros(0, 4), (16, 32)).shape == (0, 16, 32)
 
 
