@@ -79,7 +79,7 @@ class SegmentationScorer(DetectionScorer):
             true_masks = self._true_masks(batch["segments"][index], height, width, pred.device)
             iou = mask_iou(true_masks, pred_masks) if len(pred) and len(true_masks) else None
             labels = targets[targets[:, 0] == index]
-            score.mask_correct = match_classes(pred[:, 5], labels[:, 1], iou)
+            score.mask_correct = match_classes(pred, labels[:, 1], iou)
             if collect:
                 score.masks_rle = encode_rle(masks_to_original(pred_masks, batch["shapes"][index]))
         return scores

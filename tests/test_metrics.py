@@ -46,15 +46,25 @@ def test_match_predictions_duplicates_and_classes() -> None:
     np.testing.assert_array_equal(correct, expected)
 
 
-def test_match_predictions_is_greedy_by_iou() -> None:
-    # Pred 0 overlaps both labels (0.80, 0.75), pred 1 only label 0 (0.70). Highest IoU first pairs
-    # pred 0 with label 0; label 1 is then only reachable by pred 0, which is used: one TP, as in COCO.
+def test_match_predictions_takes_labels_in_confidence_order_like_cocoeval() -> None:
+    # Pred 0 overlaps both labels (0.80, 0.75), pred 1 only label 0 (0.70). In confidence order pred 0
+    # takes its best label (0); label 1 is then only reachable by pred 0, which is used: one TP.
     iou = np.array([[0.80, 0.70], [0.75, 0.0]])
     correct = match_predictions(np.zeros(2), np.zeros(2), iou, np.array([0.5]))
     np.testing.assert_array_equal(correct[:, 0], [True, False])
     # Above 0.80 no pair qualifies.
     np.testing.assert_array_equal(match_predictions(np.zeros(2), np.zeros(2), iou, np.array([0.81]))[:, 0], [0, 0])
     assert match_predictions(np.zeros(0), np.zeros(3), np.zeros((3, 0)), np.array([0.5])).shape == (0, 1)
+    # A confident detection (IoU 0.6) and a less confident duplicate that fits better (IoU 0.9): COCOeval
+    # gives the label to the confident one at 0.5 and 0.6 and to the duplicate only above 0.6.
+    iou = np.array([[0.6, 0.9]])
+    correct = match_predictions(
+        np.zeros(2), np.zeros(1), iou, np.array([0.5, 0.6, 0.7]), pred_conf=np.array([0.9, 0.3])
+    )
+    np.testing.assert_array_equal(correct, [[True, True, False], [False, False, True]])
+    # The same with the columns swapped: the order comes from pred_conf, not from the column order.
+    swapped = match_predictions(np.zeros(2), np.zeros(1), iou[:, ::-1], np.array([0.5, 0.6, 0.7]), np.array([0.3, 0.9]))
+    np.testing.assert_array_equal(swapped, correct[::-1])
 
 
 def test_compute_ap_hand_example() -> None:

@@ -144,15 +144,23 @@ def match_image_boxes(pred: torch.Tensor, labels: torch.Tensor, shape: Any, inpu
     true_boxes = xywh_to_xyxy(labels[:, 1:5].clone())
     scale_boxes(true_boxes, input_hw, orig_hw, ratio_pad)
     iou = box_iou(true_boxes, detections[:, :4]) if len(detections) and len(labels) else None
-    return detections, match_classes(detections[:, 5], labels[:, 0], iou)
+    return detections, match_classes(detections, labels[:, 0], iou)
 
 
-def match_classes(pred_cls: torch.Tensor, true_cls: torch.Tensor, iou: torch.Tensor | None) -> np.ndarray:
-    """Return (n_pred, 10) bool: prediction j is a true positive at each IoU threshold (None iou: no matches)."""
+def match_classes(detections: torch.Tensor, true_cls: torch.Tensor, iou: torch.Tensor | None) -> np.ndarray:
+    """Return (n_pred, 10) bool: detection j (rows x1 y1 x2 y2 conf cls) is a true positive at each IoU threshold.
+
+    `iou` (n_true, n_pred) is box or mask IoU; None means nothing can match. Matching follows
+    pycocotools: detections in descending confidence take their best unmatched label.
+    """
     if iou is None:
-        return np.zeros((len(pred_cls), 10), bool)
+        return np.zeros((len(detections), 10), bool)
     return match_predictions(
-        pred_cls.cpu().numpy(), true_cls.cpu().numpy(), iou.cpu().numpy(), iou_thresholds().numpy()
+        detections[:, 5].cpu().numpy(),
+        true_cls.cpu().numpy(),
+        iou.cpu().numpy(),
+        iou_thresholds().numpy(),
+        detections[:, 4].cpu().numpy(),
     )
 
 

@@ -49,23 +49,35 @@ def match_predictions(
     true_classes: torch.Tensor | np.ndarray,
     iou: torch.Tensor | np.ndarray,
     thresholds: torch.Tensor | np.ndarray,
+    pred_conf: torch.Tensor | np.ndarray | None = None,
 ) -> np.ndarray:
-    """Mark which predictions are true positives at each IoU threshold.
+    """Mark which predictions are true positives at each IoU threshold, matching as pycocotools does.
 
-    `pred_classes (n_pred,)`, `true_classes (n_true,)`, `iou (n_true, n_pred)`, `thresholds (t,)`.
-    For every threshold the predictions and labels of the same class with IoU >= threshold are
-    paired one-to-one, greedily by highest IoU, so a label is never counted twice and a duplicate
-    detection becomes a false positive. Returns a bool numpy array `(n_pred, t)`.
+    `pred_classes (n_pred,)`, `true_classes (n_true,)`, `iou (n_true, n_pred)`, `thresholds (t,)`,
+    `pred_conf (n_pred,)` (None: the predictions are already in descending confidence, as NMS
+    returns them). For every threshold, predictions in descending confidence each take the
+    unmatched label of their class with the highest IoU >= threshold, so a label is never counted
+    twice and a lower-confidence duplicate becomes a false positive even when it overlaps the
+    label better (YOLOv5 pairs by highest IoU instead, which can hand the label to the duplicate).
+    Returns a bool numpy array `(n_pred, t)`.
     """
     pred_classes, true_classes = _to_numpy(pred_classes), _to_numpy(true_classes)
     iou, thresholds = _to_numpy(iou).astype(np.float64), _to_numpy(thresholds).astype(np.float64)
     correct = np.zeros((len(pred_classes), len(thresholds)), dtype=bool)
     if iou.size == 0:
         return correct
-    same_class = true_classes[:, None] == pred_classes[None, :]
+    candidates = np.where(true_classes[:, None] == pred_classes[None, :], iou, -1.0)  # (n_true, n_pred)
+    order = np.arange(len(pred_classes)) if pred_conf is None else np.argsort(-_to_numpy(pred_conf), kind="stable")
+    # Only predictions that reach the lowest threshold with some label can ever match.
+    order = order[candidates[:, order].max(axis=0) >= thresholds.min()]
     for k, threshold in enumerate(thresholds.tolist()):
-        for _, pred_index in _greedy_pairs(iou, same_class & (iou >= threshold)):
-            correct[pred_index, k] = True
+        available = np.ones(len(true_classes), dtype=bool)
+        for pred_index in order.tolist():
+            ious = np.where(available, candidates[:, pred_index], -1.0)
+            best = int(ious.argmax())
+            if ious[best] >= threshold:
+                available[best] = False
+                correct[pred_index, k] = True
     return correct
 
 
