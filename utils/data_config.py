@@ -17,6 +17,7 @@ KNOWN_KEYS = {
     "nc",
     "val_annotations",
     "test_annotations",
+    "category_ids",
     "builtin",
     "download",
 }
@@ -28,7 +29,9 @@ class DataConfig:
     """A dataset description: where each split's images are, the class names, optional COCO annotations.
 
     Split entries are folders or `.txt` image lists (absolute paths); `annotations` maps a split
-    name to its COCO-format instances JSON when the YAML names one.
+    name to its COCO-format instances JSON when the YAML names one. `category_ids` (YAML key
+    `category_ids:`, one int per class) is the explicit class index -> COCO category id mapping,
+    e.g. COCO's 80 classes -> ids 1..90; None lets utils/coco.py derive it from the annotations.
     """
 
     yaml_file: Path
@@ -36,6 +39,7 @@ class DataConfig:
     splits: dict[str, tuple[Path, ...]]
     names: tuple[str, ...]
     annotations: dict[str, Path]
+    category_ids: tuple[int, ...] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -64,6 +68,21 @@ def parse_names(raw: dict, yaml_file: Path) -> tuple[str, ...]:
     if "nc" in raw and int(raw["nc"]) != len(names):
         raise ConfigError(f"{yaml_file}: nc={raw['nc']} but 'names' has {len(names)} entries")
     return tuple(str(n) for n in names)
+
+
+def parse_category_ids(raw: dict, yaml_file: Path, num_classes: int) -> tuple[int, ...] | None:
+    """Read the optional `category_ids` list: distinct integers, one per class (class i -> category id)."""
+    ids = raw.get("category_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in ids):
+        raise ConfigError(f"{yaml_file}: 'category_ids' must be a list of integers (one COCO category id per class)")
+    if len(ids) != num_classes:
+        raise ConfigError(f"{yaml_file}: 'category_ids' has {len(ids)} entries but 'names' has {num_classes} classes")
+    if len(set(ids)) != len(ids):
+        duplicate = next(v for v in ids if ids.count(v) > 1)
+        raise ConfigError(f"{yaml_file}: 'category_ids' lists category {duplicate} more than once")
+    return tuple(ids)
 
 
 def _resolve(entry: object, root: Path, yaml_file: Path, key: str) -> tuple[Path, ...]:
@@ -119,4 +138,5 @@ def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
         ann = raw.get(f"{key}_annotations")
         if ann:
             annotations[key] = _resolve(ann, root, yaml_file, f"{key}_annotations")[0]
-    return DataConfig(yaml_file, root, splits, parse_names(raw, yaml_file), annotations)
+    names = parse_names(raw, yaml_file)
+    return DataConfig(yaml_file, root, splits, names, annotations, parse_category_ids(raw, yaml_file, len(names)))

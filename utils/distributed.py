@@ -172,6 +172,19 @@ def all_gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     return out
 
 
+def gather_objects(obj: Any, ctx: DistContext, dst: int = 0) -> list[Any] | None:
+    """Return every rank's `obj` in rank order on rank `dst` and None on the others. Every rank must call it.
+
+    Unlike `all_gather_objects` only `dst` holds the whole list, so gathering large per-rank
+    results (COCO predictions) costs memory on one rank only. In a single process: `[obj]`.
+    """
+    if not (ctx.is_distributed and dist.is_initialized()):
+        return [obj]
+    out: list[Any] | None = [None] * ctx.world_size if ctx.rank == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out
+
+
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     """Sum `tensor` over ranks in place and return it. Every rank must call it."""
     if ctx.is_distributed and dist.is_initialized():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from torch import nn
@@ -12,10 +15,11 @@ from models.yolo import ModelSpec
 from utils import checkpoint as ckpt_io
 from utils.augment import AugmentParams
 from utils.boxes import xyxy_to_xywhn
+from utils.coco import CocoTarget, check_coco_target, coco_evaluate
 from utils.config import ConfigError, ValConfig
-from utils.data_config import load_data_config
+from utils.data_config import DataConfig, load_data_config
 from utils.dataset import DatasetOptions, LoadImagesAndLabels
-from utils.distributed import DistContext, all_gather_objects
+from utils.distributed import DistContext, all_gather_objects, broadcast_object
 from utils.evaluate import EvalOptions, EvalResult, format_results
 from utils.loader import build_val_loader
 from utils.tasks import Task
@@ -42,23 +46,85 @@ def load_model_for_eval(path: Path, task: Task, ctx: DistContext, half: bool = F
     return model, checkpoint
 
 
+@dataclass
+class ValSetup:
+    """What a validation run needs, built once: model, this rank's loader, data, and where outputs go."""
+
+    model: nn.Module
+    loader: Any
+    data: DataConfig
+    names: tuple[str, ...]
+    split: str
+    save_dir: Path | None  # None when nothing is written (no --save-json / --save-txt)
+    coco_target: CocoTarget | None  # rank 0 only, when --save-json and the YAML names annotations
+
+
+def speed_config(cfg: ValConfig) -> ValConfig:
+    """Return the options of `--task speed` (YOLOv5): conf 0.25, NMS IoU 0.45, no JSON, on the val split."""
+    LOGGER.info("--task speed: timing the val split at --conf-thres 0.25 --iou-thres 0.45, no JSON")
+    return dataclasses.replace(cfg, conf_thres=0.25, iou_thres=0.45, save_json=False)
+
+
 def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalResult:
     """Evaluate checkpoint `cfg.weights` on split `cfg.task` of `cfg.data`; every rank calls it.
 
     Images are sharded across ranks without padding and statistics gathered, so a torchrun
-    validation scores each image once. Rank 0 logs the table and per-image timings.
+    validation scores each image once. With --save-json, predictions.json goes to the run folder
+    (runs/val/exp, exp2, ...) and, when the YAML names the split's annotations, mAP50 and
+    mAP50-95 come from pycocotools COCOeval. Rank 0 logs the table and per-image timings.
+    """
+    if cfg.task == "speed":
+        cfg = speed_config(cfg)
+    setup = prepare_validation(cfg, task, ctx)
+    eval_options = EvalOptions(
+        num_classes=len(setup.names),
+        conf_thres=cfg.conf_thres,
+        iou_thres=cfg.iou_thres,
+        max_det=cfg.max_det,
+        half=cfg.half,
+        collect_predictions=cfg.save_json or cfg.save_txt,
+    )
+    result = task.evaluate(setup.model, setup.loader, eval_options, ctx)
+    if cfg.save_json:
+        assert setup.save_dir is not None  # prepare_validation makes one whenever something is saved
+        result = coco_evaluate(
+            result, setup.data, setup.split, setup.save_dir, ctx, single_cls=cfg.single_cls, target=setup.coco_target
+        )
+    report(result, setup.names, cfg, ctx, setup.data.annotations.get(setup.split))
+    if cfg.save_txt and setup.save_dir is not None:
+        save_txt(result, setup.save_dir / "labels")
+    if setup.save_dir is not None and ctx.is_main:
+        LOGGER.info(f"Results saved to {setup.save_dir}")
+    return result
+
+
+def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup:
+    """Check the options, load the data config, the annotations (with --save-json) and the model; build the loader.
+
+    Every rank calls it. Problems that can be found before inference (batch divisibility, class
+    count, a missing or malformed annotations file) are one-line ConfigErrors raised on every rank.
     """
     if cfg.batch_size % ctx.world_size:
         raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {ctx.world_size} processes")
     if cfg.half and ctx.device.type != "cuda":
         LOGGER.warning("--half needs CUDA; validating in FP32 on CPU")
-    model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, cfg.half)
     data = load_data_config(cfg.data, ctx)
+    split = "val" if cfg.task == "speed" else cfg.task
+    coco_target = check_coco_target(data, split, ctx, cfg.single_cls) if cfg.save_json else None
+    model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, cfg.half)
     names = ("item",) if cfg.single_cls else data.names
     if len(names) != len(checkpoint["names"]):
         trained = len(checkpoint["names"])
         raise ConfigError(f"{cfg.weights} was trained on {trained} classes but {cfg.data} has {len(names)}")
-    split = "val" if cfg.task == "speed" else cfg.task
+    save_dir = create_val_dir(cfg, ctx) if cfg.save_json or cfg.save_txt else None
+    loader = build_loader(cfg, task, data.split(split), int(model.stride.max()), len(data.names), ctx)
+    return ValSetup(model, loader, data, names, split, save_dir, coco_target)
+
+
+def build_loader(
+    cfg: ValConfig, task: Task, sources: tuple[Path, ...], stride: int, num_classes: int, ctx: DistContext
+) -> Any:
+    """Build this rank's rectangular-batch validation loader (per-rank batch = global batch / world size)."""
     per_rank = cfg.batch_size // ctx.world_size
     options = DatasetOptions(
         img_size=cfg.imgsz,
@@ -67,41 +133,60 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
         aug=AugmentParams(),
         rect=True,
         pad=0.5,
-        stride=int(model.stride.max()),
+        stride=stride,
         single_cls=cfg.single_cls,
         with_masks=task.with_masks,
-        num_classes=len(data.names),
+        num_classes=num_classes,
         workers=cfg.workers,
     )
-    dataset = LoadImagesAndLabels(data.split(split), options, ctx)
-    loader = build_val_loader(dataset, per_rank, cfg.workers, ctx)
-    eval_options = EvalOptions(
-        num_classes=len(names),
-        conf_thres=cfg.conf_thres,
-        iou_thres=cfg.iou_thres,
-        max_det=cfg.max_det,
-        half=cfg.half,
-        collect_predictions=cfg.save_txt,
-    )
-    result = task.evaluate(model, loader, eval_options, ctx)
-    report(result, names, cfg, ctx)
-    if cfg.save_txt:
-        save_txt(result, Path(cfg.project) / cfg.name / "labels")
-    return result
+    dataset = LoadImagesAndLabels(sources, options, ctx)
+    return build_val_loader(dataset, per_rank, cfg.workers, ctx)
 
 
-def report(result: EvalResult, names: tuple[str, ...], cfg: ValConfig, ctx: DistContext) -> None:
-    """Log the metrics table (per class with --verbose) and the per-image time of each stage on rank 0."""
+def create_val_dir(cfg: ValConfig, ctx: DistContext) -> Path:
+    """Pick <project>/<name> (name2, name3... unless --exist-ok) on rank 0, create it, and share the path."""
+    path = None
+    if ctx.is_main:
+        path = Path(cfg.project) / cfg.name
+        suffix = 2
+        while path.exists() and not cfg.exist_ok:
+            path = Path(cfg.project) / f"{cfg.name}{suffix}"
+            suffix += 1
+        path.mkdir(parents=True, exist_ok=True)
+    return Path(broadcast_object(str(path) if path else None, ctx))
+
+
+def report(
+    result: EvalResult, names: tuple[str, ...], cfg: ValConfig, ctx: DistContext, annotations: Path | None = None
+) -> None:
+    """Log the metrics table (per class with --verbose), per-image stage times and the metric source on rank 0.
+
+    `annotations` is the split's COCO file from the dataset YAML, if any. `--task speed` logs the times only.
+    """
     speeds = all_gather_objects(result.speed_ms, ctx)
     mean = {key: float(np.mean([s[key] for s in speeds])) for key in speeds[0]}
     if not ctx.is_main:
         return
-    LOGGER.info(format_results(result, names, cfg.verbose))
+    if cfg.task != "speed":
+        LOGGER.info(format_results(result, names, cfg.verbose))
     LOGGER.info(
         f"Speed per image: {mean['preprocess']:.1f} ms pre-process, {mean['inference']:.1f} ms inference, "
         f"{mean['nms']:.1f} ms NMS at batch {cfg.batch_size // ctx.world_size} per rank, size {cfg.imgsz}"
     )
-    LOGGER.info("Metric source: internal (101-point interpolated AP over IoU 0.50:0.95)")
+    if cfg.task != "speed":
+        LOGGER.info(f"Metric source: {metric_source_text(result, cfg.save_json, annotations)}")
+
+
+def metric_source_text(result: EvalResult, save_json: bool, annotations: Path | None) -> str:
+    """Say which metric produced mAP50 / mAP50-95: pycocotools on which file, or the internal one and why."""
+    if result.metric_source == "pycocotools":
+        return f"pycocotools COCOeval on {annotations}"
+    internal = "internal (101-point interpolated AP over IoU 0.50:0.95)"
+    if annotations is not None and not save_json:
+        return f"{internal}; add --save-json for pycocotools COCOeval on {annotations}"
+    if save_json and annotations is None:
+        return f"{internal}; the dataset YAML names no COCO annotations file for this split"
+    return internal
 
 
 def save_txt(result: EvalResult, folder: Path) -> None:

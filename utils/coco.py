@@ -1,0 +1,411 @@
+"""COCO evaluation: predictions.json in the COCO results format, id mapping, and pycocotools COCOeval numbers."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
+
+import numpy as np
+
+from utils.config import ConfigError
+from utils.data_config import DataConfig
+from utils.distributed import DistContext, broadcast_object, gather_objects
+from utils.evaluate import EvalResult, ImagePredictions
+from utils.metrics import DetectionMetrics
+
+LOGGER = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# COCOeval.stats in order: AP over IoU .50:.95, at .50, at .75, by object area; AR at 1/10/100 detections, by area.
+STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+PREDICTIONS_FILE = "predictions.json"
+EVAL_FILE = "coco_eval.json"
+
+
+@dataclass(frozen=True)
+class CocoAnnotations:
+    """A loaded COCO instances file: its raw content and the image id of each image file name (basename)."""
+
+    path: Path
+    dataset: dict[str, Any]
+    image_ids: dict[str, int]
+
+
+@dataclass(frozen=True)
+class CocoTarget:
+    """What a split is scored against: the annotations and the COCO category id of each class index.
+
+    With `use_categories` False (--single-cls) COCOeval ignores categories (params.useCats = 0).
+    """
+
+    annotations: CocoAnnotations
+    category_ids: tuple[int, ...]
+    use_categories: bool = True
+
+
+def load_annotations(path: Path) -> CocoAnnotations:
+    """Read a COCO instances JSON and index its image ids by file name (basename of `file_name`).
+
+    Raises a one-line ConfigError naming the file when it is missing, not JSON, lacks the
+    `images`/`annotations`/`categories` lists, has an image without `id`/`file_name` or an
+    annotation without `id`/`image_id`/`category_id`/`bbox`, or two images share a basename.
+    Annotations without `area` get the bbox area and without `iscrowd` 0 (COCOeval needs both).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: annotations file not found")
+    try:
+        dataset = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: not a valid JSON file ({str(error).splitlines()[0]})") from error
+    if not isinstance(dataset, dict):
+        raise ConfigError(f"{path}: expected a COCO JSON object with images/annotations/categories lists")
+    for key in ("images", "annotations", "categories"):
+        if not isinstance(dataset.get(key), list):
+            raise ConfigError(f"{path}: not a COCO instances file (no '{key}' list)")
+    image_ids: dict[str, int] = {}
+    for index, image in enumerate(dataset["images"]):
+        if not isinstance(image, dict) or "id" not in image or not isinstance(image.get("file_name"), str):
+            raise ConfigError(f"{path}: images[{index}] has no 'id' or 'file_name'")
+        name = PurePosixPath(image["file_name"].replace("\\", "/")).name
+        if name in image_ids:
+            raise ConfigError(f"{path}: two images are named '{name}'; image file names must be unique")
+        image_ids[name] = image["id"]
+    _check_annotation_entries(dataset, path)
+    return CocoAnnotations(path, dataset, image_ids)
+
+
+def _check_annotation_entries(dataset: dict[str, Any], path: Path) -> None:
+    """Raise ConfigError for annotations or categories missing required keys; fill area/iscrowd defaults."""
+    if not dataset["categories"]:
+        raise ConfigError(f"{path}: the 'categories' list is empty")
+    for index, category in enumerate(dataset["categories"]):
+        if not isinstance(category, dict) or not isinstance(category.get("id"), int):
+            raise ConfigError(f"{path}: categories[{index}] has no integer 'id'")
+    for index, ann in enumerate(dataset["annotations"]):
+        missing = [
+            key for key in ("id", "image_id", "category_id", "bbox") if not isinstance(ann, dict) or key not in ann
+        ]
+        if missing:
+            raise ConfigError(f"{path}: annotations[{index}] has no '{missing[0]}'")
+        if "area" not in ann:
+            ann["area"] = float(ann["bbox"][2]) * float(ann["bbox"][3])
+        ann.setdefault("iscrowd", 0)
+
+
+def category_mapping(
+    names: Sequence[str], categories: list[dict[str, Any]], explicit: Sequence[int] | None, source: Path
+) -> tuple[int, ...]:
+    """Return the COCO category id of each class index.
+
+    An `explicit` list (dataset YAML `category_ids:`) wins, each id must exist in the file. Else,
+    when the class names equal the categories' names (any order), classes map by name. Else class
+    i maps to the i-th category by ascending id (COCO's 80 classes -> its 91-id list). A differing
+    class/category count without an explicit mapping is a one-line ConfigError naming `source`.
+    """
+    ids = sorted(category["id"] for category in categories)
+    if explicit is not None:
+        unknown = [cid for cid in explicit if cid not in set(ids)]
+        if unknown:
+            raise ConfigError(f"{source}: category_ids lists category {unknown[0]}, which is not in the file")
+        return tuple(int(cid) for cid in explicit)
+    by_name = {str(category.get("name")): category["id"] for category in categories}
+    if len(by_name) == len(names) == len(set(names)) and set(by_name) == set(names):
+        return tuple(int(by_name[name]) for name in names)
+    if len(ids) != len(names):
+        raise ConfigError(
+            f"{source}: {len(ids)} categories but the dataset has {len(names)} classes; "
+            "set 'category_ids:' (one category id per class) in the dataset YAML"
+        )
+    return tuple(int(cid) for cid in ids)
+
+
+def load_coco_target(data: DataConfig, split: str, single_cls: bool = False) -> CocoTarget | None:
+    """Load the annotations the dataset YAML names for `split` and map classes; None when it names none."""
+    path = data.annotations.get(split)
+    if path is None:
+        return None
+    annotations = load_annotations(path)
+    if single_cls:
+        return CocoTarget(annotations, (min(c["id"] for c in annotations.dataset["categories"]),), False)
+    return CocoTarget(
+        annotations, category_mapping(data.names, annotations.dataset["categories"], data.category_ids, path)
+    )
+
+
+def predictions_to_coco(
+    predictions: Sequence[ImagePredictions],
+    image_ids: Mapping[str, int | str],
+    category_ids: Sequence[int],
+    source: str = "the annotations file",
+) -> list[dict[str, Any]]:
+    """Turn per-image detections into COCO result dicts: image_id, category_id, bbox [x, y, w, h], score.
+
+    Boxes are original-image pixels rounded to 3 decimals, scores to 5; `segmentation` (an RLE
+    dict with str counts) is added when the image has `masks_rle`. `image_ids` is keyed by file
+    basename; images missing from it are left out and reported in one warning naming `source`,
+    the count and the first one.
+    """
+    results: list[dict[str, Any]] = []
+    missing: list[str] = []
+    for item in predictions:
+        name = Path(item.path).name
+        if name not in image_ids:
+            missing.append(name)
+            continue
+        image_id = image_ids[name]
+        detections = np.asarray(item.detections, np.float64).reshape(-1, 6)
+        boxes = detections[:, :4].copy()
+        boxes[:, 2:] -= boxes[:, :2]
+        classes = detections[:, 5].astype(np.int64).tolist()
+        scores = np.round(detections[:, 4], 5).tolist()
+        for index, (box, cls, score) in enumerate(zip(np.round(boxes, 3).tolist(), classes, scores, strict=True)):
+            record = {"image_id": image_id, "category_id": int(category_ids[cls]), "bbox": box, "score": score}
+            if item.masks_rle is not None:
+                record["segmentation"] = _json_rle(item.masks_rle[index])
+            results.append(record)
+    if missing:
+        LOGGER.warning(
+            f"{len(missing)} evaluated images are not in {source} and are left out of COCO scoring, first: {missing[0]}"
+        )
+    return results
+
+
+def _json_rle(rle: dict[str, Any]) -> dict[str, Any]:
+    """Return a copy of a pycocotools RLE with `counts` as str (pycocotools' encode gives bytes)."""
+    counts = rle["counts"]
+    return {
+        "size": [int(v) for v in rle["size"]],
+        "counts": counts.decode("ascii") if isinstance(counts, bytes) else counts,
+    }
+
+
+def stem_image_ids(predictions: Sequence[ImagePredictions]) -> dict[str, int | str]:
+    """Image ids without an annotations file: the file stem as an int when it is numeric, else the stem."""
+    ids: dict[str, int | str] = {}
+    for item in predictions:
+        stem = Path(item.path).stem
+        ids[Path(item.path).name] = int(stem) if stem.isdigit() else stem
+    return ids
+
+
+def run_cocoeval(
+    gt: Any, results: list[dict[str, Any]], iou_type: str, image_ids: list[int], use_categories: bool = True
+) -> Any:
+    """Run pycocotools COCOeval (`iou_type` 'bbox' or 'segm') on `results` restricted to `image_ids`.
+
+    `gt` is a pycocotools COCO. Returns the COCOeval after summarize() (its `stats` hold the 12
+    numbers of STAT_NAMES), or None when `results` is empty (loadRes cannot load an empty list).
+    The 12 summary lines are logged; pycocotools' other prints are dropped. loadRes adds keys to
+    the dicts it gets (area, id, a box polygon), so it gets shallow copies.
+    """
+    from pycocotools.cocoeval import COCOeval
+
+    if not results:
+        return None
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        detections = gt.loadRes([dict(record) for record in results])
+        evaluator = COCOeval(gt, detections, iou_type)
+        evaluator.params.imgIds = list(image_ids)
+        evaluator.params.useCats = int(use_categories)
+        evaluator.evaluate()
+        evaluator.accumulate()
+        evaluator.summarize()
+    LOGGER.info(f"COCOeval {iou_type}:")
+    for line in captured.getvalue().splitlines():
+        if line.lstrip().startswith("Average"):
+            LOGGER.info(line)
+    return evaluator
+
+
+def per_class_ap(evaluator: Any, category_ids: Sequence[int], class_ids: np.ndarray) -> tuple[list[float], list[float]]:
+    """Return COCOeval's AP50 and AP50-95 of each class in `class_ids` (area all, 100 detections).
+
+    A class whose category has no ground truth among the scored images gets 0.
+    """
+    precision = evaluator.eval["precision"]  # (iou thresholds, recall points, categories, areas, max dets)
+    columns = list(evaluator.params.catIds) if evaluator.params.useCats else None
+    ap50, ap = [], []
+    for class_id in class_ids.tolist():
+        category = category_ids[class_id] if columns is not None else None
+        if columns is not None and category not in columns:
+            ap50.append(0.0)
+            ap.append(0.0)
+            continue
+        curve = precision[:, :, 0 if columns is None else columns.index(category), 0, -1]
+        ap50.append(_mean_scored(curve[0]))
+        ap.append(_mean_scored(curve))
+    return ap50, ap
+
+
+def _mean_scored(values: np.ndarray) -> float:
+    """Mean of the entries COCOeval scored (it marks unscored ones -1); 0 when there are none."""
+    scored = values[values > -1]
+    return float(scored.mean()) if scored.size else 0.0
+
+
+def _run_on_main(fn: Callable[[], T], ctx: DistContext) -> T | None:
+    """Run `fn` on rank 0 and return its value there (None elsewhere); its failure is raised on every rank.
+
+    Every rank must call it, so a bad annotations file stops all ranks together (the same one-line
+    ConfigError) instead of leaving the others waiting in a collective until the timeout.
+    """
+    value, error = None, None
+    if ctx.is_main:
+        try:
+            value = fn()
+        except Exception as exc:  # re-raised below, after the other ranks have been told
+            error = exc
+    failure = broadcast_object(None if error is None else (isinstance(error, ConfigError), str(error)), ctx)
+    if error is not None:
+        raise error
+    if failure is not None:
+        is_config_error, message = failure
+        raise ConfigError(message) if is_config_error else RuntimeError(f"COCO evaluation failed on rank 0: {message}")
+    return value
+
+
+def check_coco_target(data: DataConfig, split: str, ctx: DistContext, single_cls: bool = False) -> CocoTarget | None:
+    """Load and check the split's annotations on rank 0 before any work; every rank must call it.
+
+    Returns the target on rank 0 (None on other ranks, and when the YAML names no annotations);
+    a bad file is the same one-line ConfigError on every rank.
+    """
+    return _run_on_main(lambda: load_coco_target(data, split, single_cls), ctx)
+
+
+def _write_json(path: Path, content: Any) -> None:
+    """Write `content` as JSON next to `path` and rename it into place, so no reader sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as file:
+        json.dump(content, file, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def coco_evaluate(
+    result: EvalResult,
+    data: DataConfig,
+    split: str,
+    save_dir: Path,
+    ctx: DistContext,
+    *,
+    single_cls: bool = False,
+    target: CocoTarget | None = None,
+) -> EvalResult:
+    """Score `result`'s predictions with pycocotools and return the result with COCOeval's mAPs.
+
+    Every rank must call it, after an evaluation run with `collect_predictions=True`. Each rank's
+    predictions (its disjoint shard) are gathered to rank 0 only; rank 0 writes
+    `save_dir/predictions.json`, runs COCOeval (bbox, plus segm when masks were predicted) on the
+    split's annotations file, logs the 12 summary numbers and writes `save_dir/coco_eval.json`.
+    The scores are broadcast and every rank returns `result` with `metrics` (and `mask_metrics`)
+    map50/map50_95/fitness and per-class AP replaced and `metric_source="pycocotools"`. Without an
+    annotations file for `split` the result is returned unchanged (internal metric) and
+    predictions.json uses file stems as image ids and class indices as category ids. `target`,
+    when rank 0 already loaded it (`check_coco_target`), saves reading the file again. A bad
+    annotations file is one ConfigError on every rank.
+    """
+    gathered = gather_objects(result.predictions, ctx)
+    save_dir = Path(save_dir)
+
+    def score_on_main() -> dict[str, Any] | None:
+        predictions = [item for part in gathered or [] for item in part]
+        coco_target = target or load_coco_target(data, split, single_cls)
+        save_dir.mkdir(parents=True, exist_ok=True)
+        if coco_target is None:
+            _write_json(
+                save_dir / PREDICTIONS_FILE,
+                predictions_to_coco(predictions, stem_image_ids(predictions), range(len(data.names))),
+            )
+            LOGGER.info(
+                f"No '{split}_annotations' in {data.yaml_file}: mAP is the internal metric; wrote "
+                f"{save_dir / PREDICTIONS_FILE} (image_id = file stem, category_id = class index)"
+            )
+            return None
+        class_ids = {"bbox": result.metrics.class_ids, "segm": (result.mask_metrics or result.metrics).class_ids}
+        return _score(predictions, coco_target, class_ids, save_dir)
+
+    scores = broadcast_object(_run_on_main(score_on_main, ctx), ctx)
+    if scores is None:
+        return result
+    metrics = _with_scores(result.metrics, scores["bbox"])
+    mask_metrics = result.mask_metrics
+    if mask_metrics is not None and "segm" in scores:
+        mask_metrics = _with_scores(mask_metrics, scores["segm"])
+    return dataclasses.replace(result, metrics=metrics, mask_metrics=mask_metrics, metric_source="pycocotools")
+
+
+def _score(
+    predictions: list[ImagePredictions], target: CocoTarget, class_ids: dict[str, np.ndarray], save_dir: Path
+) -> dict[str, Any]:
+    """On rank 0: write predictions.json, run COCOeval per IoU type, write coco_eval.json; return the scores."""
+    path = target.annotations.path
+    known = target.annotations.image_ids
+    image_ids = list(dict.fromkeys(known[Path(p.path).name] for p in predictions if Path(p.path).name in known))
+    if not image_ids:
+        raise ConfigError(f"{path}: none of the {len(predictions)} evaluated images is in this annotations file")
+    results = predictions_to_coco(predictions, known, target.category_ids, str(path))
+    _write_json(save_dir / PREDICTIONS_FILE, results)
+    iou_types = ["bbox"]
+    if any(p.masks_rle is not None for p in predictions):
+        if all("segmentation" in ann for ann in target.annotations.dataset["annotations"]):
+            iou_types.append("segm")
+        else:
+            LOGGER.warning(f"{path}: some annotations have no 'segmentation'; masks are scored by the internal metric")
+    gt = _coco_api(target.annotations)
+    start = time.perf_counter()
+    scores = {}
+    for iou_type in iou_types:
+        # Segmentation results carry no bbox, so loadRes takes each detection's area from its mask.
+        typed = results if iou_type == "bbox" else [{k: v for k, v in r.items() if k != "bbox"} for r in results]
+        evaluator = run_cocoeval(gt, typed, iou_type, image_ids, target.use_categories)
+        scores[iou_type] = _scores_of(evaluator, target.category_ids, class_ids[iou_type], iou_type)
+    seconds = time.perf_counter() - start
+    summary = {"annotations": str(path), "images": len(image_ids), "detections": len(results), "seconds": seconds}
+    _write_json(save_dir / EVAL_FILE, {**summary, **{key: value["stats"] for key, value in scores.items()}})
+    LOGGER.info(f"COCOeval on {len(image_ids)} images took {seconds:.2f}s; saved {save_dir / EVAL_FILE}")
+    return scores
+
+
+def _scores_of(evaluator: Any, category_ids: Sequence[int], class_ids: np.ndarray, iou_type: str) -> dict[str, Any]:
+    """Named summary stats and per-class APs of a finished COCOeval; zeros (and a warning) for None."""
+    if evaluator is None:
+        LOGGER.warning(f"No detections to score ({iou_type}); the COCO metrics are 0")
+        zeros = [0.0] * len(class_ids)
+        return {"stats": dict.fromkeys(STAT_NAMES, 0.0), "ap50": zeros, "ap": zeros}
+    ap50, ap = per_class_ap(evaluator, category_ids, class_ids)
+    return {"stats": dict(zip(STAT_NAMES, (float(v) for v in evaluator.stats), strict=True)), "ap50": ap50, "ap": ap}
+
+
+def _with_scores(metrics: DetectionMetrics, scores: dict[str, Any]) -> DetectionMetrics:
+    """Return `metrics` with COCOeval's AP50/AP (-1, "no ground truth", counts as 0) and per-class APs."""
+    map50, map50_95 = max(scores["stats"]["AP50"], 0.0), max(scores["stats"]["AP"], 0.0)
+    return dataclasses.replace(
+        metrics,
+        map50=map50,
+        map50_95=map50_95,
+        fitness=0.1 * map50 + 0.9 * map50_95,
+        ap50=np.asarray(scores["ap50"], np.float64),
+        ap=np.asarray(scores["ap"], np.float64),
+    )
+
+
+def _coco_api(annotations: CocoAnnotations) -> Any:
+    """Build a pycocotools COCO over the loaded dataset without reading the file again (its prints dropped)."""
+    from pycocotools.coco import COCO
+
+    gt = COCO()
+    gt.dataset = annotations.dataset
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt.createIndex()
+    return gt
