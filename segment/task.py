@@ -15,6 +15,7 @@ def segment_spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
     spec = spec_from_cfg(cfg, num_classes)
     return spec if spec.num_masks else segmentation_spec(spec)
 
+
 SEGMENT = Task(
     name="segment",
     with_masks=True,

@@ -211,6 +211,7 @@ class _RankFitness:
 
     def __init__(self, result: Any, rank: int) -> None:
         self.loss_items = result.loss_items
+        self.metric_source = result.metric_source
         self.metrics = {**result.as_dict(), "fitness": FITNESS_BY_RANK[rank][_RankFitness.calls]}
         _RankFitness.calls += 1
 

@@ -16,6 +16,7 @@ from torch import nn
 from tqdm import tqdm
 
 from utils import checkpoint as ckpt_io
+from utils.coco import check_coco_target, coco_evaluate
 from utils.config import ConfigError, TrainConfig, save_run_config
 from utils.data_config import load_data_config
 from utils.distributed import (
@@ -228,6 +229,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     run_dir = create_run_dir(cfg, ctx, resume=resume_ckpt is not None)
     save_run_config(cfg, run_dir, ctx)
     data = load_data_config(cfg.data, ctx)
+    check_coco_target(data, "val", ctx, cfg.single_cls)  # a bad annotations file fails now, not after training
     bundle = build_model_bundle(cfg, task, data, ctx, resume_ckpt)
     datasets = build_datasets(cfg, task, data, bundle, ctx)
     if resume_ckpt is None and not cfg.weights:
@@ -262,7 +264,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
         stop = broadcast_object(stopper.should_stop(epoch, fitness) if ctx.is_main else False, ctx)
         if stop:
             break
-    final, best = _final_validation(best, last, task, datasets, bundle, ctx)
+    final, best = _final_validation(best, last, task, datasets, bundle, ctx, (data, run_dir, cfg.single_cls))
     return FitResult(run_dir, best, last, final, epoch + 1 - state.start_epoch)
 
 
@@ -311,22 +313,29 @@ def _save(state, bundle, cfg, task, epoch, fitness, ctx, weights_dir: Path) -> N
         ckpt_io.save_checkpoint(checkpoint, weights_dir / f"epoch{epoch + 1}.pt", ctx)
 
 
-def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx) -> tuple[dict[str, float], Path]:
+def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx, coco) -> tuple[dict[str, float], Path]:
     """Validate the EMA weights of best.pt (last.pt when --nosave never wrote a best) once more.
 
-    Returns the metrics and the checkpoint they belong to.
+    Returns the metrics and the checkpoint they belong to. When the dataset YAML names COCO
+    annotations for the val split (`coco` = (data, run_dir, single_cls)), predictions.json and
+    coco_eval.json are written to the run folder and the mAPs come from pycocotools.
     Every rank takes part. Only rank 0 is sure to see the file (other nodes may not share the
     filesystem), so rank 0 reads the weights and broadcasts them.
     """
     from utils.evaluate import EvalOptions
 
+    data, run_dir, single_cls = coco
     path = Path(broadcast_object(str(best if best.exists() else last) if ctx.is_main else None, ctx))
     weights = ckpt_io.inference_weights(ckpt_io.load_checkpoint(path)) if ctx.is_main else None
     weights = broadcast_object(weights, ctx)
     model = task.build_model(bundle.spec).to(ctx.device)
     model.load_state_dict(weights)
-    options = EvalOptions(num_classes=len(bundle.names), description="final val")
+    model = model.fuse()  # as val.py does, so its numbers reproduce these exactly
+    use_coco = data.annotations.get("val") is not None
+    options = EvalOptions(num_classes=len(bundle.names), description="final val", collect_predictions=use_coco)
     result = task.evaluate(model, datasets.val_loader, options, ctx)
+    if use_coco:
+        result = coco_evaluate(result, data, "val", run_dir, ctx, single_cls=single_cls)
     metrics = {key: float(value) for key, value in result.as_dict().items()}
-    LOGGER.info(f"Final ({path}): mAP50 {metrics['mAP50']:.4f}  mAP50-95 {metrics['mAP50-95']:.4f}")
+    LOGGER.info(f"Final ({path}, {result.metric_source} mAP): {_scores_line(metrics)}")
     return metrics, path

@@ -140,9 +140,9 @@ def match_image_boxes(pred: torch.Tensor, labels: torch.Tensor, shape: Any, inpu
     """
     orig_hw, ratio_pad = shape
     detections = pred[:, :6].clone()
-    scale_boxes(detections[:, :4], input_hw, orig_hw, ratio_pad)
+    detections[:, :4] = scale_boxes(detections[:, :4], input_hw, orig_hw, ratio_pad)
     true_boxes = xywh_to_xyxy(labels[:, 1:5].clone())
-    scale_boxes(true_boxes, input_hw, orig_hw, ratio_pad)
+    true_boxes = scale_boxes(true_boxes, input_hw, orig_hw, ratio_pad)
     iou = box_iou(true_boxes, detections[:, :4]) if len(detections) and len(labels) else None
     return detections, match_classes(detections, labels[:, 0], iou)
 
