@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from segment.ops import process_masks
+from utils.boxes import xywh_to_xyxy
 from utils.distributed import DistContext
 from utils.evaluate import DetectionScorer, EvalOptions, EvalResult, ImageScore, evaluate_detection, match_classes
 from utils.masks import polygons_to_masks
@@ -75,10 +76,16 @@ class SegmentationScorer(DetectionScorer):
         protos = loss_input[1]
         height, width = batch["images"].shape[2:]
         for index, (pred, score) in enumerate(zip(outputs, scores, strict=True)):
-            pred_masks = process_masks(protos[index].float(), pred[:, 6:], pred[:, :4], (height, width))
-            true_masks = self._true_masks(batch["segments"][index], height, width, pred.device)
-            iou = mask_iou(true_masks, pred_masks) if len(pred) and len(true_masks) else None
             labels = targets[targets[:, 0] == index]
+            # Masks are zero outside their boxes, so a detection whose box meets no box of its class
+            # has mask IoU 0 with every label of its class: only the others' masks are built.
+            needed = torch.ones(len(pred), dtype=torch.bool) if collect else _meets_a_label(pred, labels)
+            pred_masks = process_masks(protos[index].float(), pred[needed, 6:], pred[needed, :4], (height, width))
+            iou = None
+            if needed.any() and len(labels):
+                true_masks = self._true_masks(batch["segments"][index], height, width, pred.device)
+                iou = pred.new_zeros((len(labels), len(pred)))
+                iou[:, needed] = mask_iou(true_masks, pred_masks)
             score.mask_correct = match_classes(pred, labels[:, 1], iou)
             if collect:
                 score.masks_rle = encode_rle(masks_to_original(pred_masks, batch["shapes"][index]))
@@ -90,6 +97,20 @@ class SegmentationScorer(DetectionScorer):
         scale = np.array([width, height], np.float32)
         masks = polygons_to_masks([segment * scale for segment in segments], height, width)
         return torch.from_numpy(masks).to(device)
+
+
+def _meets_a_label(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: detection j's box (input pixels) overlaps the box of some label of its class.
+
+    pred: (n, 6+) x1 y1 x2 y2 conf cls ...; labels: (m, 6) [image, cls, cx, cy, w, h] in input pixels.
+    """
+    if not len(pred) or not len(labels):
+        return torch.zeros(len(pred), dtype=torch.bool, device=pred.device)
+    true_boxes = xywh_to_xyxy(labels[:, 2:6])
+    low = torch.maximum(true_boxes[:, None, :2], pred[None, :, :2])
+    high = torch.minimum(true_boxes[:, None, 2:4], pred[None, :, 2:4])
+    overlaps = ((high - low) > 0).all(dim=2) & (labels[:, None, 1] == pred[None, :, 5])
+    return overlaps.any(dim=0)
 
 
 def evaluate_segmentation(

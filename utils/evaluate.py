@@ -193,7 +193,7 @@ def evaluate_detection(
     for batch in tqdm(batches, desc=options.description, disable=tqdm_disabled(ctx), leave=False):
         start = time.perf_counter()
         images = batch["images"].to(device, non_blocking=True).to(dtype) / 255
-        targets = batch["targets"].to(device)
+        targets = batch["targets"].to(device, copy=True)  # scaled in place below; never touch the batch
         _sync(device)
         after_pre = time.perf_counter()
         decoded, loss_input = scorer.split_output(model(images))
