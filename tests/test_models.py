@@ -119,9 +119,17 @@ def test_gflops_and_model_info() -> None:
     assert model.training  # restored
 
 
-def test_fuse_keeps_eval_outputs() -> None:
+def _eval_tensors(output: tuple) -> list[torch.Tensor]:
+    """Flatten an eval output (detect: decoded, raw; segment: decoded, (raw, protos)); boxes scaled to ~[0, 1]."""
+    decoded, second = output
+    raw, extra = (second[0], [second[1]]) if isinstance(second, tuple) else (second, [])
+    return [decoded[..., 4:], decoded[..., :4] / 640, *raw, *extra]
+
+
+@pytest.mark.parametrize("cfg", ["yolov5n", "yolov5n-seg"])
+def test_fuse_keeps_eval_outputs(cfg: str) -> None:
     torch.manual_seed(1)
-    model = build_model(spec_from_cfg("yolov5n", 3))
+    model = build_model(spec_from_cfg(cfg, 3))
     with torch.no_grad():
         for bn in (m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)):
             bn.running_mean.uniform_(-0.2, 0.2)
@@ -131,14 +139,13 @@ def test_fuse_keeps_eval_outputs() -> None:
     model.eval()
     x = torch.rand(2, 3, 96, 64)
     with torch.no_grad():
-        decoded, raw = model(x)
+        before = _eval_tensors(model(x))
         model.fuse()
-        fused_decoded, fused_raw = model(x)
+        after = _eval_tensors(model(x))
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
-    for before, after in zip(raw, fused_raw, strict=True):
-        assert torch.allclose(before, after, atol=1e-4)
-    assert torch.allclose(decoded[..., 4:], fused_decoded[..., 4:], atol=1e-4)
-    assert torch.allclose(decoded[..., :4] / 640, fused_decoded[..., :4] / 640, atol=1e-4)  # pixels, relative
+    assert len(before) == (6 if cfg.endswith("-seg") else 5)
+    for tensor, fused in zip(before, after, strict=True):
+        assert torch.allclose(tensor, fused, atol=1e-4)
 
 
 def test_spec_from_size_names() -> None:
