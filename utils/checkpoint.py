@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from utils.config import ConfigError
 from utils.distributed import DistContext
 from utils.ema import ModelEMA, unwrap_model
 
@@ -224,9 +225,10 @@ def _fsync_dir(folder: Path) -> None:
 def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu", for_resume: bool = False) -> Checkpoint:
     """Read and validate a checkpoint with torch.load(weights_only=True); any rank may call it.
 
-    Raises FileNotFoundError for a missing file and ValueError (one line naming the file)
-    for a file that is not readable, not one of our checkpoints, of an unknown
-    format_version, or, with `for_resume`, stripped of its optimizer state.
+    Raises FileNotFoundError for a missing file and ConfigError (a ValueError; one line naming the
+    file, which the entry points print as one error line) for a file that is not readable, not one
+    of our checkpoints, of an unknown format_version, or, with `for_resume`, stripped of its
+    optimizer state.
     """
     path = Path(path)
     if not path.is_file():
@@ -235,22 +237,22 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu", 
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:  # corrupt zip, truncated file, pickled objects: all mean "not loadable"
         reason = _first_useful_line(error)
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint {path} cannot be read safely (corrupt, or not written by this project): {reason}"
         ) from error
     if not isinstance(state, dict) or "format_version" not in state:
-        raise ValueError(f"checkpoint {path} is not a checkpoint of this project (no format_version)")
+        raise ConfigError(f"checkpoint {path} is not a checkpoint of this project (no format_version)")
     if state["format_version"] not in SUPPORTED_VERSIONS:
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint {path} has format_version {state['format_version']!r}; this code reads {SUPPORTED_VERSIONS}"
         )
     missing = [key for key in REQUIRED_KEYS if key not in state]
     if missing:
-        raise ValueError(f"checkpoint {path} lacks key(s) {', '.join(missing)}; the file is damaged or incomplete")
+        raise ConfigError(f"checkpoint {path} lacks key(s) {', '.join(missing)}; the file is damaged or incomplete")
     if state["task"] not in TASKS:
-        raise ValueError(f"checkpoint {path} has unknown task {state['task']!r}; expected one of {TASKS}")
+        raise ConfigError(f"checkpoint {path} has unknown task {state['task']!r}; expected one of {TASKS}")
     if for_resume and state["optimizer"] is None:
-        raise ValueError(f"checkpoint {path} holds final weights without optimizer state; resume from a last.pt")
+        raise ConfigError(f"checkpoint {path} holds final weights without optimizer state; resume from a last.pt")
     return state  # type: ignore[return-value]
 
 
