@@ -195,3 +195,14 @@ def test_val_run_folders_increment_unless_exist_ok(tmp_path: Path) -> None:
     assert made == [tmp_path / "exp", tmp_path / "exp2", tmp_path / "exp3"]
     reuse = ValConfig(weights=Path("w.pt"), project=tmp_path, name="exp", exist_ok=True)
     assert create_val_dir(reuse, DistContext()) == tmp_path / "exp"
+
+
+def test_corrupt_checkpoint_is_one_error_line(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.pt"
+    bad.write_bytes(b"not a zip archive")
+    done = subprocess.run(
+        [sys.executable, "val.py", "--weights", str(bad), "--device", "cpu"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and str(bad) in lines[0], done.stderr
