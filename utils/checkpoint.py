@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import re
+import zipfile
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
@@ -233,6 +234,8 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu", 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if not zipfile.is_zipfile(path):
+        raise ConfigError(f"checkpoint {path} cannot be read: not a PyTorch zip archive (corrupt or truncated)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:  # corrupt zip, truncated file, pickled objects: all mean "not loadable"
@@ -260,8 +263,11 @@ def _first_useful_line(error: Exception) -> str:
     """Return the informative line of a torch.load error (the unpickler's reason, not its advice)."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
     lines = [line for line in lines if line]
-    reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")
-    return (reason or type(error).__name__)[:200]
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error" in line:
+            detail = line.split("WeightsUnpickler error:", 1)[-1].strip()
+            return f"WeightsUnpickler error: {detail or (lines[i + 1] if i + 1 < len(lines) else '')}"[:200]
+    return (lines[0] if lines else type(error).__name__)[:200]
 
 
 def restore_training_state(

@@ -108,10 +108,10 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
         raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {ctx.world_size} processes")
     if cfg.half and ctx.device.type != "cuda":
         LOGGER.warning("--half needs CUDA; validating in FP32 on CPU")
+    model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, cfg.half)  # first: cheap, fails fast
     data = load_data_config(cfg.data, ctx)
     split = "val" if cfg.task == "speed" else cfg.task
     coco_target = check_coco_target(data, split, ctx, cfg.single_cls) if cfg.save_json else None
-    model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, cfg.half)
     names = ("item",) if cfg.single_cls else data.names
     if len(names) != len(checkpoint["names"]):
         trained = len(checkpoint["names"])
