@@ -80,6 +80,10 @@ def test_checkpoints_load_weights_only_and_hold_state(trained_run) -> None:
     assert checkpoint["names"] == list(SHAPE_NAMES)
     assert checkpoint["optimizer"] is not None and checkpoint["ema"] is not None
     assert not list(trained_run.last.parent.glob("*.tmp*")), "no temp files left behind"
+    # best.pt is stripped at the end: fp16 EMA weights only, much smaller than the resumable last.pt.
+    best = torch.load(trained_run.best, map_location="cpu", weights_only=True)
+    assert best["optimizer"] is None and best["ema"]["head.convs.0.weight"].dtype == torch.float16
+    assert trained_run.best.stat().st_size < trained_run.last.stat().st_size / 2
 
 
 def test_val_reproduces_training_metrics_on_best(trained_run, tiny_data: Path, tmp_path: Path) -> None:

@@ -264,6 +264,11 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
         stop = broadcast_object(stopper.should_stop(epoch, fitness) if ctx.is_main else False, ctx)
         if stop:
             break
+    if ctx.is_main and best.exists():
+        # best.pt is the deliverable: fp16 EMA weights, no optimizer (several times smaller). last.pt keeps
+        # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
+        # val.py on best.pt reproduces the final numbers exactly.
+        ckpt_io.strip_optimizer(best, ctx)
     final, best = _final_validation(best, last, task, datasets, bundle, ctx, (data, run_dir, cfg.single_cls))
     return FitResult(run_dir, best, last, final, epoch + 1 - state.start_epoch)
 
