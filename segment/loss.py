@@ -59,8 +59,9 @@ class SegmentationLoss(DetectionLoss):
             # One unbind instead of protos[image] per level and image: each indexing op's backward
             # would allocate and zero a gradient the size of all the prototypes.
             per_image = protos.unbind(0)
+            row_ids = overlap_instance_ids(targets[:, 0].long()) if self.overlap else None  # once per batch
             for terms, denominator in zip(levels, denominators, strict=True):
-                seg = seg + self._mask_sum(terms, per_image, masks, targets) / denominator
+                seg = seg + self._mask_sum(terms, per_image, masks, targets, row_ids) / denominator
         losses = torch.stack((box, seg * self.gains.box, obj, cls))
         return losses.sum().view(1) * len(protos), losses.detach()
 
@@ -71,20 +72,32 @@ class SegmentationLoss(DetectionLoss):
         expected, layout = (batch_size, "overlap (one per image)") if self.overlap else (len(targets), "per-instance")
         if masks.dim() != 3 or len(masks) != expected:
             raise ValueError(f"SegmentationLoss: {layout} masks need {expected} rows, got shape {tuple(masks.shape)}")
+        if len(masks) == 0:  # no instances: nothing to resize (interpolate rejects empty input)
+            return masks.new_zeros((0, *size))
         if tuple(masks.shape[-2:]) != size:
             masks = F.interpolate(masks[None].float(), size=size, mode="nearest")[0]
         return masks
 
-    def _instance_masks(self, masks: torch.Tensor, target_rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Return (m, h, w) float 0/1 ground-truth masks of the instances at `target_rows` (rows of `targets`)."""
-        if not self.overlap:
+    @staticmethod
+    def _instance_masks(
+        masks: torch.Tensor, target_rows: torch.Tensor, targets: torch.Tensor, row_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Return (m, h, w) float 0/1 ground-truth masks of the instances at `target_rows` (rows of `targets`).
+
+        `row_ids` (overlap masks only): every target row's value in its image's index mask.
+        """
+        if row_ids is None:
             return masks[target_rows].float()
-        image_index = targets[:, 0].long()
-        instance_ids = overlap_instance_ids(image_index)[target_rows]
-        return (masks[image_index[target_rows]] == instance_ids.view(-1, 1, 1)).float()
+        image_index = targets[target_rows, 0].long()
+        return (masks[image_index] == row_ids[target_rows].view(-1, 1, 1)).float()
 
     def _mask_sum(
-        self, terms: LevelTerms, protos: tuple[torch.Tensor, ...], masks: torch.Tensor, targets: torch.Tensor
+        self,
+        terms: LevelTerms,
+        protos: tuple[torch.Tensor, ...],
+        masks: torch.Tensor,
+        targets: torch.Tensor,
+        row_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         """Sum over one level's matches of the box-cropped mask BCE / normalised box area (0-d float32).
 
@@ -102,7 +115,7 @@ class SegmentationLoss(DetectionLoss):
         for image in assigned.image_index.unique().tolist():
             rows = assigned.image_index == image
             logits = assemble_masks(coeffs[rows], protos[image])
-            truth = self._instance_masks(masks, assigned.target_index[rows], targets)
+            truth = self._instance_masks(masks, assigned.target_index[rows], targets, row_ids)
             bce = F.binary_cross_entropy_with_logits(logits, truth, reduction="none")
             total = total + (crop_mask(bce, boxes_xyxy[rows]).mean(dim=(1, 2)) / areas[rows]).sum()
         return total

@@ -169,6 +169,10 @@ def test_zero_targets_give_finite_loss_and_zero_seg(model: SegmentationModel) ->
     outputs = model(torch.rand(2, 3, IMGSZ, IMGSZ))
     loss, items = SegmentationLoss(model, GAINS)(outputs, torch.zeros(0, 6), masks=torch.zeros(0, 16, 16))
     assert torch.isfinite(loss).all() and items[0] == items[1] == items[3] == 0 and items[2] > 0
+    # --mask-ratio 1 or 2 serve masks larger than the prototypes: an empty batch must not reach the resize.
+    for size in (32, 64):
+        _, empty_items = SegmentationLoss(model, GAINS)(outputs, torch.zeros(0, 6), masks=torch.zeros(0, size, size))
+        torch.testing.assert_close(empty_items, items)
     loss.backward()
     assert model.head.proto.project.conv.weight.grad is not None  # proto branch stays in the graph (DDP)
     model.zero_grad()

@@ -70,14 +70,14 @@ def match_predictions(
     order = np.arange(len(pred_classes)) if pred_conf is None else np.argsort(-_to_numpy(pred_conf), kind="stable")
     # Only predictions that reach the lowest threshold with some label can ever match.
     order = order[candidates[:, order].max(axis=0) >= thresholds.min()]
-    for k, threshold in enumerate(thresholds.tolist()):
-        available = np.ones(len(true_classes), dtype=bool)
-        for pred_index in order.tolist():
-            ious = np.where(available, candidates[:, pred_index], -1.0)
-            best = int(ious.argmax())
-            if ious[best] >= threshold:
-                available[best] = False
-                correct[pred_index, k] = True
+    available = np.ones((len(true_classes), len(thresholds)), dtype=bool)  # label still free, per threshold
+    columns = np.arange(len(thresholds))
+    for pred_index in order.tolist():
+        ious = np.where(available, candidates[:, pred_index, None], -1.0)  # (n_true, t)
+        best = ious.argmax(axis=0)
+        matched = ious[best, columns] >= thresholds
+        available[best[matched], columns[matched]] = False
+        correct[pred_index] = matched
     return correct
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from models.yolo import ModelSpec, build_model, spec_from_cfg
 from utils.config import ConfigError, TrainConfig
 from utils.evaluate import evaluate_detection
-from utils.loss import DetectionLoss, LossGains, scale_loss_gains
+from utils.loss import DetectionLoss
 
 BOX_METRICS = ("precision", "recall", "mAP50", "mAP50-95")
 
@@ -46,18 +46,7 @@ def detect_spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
 
 def build_detection_loss(model: nn.Module, cfg: TrainConfig) -> DetectionLoss:
     """Build the YOLOv5-style detection loss with gains scaled for this model, class count and image size."""
-    hyp = cfg.hyp
-    head = getattr(model, "module", model).head
-    gains: LossGains = scale_loss_gains(hyp.box, hyp.cls, hyp.obj, head.num_classes, cfg.imgsz, head.num_levels)
-    return DetectionLoss(
-        model,
-        gains,
-        label_smoothing=hyp.label_smoothing,
-        anchor_t=hyp.anchor_t,
-        fl_gamma=hyp.fl_gamma,
-        cls_pw=hyp.cls_pw,
-        obj_pw=hyp.obj_pw,
-    )
+    return DetectionLoss.from_hyp(model, cfg.hyp, cfg.imgsz)
 
 
 DETECT = Task(
