@@ -32,18 +32,24 @@ def masks_to_original(masks: torch.Tensor, shape: Any) -> np.ndarray:
     """Map (n, H, W) bool masks on the letterboxed input back to the original image: (h0, w0, n) uint8.
 
     The padding is cut off (letterbox geometry in `shape`, see docs/CONTRACTS.md), then the
-    content is resized bilinearly to the original size and thresholded at 0.5.
+    content is resized bilinearly to the original size and thresholded at 0.5. Callers pass a few
+    masks at a time (`original_rles`): the result is n full-size images.
     """
     (height0, width0), ((ratio_h, ratio_w), (pad_w, pad_h)) = shape
     top, left = int(round(pad_h - 0.1)), int(round(pad_w - 0.1))
     bottom = min(top + max(int(round(height0 * ratio_h)), 1), masks.shape[1])
     right = min(left + max(int(round(width0 * ratio_w)), 1), masks.shape[2])
-    out = np.zeros((height0, width0, len(masks)), np.uint8)
+    content = masks[:, top:bottom, left:right].float()[None]
+    resized = F.interpolate(content, (height0, width0), mode="bilinear", align_corners=False)[0]
+    return np.ascontiguousarray((resized > 0.5).permute(1, 2, 0).cpu().numpy(), dtype=np.uint8)
+
+
+def original_rles(masks: torch.Tensor, shape: Any) -> list[dict]:
+    """COCO RLE of each (n, H, W) input-size mask at the original image size, RLE_CHUNK masks at a time."""
+    rles: list[dict] = []
     for start in range(0, len(masks), RLE_CHUNK):
-        chunk = masks[start : start + RLE_CHUNK, top:bottom, left:right].float()[None]
-        resized = F.interpolate(chunk, (height0, width0), mode="bilinear", align_corners=False)[0]
-        out[..., start : start + RLE_CHUNK] = (resized > 0.5).permute(1, 2, 0).cpu().numpy()
-    return out
+        rles.extend(encode_rle(masks_to_original(masks[start : start + RLE_CHUNK], shape)))
+    return rles
 
 
 def encode_rle(masks_hwn: np.ndarray) -> list[dict]:
@@ -78,17 +84,18 @@ class SegmentationScorer(DetectionScorer):
         for index, (pred, score) in enumerate(zip(outputs, scores, strict=True)):
             labels = targets[targets[:, 0] == index]
             # Masks are zero outside their boxes, so a detection whose box meets no box of its class
-            # has mask IoU 0 with every label of its class: only the others' masks are built.
-            needed = torch.ones(len(pred), dtype=torch.bool) if collect else _meets_a_label(pred, labels)
-            pred_masks = process_masks(protos[index].float(), pred[needed, 6:], pred[needed, :4], (height, width))
+            # has mask IoU 0 with every label of its class: only the others' masks take part in IoU.
+            meets = _meets_a_label(pred, labels)
+            build = torch.ones_like(meets) if collect else meets  # RLE output needs every detection's mask
+            pred_masks = process_masks(protos[index].float(), pred[build, 6:], pred[build, :4], (height, width))
             iou = None
-            if needed.any() and len(labels):
+            if meets.any() and len(labels):
                 true_masks = self._true_masks(batch["segments"][index], height, width, pred.device)
                 iou = pred.new_zeros((len(labels), len(pred)))
-                iou[:, needed] = mask_iou(true_masks, pred_masks)
+                iou[:, meets] = mask_iou(true_masks, pred_masks[meets] if collect else pred_masks)
             score.mask_correct = match_classes(pred, labels[:, 1], iou)
             if collect:
-                score.masks_rle = encode_rle(masks_to_original(pred_masks, batch["shapes"][index]))
+                score.masks_rle = original_rles(pred_masks, batch["shapes"][index])
         return scores
 
     @staticmethod

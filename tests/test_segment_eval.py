@@ -6,7 +6,14 @@ import numpy as np
 import pycocotools.mask as mask_utils
 import torch
 
-from segment.evaluate import SegmentationScorer, _meets_a_label, encode_rle, mask_iou, masks_to_original
+from segment.evaluate import (
+    SegmentationScorer,
+    _meets_a_label,
+    encode_rle,
+    mask_iou,
+    masks_to_original,
+    original_rles,
+)
 from utils.evaluate import _Stats
 from utils.metrics import DetectionMetrics
 
@@ -92,4 +99,6 @@ def test_masks_back_to_original_size_undo_the_letterbox() -> None:
     np.testing.assert_array_equal(original[..., 0], expected)
     rle = encode_rle(original)
     assert isinstance(rle[0]["counts"], str) and mask_utils.area(rle[0]) == 200
+    many = masks.expand(40, -1, -1)  # more than one RLE chunk
+    assert original_rles(many, shape) == rle * 40
     assert encode_rle(np.zeros((5, 5, 0), np.uint8)) == []

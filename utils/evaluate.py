@@ -31,6 +31,7 @@ class EvalOptions:
     max_det: int = 300
     half: bool = False
     collect_predictions: bool = False  # keep per-image boxes in original pixels (COCO JSON, --save-txt)
+    collect_masks: bool = True  # with collect_predictions: also keep RLE masks (segmentation, COCO JSON)
     description: str = "val"
 
 
@@ -51,7 +52,7 @@ class EvalResult:
     metrics: DetectionMetrics
     num_images: int
     num_instances: int
-    loss_items: np.ndarray | None  # mean validation losses (box, obj, cls), None without a loss function
+    loss_items: np.ndarray | None  # mean validation losses (the loss's item_names), None without a loss function
     speed_ms: dict[str, float]  # per image on this rank: preprocess, inference, nms
     class_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # labels per class, all ranks
     predictions: list[ImagePredictions] = field(default_factory=list)  # this rank's only
@@ -209,9 +210,8 @@ def evaluate_detection(
         )
         after_nms = time.perf_counter()
         timings += (after_pre - start, after_inference - after_pre, after_nms - after_inference)
-        for index, score in enumerate(
-            scorer.score_batch(outputs, loss_input, targets, batch, options.collect_predictions)
-        ):
+        keep_masks = options.collect_predictions and options.collect_masks
+        for index, score in enumerate(scorer.score_batch(outputs, loss_input, targets, batch, keep_masks)):
             stats.add(score)
             if options.collect_predictions:
                 orig_hw = tuple(int(v) for v in batch["shapes"][index][0])

@@ -83,6 +83,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
         max_det=cfg.max_det,
         half=cfg.half,
         collect_predictions=cfg.save_json or cfg.save_txt,
+        collect_masks=cfg.save_json,  # --save-txt writes boxes only
     )
     result = task.evaluate(setup.model, setup.loader, eval_options, ctx)
     if cfg.save_json:
