@@ -16,6 +16,7 @@ from utils.distributed import (
     broadcast_object,
     main_first,
     read_launch_env,
+    run_on_main,
     select_device,
     smart_ddp,
 )
@@ -127,3 +128,27 @@ def _ddp_steps(ctx: DistContext) -> list[float]:
 def test_smart_ddp_keeps_ranks_identical(tmp_path: Path) -> None:
     first, second = run_distributed(_ddp_steps, 2, tmp_path)
     assert first == second
+
+
+def _rank0_fails(ctx: DistContext, kind: str) -> tuple[str, str, float]:
+    """Call run_on_main with a function that raises on rank 0; return (error type, message, seconds) here."""
+    from utils.config import ConfigError
+
+    def fail() -> None:
+        raise ConfigError("data.yaml: bad annotations") if kind == "config" else OSError("disk full")
+
+    start = time.monotonic()
+    try:
+        run_on_main(fail, ctx, "writing results")
+    except Exception as error:  # every rank must get here
+        return type(error).__name__, str(error), time.monotonic() - start
+    return "none", "", time.monotonic() - start
+
+
+def test_run_on_main_raises_rank0_failure_on_every_rank(tmp_path: Path) -> None:
+    config = run_distributed(_rank0_fails, 2, tmp_path / "config", "config")
+    assert [(kind, message) for kind, message, _ in config] == [("ConfigError", "data.yaml: bad annotations")] * 2
+    other = run_distributed(_rank0_fails, 2, tmp_path / "other", "os")
+    assert other[0][:2] == ("OSError", "disk full")
+    assert other[1][:2] == ("RuntimeError", "writing results failed on rank 0: disk full")
+    assert max(seconds for *_, seconds in config + other) < 10, "rank 1 waited instead of failing"

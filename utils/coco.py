@@ -9,21 +9,20 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from utils.config import ConfigError
 from utils.data_config import DataConfig
-from utils.distributed import DistContext, broadcast_object, gather_objects
+from utils.distributed import DistContext, broadcast_object, gather_objects, run_on_main
 from utils.evaluate import EvalResult, ImagePredictions
 from utils.metrics import DetectionMetrics
 
 LOGGER = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # COCOeval.stats in order: AP over IoU .50:.95, at .50, at .75, by object area; AR at 1/10/100 detections, by area.
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
@@ -254,34 +253,13 @@ def _mean_scored(values: np.ndarray) -> float:
     return float(scored.mean()) if scored.size else 0.0
 
 
-def _run_on_main(fn: Callable[[], T], ctx: DistContext) -> T | None:
-    """Run `fn` on rank 0 and return its value there (None elsewhere); its failure is raised on every rank.
-
-    Every rank must call it, so a bad annotations file stops all ranks together (the same one-line
-    ConfigError) instead of leaving the others waiting in a collective until the timeout.
-    """
-    value, error = None, None
-    if ctx.is_main:
-        try:
-            value = fn()
-        except Exception as exc:  # re-raised below, after the other ranks have been told
-            error = exc
-    failure = broadcast_object(None if error is None else (isinstance(error, ConfigError), str(error)), ctx)
-    if error is not None:
-        raise error
-    if failure is not None:
-        is_config_error, message = failure
-        raise ConfigError(message) if is_config_error else RuntimeError(f"COCO evaluation failed on rank 0: {message}")
-    return value
-
-
 def check_coco_target(data: DataConfig, split: str, ctx: DistContext, single_cls: bool = False) -> CocoTarget | None:
     """Load and check the split's annotations on rank 0 before any work; every rank must call it.
 
     Returns the target on rank 0 (None on other ranks, and when the YAML names no annotations);
     a bad file is the same one-line ConfigError on every rank.
     """
-    return _run_on_main(lambda: load_coco_target(data, split, single_cls), ctx)
+    return run_on_main(lambda: load_coco_target(data, split, single_cls), ctx, "loading the COCO annotations")
 
 
 def _write_json(path: Path, content: Any) -> None:
@@ -335,7 +313,7 @@ def coco_evaluate(
         class_ids = {"bbox": result.metrics.class_ids, "segm": (result.mask_metrics or result.metrics).class_ids}
         return _score(predictions, coco_target, class_ids, save_dir)
 
-    scores = broadcast_object(_run_on_main(score_on_main, ctx), ctx)
+    scores = broadcast_object(run_on_main(score_on_main, ctx, "COCO evaluation"), ctx)
     if scores is None:
         return result
     metrics = _with_scores(result.metrics, scores["bbox"])

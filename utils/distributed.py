@@ -8,15 +8,16 @@ import logging
 import os
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 LOGGER = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Collectives that outlive this (rank died, rank stuck in user code) raise instead of hanging.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -261,3 +262,27 @@ def average_bn_stats(model: torch.nn.Module, ctx: DistContext) -> None:
         count = buffer.numel()
         buffer.copy_(flat[offset : offset + count].view_as(buffer))
         offset += count
+
+
+def run_on_main(fn: Callable[[], T], ctx: DistContext, what: str) -> T | None:
+    """Run `fn` on rank 0 and return its value there (None elsewhere); its failure is raised on every rank.
+
+    Every rank must call it. Rank 0's exception is broadcast, so the other ranks raise too (a
+    ConfigError as the same one-line ConfigError, anything else as RuntimeError naming `what`)
+    instead of waiting in their next collective until the process-group timeout.
+    """
+    from utils.config import ConfigError  # utils.config imports this module
+
+    value, error = None, None
+    if ctx.is_main:
+        try:
+            value = fn()
+        except Exception as exc:  # re-raised below, after the other ranks have been told
+            error = exc
+    failure = broadcast_object(None if error is None else (isinstance(error, ConfigError), str(error)), ctx)
+    if error is not None:
+        raise error
+    if failure is not None:
+        is_config_error, message = failure
+        raise ConfigError(message) if is_config_error else RuntimeError(f"{what} failed on rank 0: {message}")
+    return value

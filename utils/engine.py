@@ -24,6 +24,7 @@ from utils.distributed import (
     all_reduce_sum,
     average_bn_stats,
     broadcast_object,
+    run_on_main,
     seed_everything,
     smart_ddp,
 )
@@ -264,11 +265,10 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
         stop = broadcast_object(stopper.should_stop(epoch, fitness) if ctx.is_main else False, ctx)
         if stop:
             break
-    if ctx.is_main and best.exists():
-        # best.pt is the deliverable: fp16 EMA weights, no optimizer (several times smaller). last.pt keeps
-        # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
-        # val.py on best.pt reproduces the final numbers exactly.
-        ckpt_io.strip_optimizer(best, ctx)
+    # best.pt is the deliverable: fp16 EMA weights, no optimizer (several times smaller). last.pt keeps
+    # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
+    # val.py on best.pt evaluates the same weights.
+    run_on_main(lambda: best.exists() and ckpt_io.strip_optimizer(best, ctx), ctx, "stripping best.pt")
     final, best = _final_validation(best, last, task, datasets, bundle, ctx, (data, run_dir, cfg.single_cls))
     return FitResult(run_dir, best, last, final, epoch + 1 - state.start_epoch)
 
@@ -331,11 +331,11 @@ def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx, coco)
 
     data, run_dir, single_cls = coco
     path = Path(broadcast_object(str(best if best.exists() else last) if ctx.is_main else None, ctx))
-    weights = ckpt_io.inference_weights(ckpt_io.load_checkpoint(path)) if ctx.is_main else None
-    weights = broadcast_object(weights, ctx)
+    read = run_on_main(lambda: ckpt_io.inference_weights(ckpt_io.load_checkpoint(path)), ctx, f"reading {path}")
+    weights = broadcast_object(read, ctx)
     model = task.build_model(bundle.spec).to(ctx.device)
     model.load_state_dict(weights)
-    model = model.fuse()  # as val.py does, so its numbers reproduce these exactly
+    model = model.fuse()  # as val.py does (same batch size there gives the same numbers)
     use_coco = data.annotations.get("val") is not None
     options = EvalOptions(num_classes=len(bundle.names), description="final val", collect_predictions=use_coco)
     result = task.evaluate(model, datasets.val_loader, options, ctx)
