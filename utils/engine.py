@@ -230,7 +230,8 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     run_dir = create_run_dir(cfg, ctx, resume=resume_ckpt is not None)
     save_run_config(cfg, run_dir, ctx)
     data = load_data_config(cfg.data, ctx)
-    check_coco_target(data, "val", ctx, cfg.single_cls)  # a bad annotations file fails now, not after training
+    # A bad annotations file fails now, not after training; the parsed file is not kept (it can be large).
+    check_coco_target(data, "val", ctx, cfg.single_cls)
     bundle = build_model_bundle(cfg, task, data, ctx, resume_ckpt)
     datasets = build_datasets(cfg, task, data, bundle, ctx)
     if resume_ckpt is None and not cfg.weights:
