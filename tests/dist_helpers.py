@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from utils.distributed import DistContext
+from utils.distributed import DistContext, cleanup
 
 
 def _result_path(tmp_path: Path, rank: int) -> Path:
@@ -44,7 +44,7 @@ def _child(
         result = fn(ctx, *args)
         _result_path(tmp_path, rank).write_bytes(pickle.dumps(result))
     finally:
-        dist.destroy_process_group()
+        cleanup()  # the library's teardown: collects DDP wrappers before destroying the group
 
 
 def run_distributed(
