@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,12 @@ def _child(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any, timeout_s: float = 60.0
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp_path: Path,
+    *args: Any,
+    timeout_s: float = 60.0,
+    wall_limit_s: float = 300.0,
 ) -> list[Any]:
     """Run `fn(ctx, *args)` on `world_size` spawned gloo processes and return each rank's result, in rank order.
 
@@ -56,14 +62,23 @@ def run_distributed(
     `local_rank == rank` and `local_world_size == world_size` (one node). Return values must be
     picklable. A failure in any rank (assertion or exception) becomes a `pytest.fail` that shows
     the failing rank and its traceback. Collectives time out after `timeout_s`, so a rank that
-    skips a collective fails the test instead of hanging it. `tmp_path` must be empty of
-    `dist_init` (use a fresh pytest `tmp_path` or a subfolder per call).
+    skips a collective fails the test instead of hanging it; ranks still alive after `wall_limit_s`
+    (a hang outside any collective, e.g. in process teardown) are killed and the test fails.
+    `tmp_path` must be empty of `dist_init` (use a fresh pytest `tmp_path` or a subfolder per call).
     """
     tmp_path = Path(tmp_path)
     tmp_path.mkdir(parents=True, exist_ok=True)
     failure = None
+    context = mp.spawn(_child, args=(fn, world_size, tmp_path, timeout_s, args), nprocs=world_size, join=False)
+    deadline = time.monotonic() + wall_limit_s
     try:
-        mp.spawn(_child, args=(fn, world_size, tmp_path, timeout_s, args), nprocs=world_size, join=True)
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                    process.join()
+                failure = f"{fn.__name__} on {world_size} ranks still running after {wall_limit_s:.0f} s; killed"
+                break
     except mp.ProcessRaisedException as error:
         # str(error) carries the child's full traceback; fail outside the handler so it is shown once.
         failure = f"rank {error.error_index} of {world_size} raised in {fn.__name__}:{error}"
