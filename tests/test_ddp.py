@@ -204,6 +204,42 @@ def _verify_with_rank1_changed(ctx: DistContext, change: str) -> str | None:
     return None
 
 
+POISONED_MICRO_BATCH = 4  # runs under no_sync (see the accumulation test); the next micro-batch steps
+
+
+def _nonfinite_on_rank1(ctx: DistContext) -> dict[str, Any]:
+    """Train MICRO_BATCHES where rank 1's loss alone turns NaN at POISONED_MICRO_BATCH; return what each rank saw."""
+    torch.manual_seed(10)
+    model = build_model(SPEC)
+    cfg = TrainConfig(hyp=HYP, batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
+    state = build_train_state(ModelBundle(model, SPEC, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT, ctx, MICRO_BATCHES)
+    stepped_with = _record_step_gradients(state.optimizer, model)
+    real_loss, calls = state.loss_fn, []
+
+    def poisoned(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, items = real_loss(*args, **kwargs)
+        calls.append(1)
+        if ctx.rank == 1 and len(calls) == POISONED_MICRO_BATCH + 1:
+            loss = loss * float("nan")
+        return loss, items
+
+    poisoned.item_names = real_loss.item_names
+    state.loss_fn = poisoned
+    batches = [_as_batch(*_rank_slice(*_fixed_global_batch(seed=step), ctx)) for step in range(MICRO_BATCHES)]
+    try:
+        train_one_epoch(state, batches, 0, cfg, ctx)
+        message = None
+    except FloatingPointError as raised:
+        message = str(raised)
+    return {  # no "error" key: _parts reads that as a check that crashed
+        "message": message,
+        "micro_batches": len(calls),
+        "steps": len(stepped_with),
+        "weights": _flat(state.model.parameters()),
+        "ema": _flat(state.ema.ema.parameters()),
+    }
+
+
 class _RankFitness:
     """An evaluation result whose fitness is replaced by this rank's next value from FITNESS_BY_RANK."""
 
@@ -256,6 +292,7 @@ def _rank_checks(ctx: DistContext, data_yaml: str, project: str) -> dict[str, An
         "verify_reseed": _captured(_verify_with_rank1_changed, ctx, "reseed"),
         "verify_swap": _captured(_verify_with_rank1_changed, ctx, "swap"),
         "early_stop_epochs": _captured(_fit_with_patience, ctx, data_yaml, project),
+        "nonfinite": _captured(_nonfinite_on_rank1, ctx),
     }
 
 
@@ -292,7 +329,9 @@ def test_two_rank_gradients_equal_one_process_with_the_global_batch(rank_results
     assert scale > 0
     # Clipping (max norm 10) would rescale wrong gradients onto right ones and hide a missing factor.
     assert float(reference["grads"].norm()) < 5
-    np.testing.assert_allclose((first["items"] + second["items"]) / 2, reference["items"], rtol=1e-5)
+    # The epoch's loss items (results.csv) are averaged over ranks: equal on both, and equal to one process.
+    np.testing.assert_array_equal(first["items"], second["items"])
+    np.testing.assert_allclose(first["items"], reference["items"], rtol=1e-5)
     assert torch.equal(first["grads"], second["grads"]), "DDP leaves the same averaged gradient on every rank"
     torch.testing.assert_close(first["grads"], reference["grads"], rtol=1e-4, atol=1e-6 * scale)
 
@@ -325,6 +364,17 @@ def test_early_stop_decision_is_broadcast_so_ranks_leave_together(rank_results) 
     assert _parts(rank_results, "early_stop_epochs") == [2, 2]
     with (rank_results[1] / "patience" / "results.csv").open() as file:
         assert [row["epoch"] for row in csv.DictReader(file)] == ["1", "2"]
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_before_the_weights_change(rank_results) -> None:
+    first, second = _parts(rank_results, "nonfinite")
+    # Both ranks raise (rank 0 never saw a NaN); without the shared check rank 0 would step on.
+    for seen in (first, second):
+        assert seen["message"] is not None and "on 1 of 2 ranks" in seen["message"], seen["message"]
+        assert seen["micro_batches"] == POISONED_MICRO_BATCH + 2, "stops at the step after the bad micro-batch"
+        assert seen["steps"] == POISONED_MICRO_BATCH, "the step carrying the NaN gradient is not taken"
+        assert torch.isfinite(seen["weights"]).all() and torch.isfinite(seen["ema"]).all()
+    assert torch.equal(first["weights"], second["weights"])
 
 
 # ------------------------------------------------------------------------ a failing rank ends the run

@@ -72,6 +72,7 @@ class TrainState:
     last_opt_step: int = -1
     best_fitness: float = 0.0
     start_epoch: int = 0
+    nonfinite_losses: int = 0  # this rank's NaN/inf losses since the last optimizer step
 
 
 @dataclass
@@ -124,16 +125,40 @@ def train_one_epoch(state: TrainState, loader: Any, epoch: int, cfg: TrainConfig
                 extra = {"masks": batch["masks"].to(ctx.device, non_blocking=True)} if "masks" in batch else {}
                 loss, items = state.loss_fn(preds, batch["targets"].to(ctx.device), reduce_counts, **extra)
             state.scaler.scale(loss * ctx.world_size).backward()
+        state.nonfinite_losses += not math.isfinite(float(loss.detach()))
         if is_step:
+            # Before the weights change: a bad micro-batch on any rank has already reached every rank's
+            # gradients through DDP's all-reduce, so every rank stops here together (one 2-number
+            # all-reduce per optimizer step), not just the rank that saw it, with the others
+            # waiting in the next step's all-reduce until the process-group timeout.
+            _stop_if_nonfinite(state, ctx, f"epoch {epoch + 1} batch {i + 1}")
             _optimizer_step(state)
             state.last_opt_step = iteration
-        loss_value = float(loss.detach())
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at epoch {epoch + 1} step {i}; lower lr0 or check labels")
         mean_loss = (mean_loss * i + items.cpu().numpy()) / (i + 1)
         if not tqdm_disabled(ctx):
             progress.set_postfix_str(" ".join(f"{v:.4f}" for v in mean_loss) + f" inst={len(batch['targets'])}")
+    if ctx.is_distributed:  # results.csv reports every rank's batches (ranks run equally many)
+        summed = all_reduce_sum(torch.tensor(mean_loss, dtype=torch.float64, device=ctx.device), ctx)
+        mean_loss = summed.cpu().numpy() / ctx.world_size
     return mean_loss
+
+
+def _stop_if_nonfinite(state: TrainState, ctx: DistContext, where: str) -> None:
+    """Raise FloatingPointError on every rank when any rank had a NaN/inf loss since the last step.
+
+    Every rank must call it at the same optimizer step. The step is not taken, so the weights,
+    the EMA and last.pt (saved at the end of the previous epoch) stay finite.
+    """
+    counts = [state.nonfinite_losses, int(state.nonfinite_losses > 0)]
+    if ctx.is_distributed:
+        counts = all_reduce_sum(torch.tensor(counts, device=ctx.device), ctx).tolist()
+    bad_batches, bad_ranks = counts
+    if bad_batches:
+        ranks = f" on {bad_ranks} of {ctx.world_size} ranks" if ctx.is_distributed else ""
+        raise FloatingPointError(
+            f"loss is NaN or inf in {bad_batches} batch(es){ranks} before the optimizer step at {where}; "
+            "stopped without applying it (last.pt is the previous epoch's); lower lr0 or check the labels"
+        )
 
 
 def _accumulate_now(state: TrainState, iteration: int, cfg: TrainConfig) -> int:
