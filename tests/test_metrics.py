@@ -8,6 +8,7 @@ import torch
 
 from utils.boxes import box_iou
 from utils.metrics import (
+    RECALL_LEVELS,
     ConfusionMatrix,
     DetectionMetrics,
     ap_per_class,
@@ -118,6 +119,12 @@ def test_ap_per_class_hand_example() -> None:
     grid_index = int(np.searchsorted(result.curve_conf, 0.75))
     assert result.p_curve[0, grid_index] == pytest.approx(1.0)
     assert result.r_curve[0, grid_index] == pytest.approx(0.5)
+    # PR curve at IoU 0.5 (class 0: TP TP FP TP of 4 labels): envelope 1 up to recall 0.5, 0.75 up
+    # to 0.75, 0 beyond; its mean over the 101 recall levels is the AP50.
+    pr = dict(zip(np.round(RECALL_LEVELS, 2).tolist(), result.pr_curve[0].tolist(), strict=True))
+    assert (pr[0.3], pr[0.5], pr[0.6], pr[0.75], pr[0.8]) == (1.0, 1.0, 0.75, 0.75, 0.0)
+    np.testing.assert_allclose(result.pr_curve.mean(1), result.ap[:, 0])
+    assert not result.pr_curve[1].any()
 
 
 def test_detection_metrics_from_stats_hand_example() -> None:

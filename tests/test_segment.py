@@ -111,9 +111,15 @@ def test_segmentation_refuses_detection_weights(tiny_data: Path, tmp_path: Path)
 
 
 def test_overlap_masks_train(tiny_data: Path, tmp_path: Path) -> None:
-    result = seg_train.main(_args(tiny_data, tmp_path, "overlap", "--epochs", "1", "--overlap-mask"))
+    result = seg_train.main(_args(tiny_data, tmp_path, "overlap", "--epochs", "1", "--overlap-mask", "--noplots"))
     row = _rows(result.run_dir / "results.csv")[0]
     assert math.isfinite(float(row["train/seg_loss"])) and float(row["train/seg_loss"]) > 0
+    assert not [p.name for p in result.run_dir.iterdir() if p.suffix in (".png", ".jpg")], "--noplots"
+
+
+def test_segment_train_plots_box_and_mask_curves(seg_run) -> None:
+    for name in ("train_batch0.jpg", "results.png", "PR_curve.png", "mask_PR_curve.png", "mask_F1_curve.png"):
+        assert (seg_run.run_dir / name).is_file(), name
 
 
 @pytest.mark.distributed

@@ -6,6 +6,7 @@ import csv
 import math
 from pathlib import Path
 
+import cv2
 import pytest
 import torch
 import yaml
@@ -72,6 +73,17 @@ def test_train_writes_run_folder_and_finite_results(trained_run) -> None:
     assert set(trained_run.metrics) >= {"precision", "recall", "mAP50", "mAP50-95", "fitness"}
     options = yaml.safe_load((run_dir / "opt.yaml").read_text())
     assert options["epochs"] == 2 and options["batch_size"] == 8
+
+
+def test_train_writes_plots(trained_run) -> None:
+    run_dir = trained_run.run_dir
+    # 16 images in batches of 8: two first-epoch batches drawn, 4 x 4 tiles of 64 px.
+    assert sorted(p.name for p in run_dir.glob("train_batch*.jpg")) == ["train_batch0.jpg", "train_batch1.jpg"]
+    assert cv2.imread(str(run_dir / "train_batch0.jpg")).shape == (3 * 64, 3 * 64, 3)
+    for name in ("results.png", "PR_curve.png", "F1_curve.png", "P_curve.png", "R_curve.png"):
+        image = cv2.imread(str(run_dir / name))
+        assert image is not None and image.std() > 0, name
+    assert not list(run_dir.glob("mask_*")), "detection runs have no mask curves"
 
 
 def test_checkpoints_load_weights_only_and_hold_state(trained_run) -> None:

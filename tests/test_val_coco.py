@@ -95,7 +95,7 @@ def _direct_cocoeval(annotations: Path, predictions: Path | list, iou_type: str 
 def test_save_json_reports_exactly_what_cocoeval_gives(dataset, weights: Path, tmp_path: Path, caplog) -> None:
     data, annotations = dataset
     with caplog.at_level(logging.INFO):
-        result = val.main(_val_args(weights, data, tmp_path, "--save-json", "--save-txt"))
+        result = val.main(_val_args(weights, data, tmp_path, "--save-json", "--save-txt", "--plots"))
     run_dir = tmp_path / "v"
     # Boxes are in original-image pixels: inside each image, and beyond the 64 px network input.
     size = {image["id"]: (image["width"], image["height"]) for image in json.loads(annotations.read_text())["images"]}
@@ -111,6 +111,7 @@ def test_save_json_reports_exactly_what_cocoeval_gives(dataset, weights: Path, t
     assert [saved["bbox"][name] for name in STAT_NAMES] == stats.tolist()
     assert f"Metric source: pycocotools COCOeval on {annotations}" in caplog.text
     assert len(list((run_dir / "labels").glob("*.txt"))) == TINY.num_val  # --save-txt shares the run folder
+    assert (run_dir / "PR_curve.png").is_file() and (run_dir / "F1_curve.png").is_file()  # --plots
 
 
 def test_segment_save_json_masks_match_cocoeval_segm(dataset, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,18 @@ class FitResult:
     epochs_run: int
 
 
-def train_one_epoch(state: TrainState, loader: Any, epoch: int, cfg: TrainConfig, ctx: DistContext) -> np.ndarray:
-    """Train one epoch; return the mean loss items over this rank's batches.
+def train_one_epoch(
+    state: TrainState,
+    loader: Any,
+    epoch: int,
+    cfg: TrainConfig,
+    ctx: DistContext,
+    on_batch: Callable[[int, dict[str, Any]], None] | None = None,
+) -> np.ndarray:
+    """Train one epoch; return the mean loss items over all ranks' batches.
+
+    `on_batch(i, batch)`, when given, sees each batch as the loader yields it, before training
+    on it (fit() draws the first ones); it must not run collectives.
 
     One optimiser step per `accumulate` micro-batches. Micro-batches that do not end an
     accumulation run under DDP's no_sync(), so gradients are all-reduced once per step, and the
@@ -103,6 +114,8 @@ def train_one_epoch(state: TrainState, loader: Any, epoch: int, cfg: TrainConfig
     mean_loss = np.zeros(len(state.loss_fn.item_names))
     progress = tqdm(loader, total=num_batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=tqdm_disabled(ctx))
     for i, batch in enumerate(progress):
+        if on_batch is not None:
+            on_batch(i, batch)
         iteration = i + num_batches * epoch
         images = batch["images"].to(ctx.device, non_blocking=True).float() / 255
         accumulate = _accumulate_now(state, iteration, cfg)
@@ -275,7 +288,8 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     for epoch in range(state.start_epoch, cfg.epochs):
         start = time.time()
         datasets.train_loader.set_epoch(epoch)
-        train_loss = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx)
+        draw = _batch_drawer(run_dir, bundle.names) if ctx.is_main and not cfg.noplots and epoch == 0 else None
+        train_loss = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx, on_batch=draw)
         lrs = [group["lr"] for group in state.optimizer.param_groups]
         state.scheduler.step()
         # Per-rank BN (CPU, or no --sync-bn): every rank averages statistics before eval and save.
@@ -295,8 +309,35 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
     # val.py on best.pt evaluates the same weights.
     run_on_main(lambda: best.exists() and ckpt_io.strip_optimizer(best, ctx), ctx, "stripping best.pt")
-    final, best = _final_validation(best, last, task, datasets, bundle, ctx, (data, run_dir, cfg.single_cls))
+    final, best, result = _final_validation(best, last, task, datasets, bundle, ctx, (data, run_dir, cfg.single_cls))
+    if ctx.is_main and not cfg.noplots:  # after the last collective: nothing waits on rank 0 here
+        _plot_run(results.path, result, bundle.names, run_dir)
     return FitResult(run_dir, best, last, final, epoch + 1 - state.start_epoch)
+
+
+TRAIN_BATCH_PLOTS = 3  # train_batch0.jpg ... of the first epoch, to check labels and augmentation by eye
+
+
+def _batch_drawer(run_dir: Path, names: tuple[str, ...]) -> Callable[[int, dict[str, Any]], None]:
+    """Return an `on_batch` hook that saves the first TRAIN_BATCH_PLOTS batches with their labels."""
+    from utils.plots import plot_batch
+
+    def draw(i: int, batch: dict[str, Any]) -> None:
+        if i < TRAIN_BATCH_PLOTS:
+            try:
+                plot_batch(batch, names, run_dir / f"train_batch{i}.jpg")
+            except OSError as error:  # a figure that cannot be written must not end the run
+                LOGGER.warning(f"{error}; train batch plot skipped")
+
+    return draw
+
+
+def _plot_run(results_csv: Path, result: Any, names: tuple[str, ...], run_dir: Path) -> None:
+    """Rank 0, at the end of a run: results.png and the final validation's PR / F1 / P / R curves."""
+    from utils.plots import plot_eval_curves, plot_results
+
+    written = [plot_results(results_csv), *plot_eval_curves(result, names, run_dir)]
+    LOGGER.info(f"Plots: {', '.join(p.name for p in written if p is not None)} in {run_dir}")
 
 
 def _validate(state, task, datasets, bundle, cfg, ctx, run: bool) -> tuple[dict[str, float], np.ndarray | None]:
@@ -344,12 +385,13 @@ def _save(state, bundle, cfg, task, epoch, fitness, ctx, weights_dir: Path) -> N
         ckpt_io.save_checkpoint(checkpoint, weights_dir / f"epoch{epoch + 1}.pt", ctx)
 
 
-def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx, coco) -> tuple[dict[str, float], Path]:
+def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx, coco) -> tuple[dict[str, float], Path, Any]:
     """Validate the EMA weights of best.pt (last.pt when --nosave never wrote a best) once more.
 
-    Returns the metrics and the checkpoint they belong to. When the dataset YAML names COCO
-    annotations for the val split (`coco` = (data, run_dir, single_cls)), predictions.json and
-    coco_eval.json are written to the run folder and the mAPs come from pycocotools.
+    Returns the metrics, the checkpoint they belong to and the EvalResult (for the curves). When
+    the dataset YAML names COCO annotations for the val split (`coco` = (data, run_dir,
+    single_cls)), predictions.json and coco_eval.json are written to the run folder and the mAPs
+    come from pycocotools.
     Every rank takes part. Only rank 0 is sure to see the file (other nodes may not share the
     filesystem), so rank 0 reads the weights and broadcasts them.
     """
@@ -369,4 +411,4 @@ def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx, coco)
         result = coco_evaluate(result, data, "val", run_dir, ctx, single_cls=single_cls)
     metrics = {key: float(value) for key, value in result.as_dict().items()}
     LOGGER.info(f"Final ({path}, {result.metric_source} mAP): {_scores_line(metrics)}")
-    return metrics, path
+    return metrics, path, result

@@ -89,15 +89,20 @@ def compute_ap(recall: np.ndarray, precision: np.ndarray) -> float:
     higher recall), then read at recall 0, 0.01, ..., 1 (0 beyond the highest recall reached) and
     averaged, as pycocotools does.
     """
+    return float(interpolated_precision(recall, precision).mean())
+
+
+def interpolated_precision(recall: np.ndarray, precision: np.ndarray) -> np.ndarray:
+    """Return the precision envelope of one curve read at `RECALL_LEVELS` `(101,)` (see `compute_ap`)."""
     recall, precision = np.asarray(recall, dtype=np.float64), np.asarray(precision, dtype=np.float64)
+    sampled = np.zeros_like(RECALL_LEVELS)
     if recall.size == 0:
-        return 0.0
+        return sampled
     envelope = np.maximum.accumulate(precision[::-1])[::-1]
     index = np.searchsorted(recall, RECALL_LEVELS, side="left")
-    sampled = np.zeros_like(RECALL_LEVELS)
     reached = index < len(recall)
     sampled[reached] = envelope[index[reached]]
-    return float(sampled.mean())
+    return sampled
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,7 +111,8 @@ class APResult:
 
     `class_ids (nc,)` int; `p`, `r`, `f1 (nc,)` at the single confidence `conf` that maximises the
     mean F1 over classes; `ap (nc, 10)` at IoU 0.50:0.95. The curves `(nc, 1000)` are precision,
-    recall and F1 against the confidence threshold `curve_conf (1000,)`.
+    recall and F1 against the confidence threshold `curve_conf (1000,)`; `pr_curve (nc, 101)` is
+    the interpolated precision at IoU 0.5 read at `RECALL_LEVELS` (its row mean is the AP50).
     """
 
     class_ids: np.ndarray
@@ -119,15 +125,17 @@ class APResult:
     p_curve: np.ndarray
     r_curve: np.ndarray
     f1_curve: np.ndarray
+    pr_curve: np.ndarray
 
 
 def _class_curves(
     tp_sorted: np.ndarray, conf_sorted: np.ndarray, num_labels: int, eps: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Return (ap (10,), precision (1000,), recall (1000,)) for one class's confidence-sorted predictions.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Return (ap (10,), precision (1000,), recall (1000,), pr (101,)) for one class's sorted predictions.
 
     The curves hold, for each threshold t of `CONF_GRID`, the precision and recall of the
-    predictions with conf >= t at IoU 0.5 (precision 0 where no prediction passes).
+    predictions with conf >= t at IoU 0.5 (precision 0 where no prediction passes); `pr` is the
+    interpolated precision at IoU 0.5 against `RECALL_LEVELS`.
     """
     tp_cum = np.cumsum(tp_sorted, axis=0, dtype=np.float64)
     fp_cum = np.cumsum(~tp_sorted, axis=0, dtype=np.float64)
@@ -139,7 +147,7 @@ def _class_curves(
     p_curve, r_curve = np.zeros_like(CONF_GRID), np.zeros_like(CONF_GRID)
     p_curve[has_any] = precision[passed[has_any] - 1, 0]
     r_curve[has_any] = recall[passed[has_any] - 1, 0]
-    return ap, p_curve, r_curve
+    return ap, p_curve, r_curve, interpolated_precision(recall[:, 0], precision[:, 0])
 
 
 def ap_per_class(
@@ -166,10 +174,11 @@ def ap_per_class(
     ap = np.zeros((len(class_ids), tp.shape[1]))
     p_curve = np.zeros((len(class_ids), len(CONF_GRID)))
     r_curve = np.zeros_like(p_curve)
+    pr_curve = np.zeros((len(class_ids), len(RECALL_LEVELS)))
     for i, (c, n_l) in enumerate(zip(class_ids, num_labels, strict=True)):
         mine = pred_cls == c
         if mine.any():
-            ap[i], p_curve[i], r_curve[i] = _class_curves(tp[mine], conf[mine], int(n_l), eps)
+            ap[i], p_curve[i], r_curve[i], pr_curve[i] = _class_curves(tp[mine], conf[mine], int(n_l), eps)
     f1_curve = 2 * p_curve * r_curve / (p_curve + r_curve + eps)
     best = int(f1_curve.mean(0).argmax()) if len(class_ids) else 0
     return APResult(
@@ -183,6 +192,7 @@ def ap_per_class(
         p_curve=p_curve,
         r_curve=r_curve,
         f1_curve=f1_curve,
+        pr_curve=pr_curve,
     )
 
 
@@ -193,7 +203,7 @@ class DetectionMetrics:
     `precision`/`recall` are means over classes with labels at the best-F1 confidence; `map50`
     is mean AP at IoU 0.5, `map50_95` mean AP over IoU 0.50:0.95, and `fitness` =
     0.1 * map50 + 0.9 * map50_95 (the model-selection score). `ap50`/`ap (nc_present,)` are
-    aligned with `class_ids`.
+    aligned with `class_ids`; `curves` keeps the per-class curves for plotting.
     """
 
     precision: float
@@ -206,6 +216,7 @@ class DetectionMetrics:
     ap: np.ndarray
     class_precision: np.ndarray
     class_recall: np.ndarray
+    curves: APResult | None = None
 
     @classmethod
     def from_stats(
@@ -241,6 +252,7 @@ class DetectionMetrics:
             ap=ap,
             class_precision=result.p,
             class_recall=result.r,
+            curves=result,
         )
 
     def as_dict(self) -> dict[str, float]:

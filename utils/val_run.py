@@ -71,7 +71,8 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     Images are sharded across ranks without padding and statistics gathered, so a torchrun
     validation scores each image once. With --save-json, predictions.json goes to the run folder
     (runs/val/exp, exp2, ...) and, when the YAML names the split's annotations, mAP50 and
-    mAP50-95 come from pycocotools COCOeval. Rank 0 logs the table and per-image timings.
+    mAP50-95 come from pycocotools COCOeval; --plots writes the PR / F1 / P / R curves there
+    (rank 0, after the last collective). Rank 0 logs the table and per-image timings.
     """
     if cfg.task == "speed":
         cfg = speed_config(cfg)
@@ -94,6 +95,10 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     report(result, setup.names, cfg, ctx, setup.data.annotations.get(setup.split))
     if cfg.save_txt and setup.save_dir is not None:
         save_txt(result, setup.save_dir / "labels")
+    if cfg.plots and cfg.task != "speed" and setup.save_dir is not None and ctx.is_main:
+        from utils.plots import plot_eval_curves
+
+        plot_eval_curves(result, setup.names, setup.save_dir)
     if setup.save_dir is not None and ctx.is_main:
         LOGGER.info(f"Results saved to {setup.save_dir}")
     return result
@@ -117,7 +122,7 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     if len(names) != len(checkpoint["names"]):
         trained = len(checkpoint["names"])
         raise ConfigError(f"{cfg.weights} was trained on {trained} classes but {cfg.data} has {len(names)}")
-    save_dir = create_val_dir(cfg, ctx) if cfg.save_json or cfg.save_txt else None
+    save_dir = create_val_dir(cfg, ctx) if cfg.save_json or cfg.save_txt or cfg.plots else None
     loader = build_loader(cfg, task, data.split(split), int(model.stride.max()), len(data.names), ctx)
     return ValSetup(model, loader, data, names, split, save_dir, coco_target)
 

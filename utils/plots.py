@@ -1,0 +1,211 @@
+"""Run-folder figures: training batches with their labels, results.png, and PR / F1 / P / R curves.
+
+Only rank 0 calls these. Batch images are drawn with OpenCV (fast enough to run inside the first
+training steps); the charts use matplotlib's non-interactive Agg backend, imported on first use
+so a run with `--noplots` never loads it.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+
+from utils.metrics import RECALL_LEVELS, DetectionMetrics
+
+
+def _palette(count: int) -> tuple[tuple[int, int, int], ...]:
+    """`count` saturated BGR colours whose hues step by the golden ratio, so neighbours differ."""
+    hues = (np.arange(count) * 0.618034 % 1.0 * 180).astype(np.uint8)  # OpenCV hue range is 0-179
+    hsv = np.stack([hues, np.full(count, 220, np.uint8), np.full(count, 255, np.uint8)], axis=1)[None]
+    return tuple(tuple(int(v) for v in bgr) for bgr in cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)[0])
+
+
+PALETTE = _palette(20)  # BGR colours cycled by class id
+MAX_LEGEND_CLASSES = 20  # per-class curves get a legend entry only up to this many classes
+
+
+def class_colour(class_id: int) -> tuple[int, int, int]:
+    """Return the BGR colour used for `class_id` in every figure."""
+    return PALETTE[int(class_id) % len(PALETTE)]
+
+
+def plot_batch(batch: dict[str, Any], names: Sequence[str], path: Path, max_images: int = 16) -> Path:
+    """Draw up to `max_images` images of a collated training batch in a grid, with their labels; save as `path`.
+
+    `batch` is what the loader yields (uint8 RGB `images (B, 3, H, W)`, `targets (N, 6)` [image,
+    class, cx, cy, w, h] normalised; with `masks`, per-instance `(N, h, w)` or overlap-index
+    `(B, h, w)` masks are tinted in the class colour). Boxes are drawn in the class colour with the
+    class name above them. Returns `path`.
+    """
+    images = batch["images"][:max_images].numpy()
+    count, _, height, width = images.shape
+    columns = math.ceil(math.sqrt(count))
+    rows = math.ceil(count / columns)
+    grid = np.full((rows * height, columns * width, 3), 255, np.uint8)
+    targets = batch["targets"].numpy()
+    masks = batch.get("masks")
+    overlap = masks is not None and len(masks) != len(targets)  # (B, h, w) index masks
+    for index in range(count):
+        top, left = (index // columns) * height, (index % columns) * width
+        tile = np.ascontiguousarray(images[index].transpose(1, 2, 0)[:, :, ::-1])  # RGB CHW -> BGR HWC
+        rows_here = np.flatnonzero(targets[:, 0] == index)
+        if masks is not None and len(rows_here):
+            instance_masks = _instance_masks(masks, index, rows_here, overlap)
+            _tint_masks(tile, instance_masks, targets[rows_here, 1])
+        for row in rows_here:
+            _draw_box(tile, targets[row, 1:], names)
+        cv2.rectangle(tile, (0, 0), (width - 1, height - 1), (255, 255, 255), 1)  # tile border
+        grid[top : top + height, left : left + width] = tile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not cv2.imwrite(str(path), grid):
+        raise OSError(f"{path}: could not write the image")
+    return path
+
+
+def _instance_masks(masks: torch.Tensor, image: int, rows: np.ndarray, overlap: bool) -> np.ndarray:
+    """Return the image's instance masks `(n, h, w)` bool from per-instance or overlap-index masks."""
+    if not overlap:
+        return masks[torch.as_tensor(rows)].numpy() > 0.5
+    index_mask = masks[image].numpy()
+    return np.stack([index_mask == k + 1 for k in range(len(rows))])
+
+
+def _tint_masks(tile: np.ndarray, masks: np.ndarray, classes: np.ndarray) -> None:
+    """Blend each instance's mask (at any resolution) into `tile` in its class colour, in place."""
+    height, width = tile.shape[:2]
+    for mask, class_id in zip(masks, classes, strict=True):
+        full = cv2.resize(mask.astype(np.uint8), (width, height), interpolation=cv2.INTER_NEAREST).astype(bool)
+        tile[full] = (0.5 * tile[full] + 0.5 * np.array(class_colour(int(class_id)))).astype(np.uint8)
+
+
+def _draw_box(tile: np.ndarray, label: np.ndarray, names: Sequence[str]) -> None:
+    """Draw one normalised [class, cx, cy, w, h] label on a BGR tile, in place."""
+    height, width = tile.shape[:2]
+    class_id, cx, cy, w, h = label.tolist()
+    x1, y1 = round((cx - w / 2) * width), round((cy - h / 2) * height)
+    x2, y2 = round((cx + w / 2) * width), round((cy + h / 2) * height)
+    colour = class_colour(int(class_id))
+    cv2.rectangle(tile, (x1, y1), (x2, y2), colour, 1)
+    name = names[int(class_id)] if int(class_id) < len(names) else str(int(class_id))
+    cv2.putText(tile, name, (x1, max(y1 - 2, 8)), cv2.FONT_HERSHEY_SIMPLEX, 0.3, colour, 1, cv2.LINE_AA)
+
+
+def _pyplot() -> Any:
+    """Return matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_results(csv_path: Path) -> Path | None:
+    """Plot every column of a results.csv against the epoch into `results.png` next to it.
+
+    One panel per column (train losses, metrics, val losses, learning rates). Returns the image
+    path, or None when the file has no epochs yet.
+    """
+    with csv_path.open(newline="") as file:
+        rows = list(csv.DictReader(file))
+    if not rows:
+        return None
+    columns = [name for name in rows[0] if name != "epoch"]
+    epochs = [int(row["epoch"]) for row in rows]
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    per_row = 5
+    figure, axes = plt.subplots(
+        math.ceil(len(columns) / per_row), per_row, figsize=(3 * per_row, 2.6 * math.ceil(len(columns) / per_row))
+    )
+    axes = np.atleast_1d(axes).ravel()
+    for axis, name in zip(axes, columns, strict=False):
+        values = [float(row[name]) if row[name] not in ("", None) else float("nan") for row in rows]
+        axis.plot(epochs, values, marker=".", linewidth=1.5)
+        axis.set_title(name, fontsize=9)
+        axis.tick_params(labelsize=7)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for axis in axes[len(columns) :]:
+        axis.axis("off")
+    figure.tight_layout()
+    out = csv_path.with_name("results.png")
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return out
+
+
+def plot_eval_curves(result: Any, names: Sequence[str], save_dir: Path) -> list[Path]:
+    """Write the curves of an EvalResult: boxes, and with `mask_` names masks too. Returns the paths."""
+    written = plot_curves(result.metrics, names, save_dir)
+    if result.mask_metrics is not None:
+        written += plot_curves(result.mask_metrics, names, save_dir, prefix="mask_")
+    return written
+
+
+def plot_curves(metrics: DetectionMetrics, names: Sequence[str], save_dir: Path, prefix: str = "") -> list[Path]:
+    """Write `{prefix}PR_curve.png`, `{prefix}F1_curve.png`, `{prefix}P_curve.png`, `{prefix}R_curve.png`.
+
+    Thin lines per class (labelled up to MAX_LEGEND_CLASSES classes), a thick line for the mean
+    over classes. PR is the interpolated precision at IoU 0.5 (its area is mAP50); F1 / P / R are
+    against the confidence threshold, the F1 legend naming the best mean F1 and its confidence.
+    Returns the written paths (none when no class has labels).
+    """
+    curves = metrics.curves
+    if curves is None or len(curves.class_ids) == 0:
+        return []
+    labels = [names[c] if c < len(names) else str(c) for c in curves.class_ids.tolist()]
+    written = [
+        _curve_figure(
+            RECALL_LEVELS,
+            curves.pr_curve,
+            labels,
+            ("Recall", "Precision"),
+            f"all classes {curves.pr_curve.mean():.3f} mAP@0.5",
+            save_dir / f"{prefix}PR_curve.png",
+            class_values=curves.ap[:, 0],
+        )
+    ]
+    for short, title, values in (("F1", "F1", curves.f1_curve), ("P", "Precision", curves.p_curve),
+                                 ("R", "Recall", curves.r_curve)):  # fmt: skip
+        mean = values.mean(0)
+        best = int(mean.argmax())
+        summary = f"all classes {mean[best]:.2f} at {curves.curve_conf[best]:.3f}"
+        path = save_dir / f"{prefix}{short}_curve.png"
+        written.append(_curve_figure(curves.curve_conf, values, labels, ("Confidence", title), summary, path))
+    return written
+
+
+def _curve_figure(
+    x: np.ndarray,
+    per_class: np.ndarray,
+    labels: list[str],
+    axis_names: tuple[str, str],
+    mean_label: str,
+    path: Path,
+    class_values: np.ndarray | None = None,
+) -> Path:
+    plt = _pyplot()
+    figure, axis = plt.subplots(1, 1, figsize=(7, 5))
+    show_legend = len(labels) <= MAX_LEGEND_CLASSES
+    for i, (row, label) in enumerate(zip(per_class, labels, strict=True)):
+        text = f"{label} {class_values[i]:.3f}" if class_values is not None else label
+        axis.plot(x, row, linewidth=1, alpha=0.6, label=text if show_legend else None)
+    axis.plot(x, per_class.mean(0), linewidth=3, color="tab:blue", label=mean_label)
+    axis.set_xlabel(axis_names[0])
+    axis.set_ylabel(axis_names[1])
+    axis.set_xlim(0, 1)
+    axis.set_ylim(0, 1.02)
+    axis.legend(loc="lower left" if axis_names[0] == "Recall" else "lower center", fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=150)
+    plt.close(figure)
+    return path
