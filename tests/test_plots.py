@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from utils.metrics import DetectionMetrics
-from utils.plots import class_colour, plot_batch, plot_curves, plot_results
+from utils.plots import class_colour, column_fractions, plot_batch, plot_confusion_matrix, plot_curves, plot_results
 
 SIDE = 64
 
@@ -82,3 +82,10 @@ def test_plot_curves_writes_four_figures_and_nothing_without_labels(tmp_path: Pa
     assert all(_read(p).std() > 0 for p in written)
     none = DetectionMetrics.from_stats(np.zeros((0, 10), bool), np.zeros(0), np.zeros(0), np.zeros(0), 2)
     assert plot_curves(none, ["a", "b"], tmp_path / "none") == []
+
+
+def test_plot_confusion_matrix_normalises_true_columns(tmp_path: Path) -> None:
+    matrix = np.array([[3, 0, 1], [1, 0, 0], [0, 0, 0]])  # [predicted, true]; class b never appears
+    np.testing.assert_allclose(column_fractions(matrix), [[0.75, 0, 1], [0.25, 0, 0], [0, 0, 0]])
+    image = _read(plot_confusion_matrix(matrix, ["a", "b"], tmp_path / "cm.png"))
+    assert image.shape[0] > 100 and image.std() > 0

@@ -80,7 +80,7 @@ def test_train_writes_plots(trained_run) -> None:
     # 16 images in batches of 8: two first-epoch batches drawn, 4 x 4 tiles of 64 px.
     assert sorted(p.name for p in run_dir.glob("train_batch*.jpg")) == ["train_batch0.jpg", "train_batch1.jpg"]
     assert cv2.imread(str(run_dir / "train_batch0.jpg")).shape == (3 * 64, 3 * 64, 3)
-    for name in ("results.png", "PR_curve.png", "F1_curve.png", "P_curve.png", "R_curve.png"):
+    for name in ("results.png", "PR_curve.png", "F1_curve.png", "P_curve.png", "R_curve.png", "confusion_matrix.png"):
         image = cv2.imread(str(run_dir / name))
         assert image is not None and image.std() > 0, name
     assert not list(run_dir.glob("mask_*")), "detection runs have no mask curves"

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -130,22 +131,30 @@ def test_segment_save_json_masks_match_cocoeval_segm(dataset, tmp_path: Path) ->
     assert result.metrics.map50_95 == max(saved["bbox"]["AP"], 0.0)
 
 
-def _validate_on_ranks(ctx: DistContext, cfg: ValConfig) -> tuple[list[int] | None, dict[str, float], int]:
+def _validate_on_ranks(ctx: DistContext, cfg: ValConfig) -> tuple[list[int] | None, dict[str, float], int, Any]:
     gathered = gather_objects(ctx.rank * 10, ctx)
     result = validate_checkpoint(cfg, DETECT, ctx)
-    return gathered, result.as_dict(), len(result.predictions)
+    return gathered, result.as_dict(), len(result.predictions), result.confusion.matrix
 
 
 def test_two_rank_validation_matches_one_process(dataset, weights: Path, tmp_path: Path) -> None:
     # 2 ranks x 4 images per batch see exactly the batches (and rect shapes) of 1 process at batch 4.
     data, _ = dataset
-    common = dict(weights=weights, data=data, imgsz=IMGSZ, workers=0, device="cpu", save_json=True, exist_ok=True)
+    common = dict(
+        weights=weights, data=data, imgsz=IMGSZ, workers=0, device="cpu", save_json=True, exist_ok=True, plots=True
+    )
     single = validate_checkpoint(ValConfig(batch_size=4, project=tmp_path, name="one", **common), DETECT, DistContext())
     two_cfg = ValConfig(batch_size=8, project=tmp_path, name="two", **common)
     ranks = run_distributed(_validate_on_ranks, 2, tmp_path / "dist", two_cfg, timeout_s=120)
     assert ranks[0][0] == [0, 10] and ranks[1][0] is None  # gather_objects: the list on rank 0 only
     assert ranks[0][1] == ranks[1][1] == single.as_dict()
     assert ranks[0][2] > 0 and ranks[1][2] > 0 and ranks[0][2] + ranks[1][2] == TINY.num_val  # disjoint shards
+    # The confusion matrix is summed over ranks: every label counted once, in a class or as missed.
+    matrix = single.confusion.matrix
+    assert matrix[:, :-1].sum() == single.num_instances > 0
+    np.testing.assert_array_equal(ranks[0][3], matrix)
+    np.testing.assert_array_equal(ranks[1][3], matrix)
+    assert (tmp_path / "two" / "confusion_matrix.png").is_file() and (tmp_path / "two" / "PR_curve.png").is_file()
     one = json.loads((tmp_path / "one" / PREDICTIONS_FILE).read_text())
     two = json.loads((tmp_path / "two" / PREDICTIONS_FILE).read_text())
     assert two == one  # the same detections, each image's exactly once

@@ -309,7 +309,8 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
     # val.py on best.pt evaluates the same weights.
     run_on_main(lambda: best.exists() and ckpt_io.strip_optimizer(best, ctx), ctx, "stripping best.pt")
-    final, best, result = _final_validation(best, last, task, datasets, bundle, ctx, (data, run_dir, cfg.single_cls))
+    run = (data, run_dir, cfg.single_cls, not cfg.noplots)
+    final, best, result = _final_validation(best, last, task, datasets, bundle, ctx, run)
     if ctx.is_main and not cfg.noplots:  # after the last collective: nothing waits on rank 0 here
         _plot_run(results.path, result, bundle.names, run_dir)
     return FitResult(run_dir, best, last, final, epoch + 1 - state.start_epoch)
@@ -334,9 +335,9 @@ def _batch_drawer(run_dir: Path, names: tuple[str, ...]) -> Callable[[int, dict[
 
 def _plot_run(results_csv: Path, result: Any, names: tuple[str, ...], run_dir: Path) -> None:
     """Rank 0, at the end of a run: results.png and the final validation's PR / F1 / P / R curves."""
-    from utils.plots import plot_eval_curves, plot_results
+    from utils.plots import plot_evaluation, plot_results
 
-    written = [plot_results(results_csv), *plot_eval_curves(result, names, run_dir)]
+    written = [plot_results(results_csv), *plot_evaluation(result, names, run_dir)]
     LOGGER.info(f"Plots: {', '.join(p.name for p in written if p is not None)} in {run_dir}")
 
 
@@ -385,19 +386,19 @@ def _save(state, bundle, cfg, task, epoch, fitness, ctx, weights_dir: Path) -> N
         ckpt_io.save_checkpoint(checkpoint, weights_dir / f"epoch{epoch + 1}.pt", ctx)
 
 
-def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx, coco) -> tuple[dict[str, float], Path, Any]:
+def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx, run) -> tuple[dict[str, float], Path, Any]:
     """Validate the EMA weights of best.pt (last.pt when --nosave never wrote a best) once more.
 
-    Returns the metrics, the checkpoint they belong to and the EvalResult (for the curves). When
-    the dataset YAML names COCO annotations for the val split (`coco` = (data, run_dir,
-    single_cls)), predictions.json and coco_eval.json are written to the run folder and the mAPs
-    come from pycocotools.
-    Every rank takes part. Only rank 0 is sure to see the file (other nodes may not share the
-    filesystem), so rank 0 reads the weights and broadcasts them.
+    `run` = (data, run_dir, single_cls, plots). Returns the metrics, the checkpoint they belong to
+    and the EvalResult (curves; a confusion matrix too when `plots`). When the dataset YAML names
+    COCO annotations for the val split, predictions.json and coco_eval.json are written to the
+    run folder and the mAPs come from pycocotools. Every rank takes part. Only rank 0 is sure to
+    see the file (other nodes may not share the filesystem), so rank 0 reads the weights and
+    broadcasts them.
     """
     from utils.evaluate import EvalOptions
 
-    data, run_dir, single_cls = coco
+    data, run_dir, single_cls, plots = run
     path = Path(broadcast_object(str(best if best.exists() else last) if ctx.is_main else None, ctx))
     read = run_on_main(lambda: ckpt_io.inference_weights(ckpt_io.load_checkpoint(path)), ctx, f"reading {path}")
     weights = broadcast_object(read, ctx)
@@ -405,7 +406,9 @@ def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx, coco)
     model.load_state_dict(weights)
     model = model.fuse()  # as val.py does (same batch size there gives the same numbers)
     use_coco = data.annotations.get("val") is not None
-    options = EvalOptions(num_classes=len(bundle.names), description="final val", collect_predictions=use_coco)
+    options = EvalOptions(
+        num_classes=len(bundle.names), description="final val", collect_predictions=use_coco, confusion=plots
+    )
     result = task.evaluate(model, datasets.val_loader, options, ctx)
     if use_coco:
         result = coco_evaluate(result, data, "val", run_dir, ctx, single_cls=single_cls)

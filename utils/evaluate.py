@@ -16,7 +16,7 @@ from tqdm import tqdm
 from utils.boxes import box_iou, non_max_suppression, scale_boxes, xywh_to_xyxy
 from utils.distributed import DistContext, all_gather_objects, all_reduce_sum
 from utils.logging import tqdm_disabled
-from utils.metrics import DetectionMetrics, iou_thresholds, match_predictions
+from utils.metrics import ConfusionMatrix, DetectionMetrics, iou_thresholds, match_predictions
 
 LOGGER = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class EvalOptions:
     half: bool = False
     collect_predictions: bool = False  # keep per-image boxes in original pixels (COCO JSON, --save-txt)
     collect_masks: bool = True  # with collect_predictions: also keep RLE masks (segmentation, COCO JSON)
+    confusion: bool = False  # also count a box confusion matrix (conf > 0.25, IoU > 0.45), summed over ranks
     description: str = "val"
 
 
@@ -58,6 +59,7 @@ class EvalResult:
     predictions: list[ImagePredictions] = field(default_factory=list)  # this rank's only
     mask_metrics: DetectionMetrics | None = None  # segmentation: the same metrics on masks
     metric_source: str = "internal"  # or "pycocotools" once COCOeval replaced the mAPs
+    confusion: ConfusionMatrix | None = None  # with EvalOptions.confusion: all ranks' images
 
     def as_dict(self) -> dict[str, float]:
         """Return precision, recall, mAP50, mAP50-95 (box), mask_* (segmentation) and fitness (box + mask)."""
@@ -188,6 +190,7 @@ def evaluate_detection(
     model.eval()
     dtype = torch.float16 if options.half and device.type == "cuda" else torch.float32
     stats, predictions = _Stats(), []
+    confusion = ConfusionMatrix(options.num_classes) if options.confusion else None
     loss_sum = torch.zeros(len(getattr(loss_fn, "item_names", ())) or 3, device=device)
     seen = torch.zeros(2, device=device)  # images, batches with loss
     timings = np.zeros(3)
@@ -210,6 +213,10 @@ def evaluate_detection(
         )
         after_nms = time.perf_counter()
         timings += (after_pre - start, after_inference - after_pre, after_nms - after_inference)
+        if confusion is not None:  # in input pixels: letterboxing scales both axes alike, so IoU is the same
+            for index, pred in enumerate(outputs):
+                labels = targets[targets[:, 0] == index, 1:6]
+                confusion.update(pred[:, :6], torch.cat((labels[:, :1], xywh_to_xyxy(labels[:, 1:5])), 1))
         keep_masks = options.collect_predictions and options.collect_masks
         for index, score in enumerate(scorer.score_batch(outputs, loss_input, targets, batch, keep_masks)):
             stats.add(score)
@@ -218,7 +225,12 @@ def evaluate_detection(
                 predictions.append(ImagePredictions(batch["paths"][index], orig_hw, score.detections, score.masks_rle))
         seen[0] += len(outputs)
     model.train(was_training)
-    return _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, scorer.with_masks)
+    result = _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, scorer.with_masks)
+    if confusion is not None:  # options are the same on every rank, so all take part
+        matrix = torch.as_tensor(confusion.matrix, device=device)
+        confusion.matrix = all_reduce_sum(matrix, ctx).cpu().numpy()
+        result.confusion = confusion
+    return result
 
 
 def _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, with_masks: bool) -> EvalResult:

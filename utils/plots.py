@@ -142,12 +142,51 @@ def plot_results(csv_path: Path) -> Path | None:
     return out
 
 
-def plot_eval_curves(result: Any, names: Sequence[str], save_dir: Path) -> list[Path]:
-    """Write the curves of an EvalResult: boxes, and with `mask_` names masks too. Returns the paths."""
+def plot_evaluation(result: Any, names: Sequence[str], save_dir: Path) -> list[Path]:
+    """Write an EvalResult's figures: box curves, `mask_` curves for segmentation, and
+    confusion_matrix.png when it counted one. Returns the paths."""
     written = plot_curves(result.metrics, names, save_dir)
     if result.mask_metrics is not None:
         written += plot_curves(result.mask_metrics, names, save_dir, prefix="mask_")
+    if result.confusion is not None:
+        written.append(plot_confusion_matrix(result.confusion.matrix, names, save_dir / "confusion_matrix.png"))
     return written
+
+
+def column_fractions(matrix: np.ndarray) -> np.ndarray:
+    """Return `matrix` with each column divided by its sum (all-zero columns stay 0)."""
+    columns = matrix.sum(0, keepdims=True)
+    return np.divide(matrix, columns, out=np.zeros(matrix.shape), where=columns > 0)
+
+
+def plot_confusion_matrix(matrix: np.ndarray, names: Sequence[str], path: Path) -> Path:
+    """Draw a `(nc + 1, nc + 1)` [predicted, true] count matrix with each true-class column normalised to 1.
+
+    The last row and column are background (missed labels, detections of nothing). Cells are
+    annotated with their fraction when there are at most MAX_LEGEND_CLASSES classes.
+    """
+    fractions = column_fractions(matrix)
+    labels = [*names, "background"]
+    plt = _pyplot()
+    side = min(4 + 0.45 * len(labels), 24)
+    figure, axis = plt.subplots(1, 1, figsize=(side, side * 0.85))
+    image = axis.imshow(fractions, cmap="Blues", vmin=0, vmax=1)
+    figure.colorbar(image, ax=axis, fraction=0.046)
+    if len(names) <= MAX_LEGEND_CLASSES:
+        axis.set_xticks(range(len(labels)), labels, rotation=90, fontsize=8)
+        axis.set_yticks(range(len(labels)), labels, fontsize=8)
+        for (row, column), value in np.ndenumerate(fractions):
+            if value >= 0.005:
+                colour = "white" if value > 0.6 else "black"
+                axis.text(column, row, f"{value:.2f}", ha="center", va="center", fontsize=7, color=colour)
+    axis.set_xlabel("True")
+    axis.set_ylabel("Predicted")
+    axis.set_title("Confusion matrix (each true column sums to 1)")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=150)
+    plt.close(figure)
+    return path
 
 
 def plot_curves(metrics: DetectionMetrics, names: Sequence[str], save_dir: Path, prefix: str = "") -> list[Path]:

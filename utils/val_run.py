@@ -71,7 +71,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     Images are sharded across ranks without padding and statistics gathered, so a torchrun
     validation scores each image once. With --save-json, predictions.json goes to the run folder
     (runs/val/exp, exp2, ...) and, when the YAML names the split's annotations, mAP50 and
-    mAP50-95 come from pycocotools COCOeval; --plots writes the PR / F1 / P / R curves there
+    mAP50-95 come from pycocotools COCOeval; --plots writes the PR / F1 / P / R curves and the confusion matrix there
     (rank 0, after the last collective). Rank 0 logs the table and per-image timings.
     """
     if cfg.task == "speed":
@@ -85,6 +85,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
         half=cfg.half,
         collect_predictions=cfg.save_json or cfg.save_txt,
         collect_masks=cfg.save_json,  # --save-txt writes boxes only
+        confusion=cfg.plots,
     )
     result = task.evaluate(setup.model, setup.loader, eval_options, ctx)
     if cfg.save_json:
@@ -96,9 +97,9 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     if cfg.save_txt and setup.save_dir is not None:
         save_txt(result, setup.save_dir / "labels")
     if cfg.plots and cfg.task != "speed" and setup.save_dir is not None and ctx.is_main:
-        from utils.plots import plot_eval_curves
+        from utils.plots import plot_evaluation
 
-        plot_eval_curves(result, setup.names, setup.save_dir)
+        plot_evaluation(result, setup.names, setup.save_dir)
     if setup.save_dir is not None and ctx.is_main:
         LOGGER.info(f"Results saved to {setup.save_dir}")
     return result
