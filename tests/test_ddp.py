@@ -266,7 +266,7 @@ def _fit_with_patience(ctx: DistContext, data_yaml: str, project: str) -> int:
     """Run the real fit() with --patience 1 and rank-dependent fitness; return the epochs it ran."""
     args = ["--data", data_yaml, "--imgsz", str(IMGSZ), "--batch-size", str(GLOBAL_BATCH), "--workers", "0",
             "--device", "cpu", "--project", project, "--name", "patience", "--seed", "3",
-            "--epochs", str(EARLY_STOP_EPOCHS), "--patience", "1"]  # fmt: skip
+            "--epochs", str(EARLY_STOP_EPOCHS), "--patience", "1", "--noplots"]  # fmt: skip
     cfg = config_from_args(build_train_parser("detect").parse_args(args), "detect")
     task = dataclasses.replace(DETECT, evaluate=_evaluate_with_rank_fitness)
     return fit(cfg, task, ctx).epochs_run
