@@ -43,21 +43,25 @@ def test_plot_batch_draws_each_box_in_its_tile_and_class_colour(tmp_path: Path) 
 
 
 def test_plot_batch_tints_masks_only_inside_them_per_instance_or_overlap(tmp_path: Path) -> None:
+    # Two images, two instances both in image 0: as many instances as images, so only the dtype
+    # tells per-instance (uint8, one row per label) from overlap-index (int16, one per image) masks.
     targets = [[0, 0, 0.25, 0.25, 0.5, 0.5], [0, 1, 0.75, 0.75, 0.5, 0.5]]
-    per_instance = torch.zeros((2, SIDE // 4, SIDE // 4))
-    per_instance[0, :8, :8] = 1  # top-left quarter
-    per_instance[1, 8:, 8:] = 1  # bottom-right quarter
-    overlap = (per_instance[0] + 2 * per_instance[1])[None]  # index mask: 1, 2 = instance, 0 = background
+    per_instance = torch.zeros((2, SIDE // 4, SIDE // 4), dtype=torch.uint8)
+    per_instance[0, :8, :8] = 1  # top-left quarter, class 0
+    per_instance[1, 8:, 8:] = 1  # bottom-right quarter, class 1
+    overlap = torch.zeros((2, SIDE // 4, SIDE // 4), dtype=torch.int16)
+    overlap[0] = per_instance[0] + 2 * per_instance[1]  # image 0: 1, 2 = instance, 0 = background
     drawn = []
     for name, masks in (("instance", per_instance), ("overlap", overlap)):
-        batch = {**_black_batch(1, targets), "masks": masks}
+        batch = {**_black_batch(2, targets), "masks": masks}
         drawn.append(_read(plot_batch(batch, ["a", "b"], tmp_path / f"{name}.png")))
     np.testing.assert_array_equal(drawn[0], drawn[1])
-    image = drawn[0]
-    half = (np.array(class_colour(0)) * 0.5).astype(int)
-    assert np.abs(image[16, 16].astype(int) - half).max() <= 2, "mask 0 tinted half-way to its class colour"
-    assert not image[16, 48].any() and not image[48, 16].any(), "outside both masks stays black"
-    assert image[48, 48].any()
+    tile = drawn[0][:SIDE, :SIDE]
+    for (y, x), class_id in (((16, 16), 0), ((48, 48), 1)):
+        tint = (np.array(class_colour(class_id)) * 0.5).astype(int)
+        assert np.abs(tile[y, x].astype(int) - tint).max() <= 2, f"class {class_id} mask tinted half-way"
+    assert not tile[16, 48].any() and not tile[48, 16].any(), "outside both masks stays black"
+    assert not drawn[0][SIDE + 8 : 2 * SIDE - 8, 8 : SIDE - 8].any(), "image 1 has no instances"
 
 
 def test_plot_results_writes_one_panel_per_column(tmp_path: Path) -> None:

@@ -40,8 +40,8 @@ def plot_batch(batch: dict[str, Any], names: Sequence[str], path: Path, max_imag
     """Draw up to `max_images` images of a collated training batch in a grid, with their labels; save as `path`.
 
     `batch` is what the loader yields (uint8 RGB `images (B, 3, H, W)`, `targets (N, 6)` [image,
-    class, cx, cy, w, h] normalised; with `masks`, per-instance `(N, h, w)` or overlap-index
-    `(B, h, w)` masks are tinted in the class colour). Boxes are drawn in the class colour with the
+    class, cx, cy, w, h] normalised; with `masks`, per-instance uint8 `(N, h, w)` or int16
+    overlap-index `(B, h, w)` masks are tinted in the class colour). Boxes are drawn in the class colour with the
     class name above them. Returns `path`.
     """
     images = batch["images"][:max_images].numpy()
@@ -51,7 +51,7 @@ def plot_batch(batch: dict[str, Any], names: Sequence[str], path: Path, max_imag
     grid = np.full((rows * height, columns * width, 3), 255, np.uint8)
     targets = batch["targets"].numpy()
     masks = batch.get("masks")
-    overlap = masks is not None and len(masks) != len(targets)  # (B, h, w) index masks
+    overlap = masks is not None and masks.dtype == torch.int16  # (B, h, w) index masks (see utils/masks.py)
     for index in range(count):
         top, left = (index // columns) * height, (index % columns) * width
         tile = np.ascontiguousarray(images[index].transpose(1, 2, 0)[:, :, ::-1])  # RGB CHW -> BGR HWC
