@@ -54,7 +54,7 @@ def run_distributed(
     tmp_path: Path,
     *args: Any,
     timeout_s: float = 60.0,
-    wall_limit_s: float = 300.0,
+    wall_limit_s: float = 600.0,
 ) -> list[Any]:
     """Run `fn(ctx, *args)` on `world_size` spawned gloo processes and return each rank's result, in rank order.
 

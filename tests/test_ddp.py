@@ -207,12 +207,15 @@ def _verify_with_rank1_changed(ctx: DistContext, change: str) -> str | None:
 POISONED_MICRO_BATCH = 4  # runs under no_sync (see the accumulation test); the next micro-batch steps
 
 
-def _nonfinite_on_rank1(ctx: DistContext) -> dict[str, Any]:
-    """Train MICRO_BATCHES where rank 1's loss alone turns NaN at POISONED_MICRO_BATCH; return what each rank saw."""
+def _nonfinite_on_rank1(ctx: DistContext, num_batches: int = MICRO_BATCHES) -> dict[str, Any]:
+    """Train `num_batches` where rank 1's loss alone turns NaN at POISONED_MICRO_BATCH; return what each rank saw.
+
+    With POISONED_MICRO_BATCH + 1 batches the bad one is the epoch's tail: no optimizer step follows it.
+    """
     torch.manual_seed(10)
     model = build_model(SPEC)
     cfg = TrainConfig(hyp=HYP, batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
-    state = build_train_state(ModelBundle(model, SPEC, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT, ctx, MICRO_BATCHES)
+    state = build_train_state(ModelBundle(model, SPEC, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT, ctx, num_batches)
     stepped_with = _record_step_gradients(state.optimizer, model)
     real_loss, calls = state.loss_fn, []
 
@@ -225,7 +228,7 @@ def _nonfinite_on_rank1(ctx: DistContext) -> dict[str, Any]:
 
     poisoned.item_names = real_loss.item_names
     state.loss_fn = poisoned
-    batches = [_as_batch(*_rank_slice(*_fixed_global_batch(seed=step), ctx)) for step in range(MICRO_BATCHES)]
+    batches = [_as_batch(*_rank_slice(*_fixed_global_batch(seed=step), ctx)) for step in range(num_batches)]
     try:
         train_one_epoch(state, batches, 0, cfg, ctx)
         message = None
@@ -293,6 +296,7 @@ def _rank_checks(ctx: DistContext, data_yaml: str, project: str) -> dict[str, An
         "verify_swap": _captured(_verify_with_rank1_changed, ctx, "swap"),
         "early_stop_epochs": _captured(_fit_with_patience, ctx, data_yaml, project),
         "nonfinite": _captured(_nonfinite_on_rank1, ctx),
+        "nonfinite_tail": _captured(_nonfinite_on_rank1, ctx, POISONED_MICRO_BATCH + 1),
     }
 
 
@@ -375,6 +379,15 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_the_weights_change(rank_
         assert seen["steps"] == POISONED_MICRO_BATCH, "the step carrying the NaN gradient is not taken"
         assert torch.isfinite(seen["weights"]).all() and torch.isfinite(seen["ema"]).all()
     assert torch.equal(first["weights"], second["weights"])
+
+
+def test_a_nan_loss_in_an_epoch_tail_stops_every_rank_at_the_epoch_end(rank_results) -> None:
+    # Warmup schedule: steps after micro-batches 0-3, none after 4 when the epoch ends there.
+    for seen in _parts(rank_results, "nonfinite_tail"):
+        assert seen["message"] is not None and "the end of epoch 1" in seen["message"], seen["message"]
+        assert "on 1 of 2 ranks" in seen["message"]
+        assert seen["micro_batches"] == POISONED_MICRO_BATCH + 1 and seen["steps"] == POISONED_MICRO_BATCH
+        assert torch.isfinite(seen["weights"]).all()
 
 
 # ------------------------------------------------------------------------ a failing rank ends the run

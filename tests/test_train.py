@@ -77,7 +77,7 @@ def test_train_writes_run_folder_and_finite_results(trained_run) -> None:
 
 def test_train_writes_plots(trained_run) -> None:
     run_dir = trained_run.run_dir
-    # 16 images in batches of 8: two first-epoch batches drawn, 4 x 4 tiles of 64 px.
+    # 16 images in batches of 8: two first-epoch batches drawn, 8 tiles of 64 px in a 3 x 3 grid.
     assert sorted(p.name for p in run_dir.glob("train_batch*.jpg")) == ["train_batch0.jpg", "train_batch1.jpg"]
     assert cv2.imread(str(run_dir / "train_batch0.jpg")).shape == (3 * 64, 3 * 64, 3)
     for name in ("results.png", "PR_curve.png", "F1_curve.png", "P_curve.png", "R_curve.png", "confusion_matrix.png"):

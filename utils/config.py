@@ -214,7 +214,9 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     parser.add_argument("--noval", action="store_true", help="validate only after the final epoch")
     parser.add_argument("--nosave", action="store_true", help="only save the final checkpoint")
     parser.add_argument(
-        "--noplots", action="store_true", help="skip train_batch*.jpg, results.png and the PR/F1/P/R curves"
+        "--noplots",
+        action="store_true",
+        help="skip train_batch*.jpg, results.png, the PR/F1/P/R curves and the confusion matrix",
     )
     parser.add_argument("--save-period", type=int, default=-1, help="also save epoch<N>.pt every N epochs (-1: off)")
     parser.add_argument("--rect", action="store_true", help="rectangular training batches (disables mosaic)")
@@ -316,7 +318,9 @@ def build_val_parser(task: str = "detect") -> argparse.ArgumentParser:
     parser.add_argument("--half", action="store_true", help="FP16 inference (CUDA only)")
     parser.add_argument("--save-json", action="store_true", help="write COCO-format predictions.json")
     parser.add_argument("--save-txt", action="store_true", help="write YOLO-format predictions per image")
-    parser.add_argument("--plots", action="store_true", help="write PR / F1 / P / R curves to the run folder")
+    parser.add_argument(
+        "--plots", action="store_true", help="write PR/F1/P/R curves and the confusion matrix to the run folder"
+    )
     parser.add_argument("--project", type=Path, default=ROOT / "runs" / ("val-seg" if task == "segment" else "val"))
     parser.add_argument("--name", default="exp")
     parser.add_argument("--exist-ok", action="store_true")

@@ -40,6 +40,7 @@ from utils.optim import (
     scaled_weight_decay,
     warmup_iterations,
 )
+from utils.plots import batch_drawer, plot_run
 from utils.run_setup import (
     ModelBundle,
     build_datasets,
@@ -144,12 +145,14 @@ def train_one_epoch(
             # gradients through DDP's all-reduce, so every rank stops here together (one 2-number
             # all-reduce per optimizer step), not just the rank that saw it, with the others
             # waiting in the next step's all-reduce until the process-group timeout.
-            _stop_if_nonfinite(state, ctx, f"epoch {epoch + 1} batch {i + 1}")
+            _stop_if_nonfinite(state, ctx, f"the optimizer step at epoch {epoch + 1} batch {i + 1}")
             _optimizer_step(state)
             state.last_opt_step = iteration
         mean_loss = (mean_loss * i + items.cpu().numpy()) / (i + 1)
         if not tqdm_disabled(ctx):
             progress.set_postfix_str(" ".join(f"{v:.4f}" for v in mean_loss) + f" inst={len(batch['targets'])}")
+    # Micro-batches after the epoch's last step: stop now, before BN averaging, validation and saving.
+    _stop_if_nonfinite(state, ctx, f"the end of epoch {epoch + 1}")
     if ctx.is_distributed:  # results.csv reports every rank's batches (ranks run equally many)
         summed = all_reduce_sum(torch.tensor(mean_loss, dtype=torch.float64, device=ctx.device), ctx)
         mean_loss = summed.cpu().numpy() / ctx.world_size
@@ -159,8 +162,9 @@ def train_one_epoch(
 def _stop_if_nonfinite(state: TrainState, ctx: DistContext, where: str) -> None:
     """Raise FloatingPointError on every rank when any rank had a NaN/inf loss since the last step.
 
-    Every rank must call it at the same optimizer step. The step is not taken, so the weights,
-    the EMA and last.pt (saved at the end of the previous epoch) stay finite.
+    Every rank must call it at the same point (each optimizer step, and the end of each epoch).
+    The pending step is not taken, so the weights, the EMA and the checkpoints saved so far (at
+    the end of earlier epochs) stay finite.
     """
     counts = [state.nonfinite_losses, int(state.nonfinite_losses > 0)]
     if ctx.is_distributed:
@@ -169,8 +173,8 @@ def _stop_if_nonfinite(state: TrainState, ctx: DistContext, where: str) -> None:
     if bad_batches:
         ranks = f" on {bad_ranks} of {ctx.world_size} ranks" if ctx.is_distributed else ""
         raise FloatingPointError(
-            f"loss is NaN or inf in {bad_batches} batch(es){ranks} before the optimizer step at {where}; "
-            "stopped without applying it (last.pt is the previous epoch's); lower lr0 or check the labels"
+            f"loss is NaN or inf in {bad_batches} batch(es){ranks} before {where}; stopped without applying "
+            "them (checkpoints saved so far are from earlier epochs); lower lr0 or check the labels"
         )
 
 
@@ -288,7 +292,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     for epoch in range(state.start_epoch, cfg.epochs):
         start = time.time()
         datasets.train_loader.set_epoch(epoch)
-        draw = _batch_drawer(run_dir, bundle.names) if ctx.is_main and not cfg.noplots and epoch == 0 else None
+        draw = batch_drawer(run_dir, bundle.names) if ctx.is_main and not cfg.noplots and epoch == 0 else None
         train_loss = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx, on_batch=draw)
         lrs = [group["lr"] for group in state.optimizer.param_groups]
         state.scheduler.step()
@@ -312,33 +316,8 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     run = (data, run_dir, cfg.single_cls, not cfg.noplots)
     final, best, result = _final_validation(best, last, task, datasets, bundle, ctx, run)
     if ctx.is_main and not cfg.noplots:  # after the last collective: nothing waits on rank 0 here
-        _plot_run(results.path, result, bundle.names, run_dir)
+        plot_run(results.path, result, bundle.names, run_dir)
     return FitResult(run_dir, best, last, final, epoch + 1 - state.start_epoch)
-
-
-TRAIN_BATCH_PLOTS = 3  # train_batch0.jpg ... of the first epoch, to check labels and augmentation by eye
-
-
-def _batch_drawer(run_dir: Path, names: tuple[str, ...]) -> Callable[[int, dict[str, Any]], None]:
-    """Return an `on_batch` hook that saves the first TRAIN_BATCH_PLOTS batches with their labels."""
-    from utils.plots import plot_batch
-
-    def draw(i: int, batch: dict[str, Any]) -> None:
-        if i < TRAIN_BATCH_PLOTS:
-            try:
-                plot_batch(batch, names, run_dir / f"train_batch{i}.jpg")
-            except OSError as error:  # a figure that cannot be written must not end the run
-                LOGGER.warning(f"{error}; train batch plot skipped")
-
-    return draw
-
-
-def _plot_run(results_csv: Path, result: Any, names: tuple[str, ...], run_dir: Path) -> None:
-    """Rank 0, at the end of a run: results.png and the final validation's PR / F1 / P / R curves."""
-    from utils.plots import plot_evaluation, plot_results
-
-    written = [plot_results(results_csv), *plot_evaluation(result, names, run_dir)]
-    LOGGER.info(f"Plots: {', '.join(p.name for p in written if p is not None)} in {run_dir}")
 
 
 def _validate(state, task, datasets, bundle, cfg, ctx, run: bool) -> tuple[dict[str, float], np.ndarray | None]:

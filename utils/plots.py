@@ -1,15 +1,19 @@
-"""Run-folder figures: training batches with their labels, results.png, and PR / F1 / P / R curves.
+"""Run-folder figures: training batches with their labels, results.png, PR / F1 / P / R curves and
+the confusion matrix.
 
 Only rank 0 calls these. Batch images are drawn with OpenCV (fast enough to run inside the first
 training steps); the charts use matplotlib's non-interactive Agg backend, imported on first use
-so a run with `--noplots` never loads it.
+so a run with `--noplots` never loads it. The hooks the engine calls (`batch_drawer`, `plot_run`)
+log a failure as a warning instead of raising: a figure is never worth a failed run, and the
+drawer runs on rank 0 alone between collectives, where raising would leave the others waiting.
 """
 
 from __future__ import annotations
 
 import csv
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,32 @@ import numpy as np
 import torch
 
 from utils.metrics import RECALL_LEVELS, DetectionMetrics
+
+LOGGER = logging.getLogger(__name__)
+TRAIN_BATCH_PLOTS = 3  # train_batch0.jpg ... of the first epoch, to check labels and augmentation by eye
+
+
+def batch_drawer(run_dir: Path, names: Sequence[str]) -> Callable[[int, dict[str, Any]], None]:
+    """Return a `train_one_epoch` `on_batch` hook saving the first TRAIN_BATCH_PLOTS batches with their labels."""
+
+    def draw(i: int, batch: dict[str, Any]) -> None:
+        if i < TRAIN_BATCH_PLOTS:
+            try:
+                plot_batch(batch, names, run_dir / f"train_batch{i}.jpg")
+            except Exception as error:  # noqa: BLE001 - skipped with a warning (see the module docstring)
+                LOGGER.warning(f"train_batch{i}.jpg not drawn: {type(error).__name__}: {error}")
+
+    return draw
+
+
+def plot_run(results_csv: Path, result: Any, names: Sequence[str], run_dir: Path) -> None:
+    """At the end of a run: results.png and the final validation's figures (`plot_evaluation`)."""
+    try:
+        written = [plot_results(results_csv), *plot_evaluation(result, names, run_dir)]
+    except Exception as error:  # noqa: BLE001 - the run's checkpoints are written; warn, do not fail it
+        LOGGER.warning(f"plots not finished: {type(error).__name__}: {error}")
+        return
+    LOGGER.info(f"Plots: {', '.join(p.name for p in written if p is not None)} in {run_dir}")
 
 
 def _palette(count: int) -> tuple[tuple[int, int, int], ...]:
@@ -145,9 +175,11 @@ def plot_results(csv_path: Path) -> Path | None:
 def plot_evaluation(result: Any, names: Sequence[str], save_dir: Path) -> list[Path]:
     """Write an EvalResult's figures: box curves, `mask_` curves for segmentation, and
     confusion_matrix.png when it counted one. Returns the paths."""
-    written = plot_curves(result.metrics, names, save_dir)
+    # After COCOeval replaced the reported mAPs, say that the curves' APs are the internal matcher's.
+    source = " (internal)" if result.metric_source != "internal" else ""
+    written = plot_curves(result.metrics, names, save_dir, source=source)
     if result.mask_metrics is not None:
-        written += plot_curves(result.mask_metrics, names, save_dir, prefix="mask_")
+        written += plot_curves(result.mask_metrics, names, save_dir, prefix="mask_", source=source)
     if result.confusion is not None:
         written.append(plot_confusion_matrix(result.confusion.matrix, names, save_dir / "confusion_matrix.png"))
     return written
@@ -189,13 +221,15 @@ def plot_confusion_matrix(matrix: np.ndarray, names: Sequence[str], path: Path) 
     return path
 
 
-def plot_curves(metrics: DetectionMetrics, names: Sequence[str], save_dir: Path, prefix: str = "") -> list[Path]:
+def plot_curves(
+    metrics: DetectionMetrics, names: Sequence[str], save_dir: Path, prefix: str = "", source: str = ""
+) -> list[Path]:
     """Write `{prefix}PR_curve.png`, `{prefix}F1_curve.png`, `{prefix}P_curve.png`, `{prefix}R_curve.png`.
 
     Thin lines per class (labelled up to MAX_LEGEND_CLASSES classes), a thick line for the mean
     over classes. PR is the interpolated precision at IoU 0.5 (its area is mAP50); F1 / P / R are
     against the confidence threshold, the F1 legend naming the best mean F1 and its confidence.
-    Returns the written paths (none when no class has labels).
+    `source` is appended to the PR legend's mAP. Returns the written paths (none when no class has labels).
     """
     curves = metrics.curves
     if curves is None or len(curves.class_ids) == 0:
@@ -207,7 +241,7 @@ def plot_curves(metrics: DetectionMetrics, names: Sequence[str], save_dir: Path,
             curves.pr_curve,
             labels,
             ("Recall", "Precision"),
-            f"all classes {curves.pr_curve.mean():.3f} mAP@0.5",
+            f"all classes {curves.pr_curve.mean():.3f} mAP@0.5{source}",
             save_dir / f"{prefix}PR_curve.png",
             class_values=curves.ap[:, 0],
         )

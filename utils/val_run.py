@@ -60,9 +60,9 @@ class ValSetup:
 
 
 def speed_config(cfg: ValConfig) -> ValConfig:
-    """Return the options of `--task speed` (YOLOv5): conf 0.25, NMS IoU 0.45, no JSON, on the val split."""
+    """Return the options of `--task speed` (YOLOv5): conf 0.25, NMS IoU 0.45, no JSON or plots, val split."""
     LOGGER.info("--task speed: timing the val split at --conf-thres 0.25 --iou-thres 0.45, no JSON")
-    return dataclasses.replace(cfg, conf_thres=0.25, iou_thres=0.45, save_json=False)
+    return dataclasses.replace(cfg, conf_thres=0.25, iou_thres=0.45, save_json=False, plots=False)
 
 
 def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalResult:
