@@ -15,13 +15,16 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cv2
 import numpy as np
 import torch
 
 from utils.metrics import RECALL_LEVELS, DetectionMetrics
+
+if TYPE_CHECKING:
+    from utils.evaluate import EvalResult
 
 LOGGER = logging.getLogger(__name__)
 TRAIN_BATCH_PLOTS = 3  # train_batch0.jpg ... of the first epoch, to check labels and augmentation by eye
@@ -40,7 +43,7 @@ def batch_drawer(run_dir: Path, names: Sequence[str]) -> Callable[[int, dict[str
     return draw
 
 
-def plot_run(results_csv: Path, result: Any, names: Sequence[str], run_dir: Path) -> None:
+def plot_run(results_csv: Path, result: EvalResult, names: Sequence[str], run_dir: Path) -> None:
     """At the end of a run: results.png and the final validation's figures (`plot_evaluation`)."""
     try:
         written = [plot_results(results_csv), *plot_evaluation(result, names, run_dir)]
@@ -172,7 +175,7 @@ def plot_results(csv_path: Path) -> Path | None:
     return out
 
 
-def plot_evaluation(result: Any, names: Sequence[str], save_dir: Path) -> list[Path]:
+def plot_evaluation(result: EvalResult, names: Sequence[str], save_dir: Path) -> list[Path]:
     """Write an EvalResult's figures: box curves, `mask_` curves for segmentation, and
     confusion_matrix.png when it counted one. Returns the paths."""
     # After COCOeval replaced the reported mAPs, say that the curves' APs are the internal matcher's.
@@ -246,8 +249,8 @@ def plot_curves(
             class_values=curves.ap[:, 0],
         )
     ]
-    for short, title, values in (("F1", "F1", curves.f1_curve), ("P", "Precision", curves.p_curve),
-                                 ("R", "Recall", curves.r_curve)):  # fmt: skip
+    by_confidence = (("F1", "F1", curves.f1_curve), ("P", "Precision", curves.p_curve), ("R", "Recall", curves.r_curve))
+    for short, title, values in by_confidence:
         mean = values.mean(0)
         best = int(mean.argmax())
         summary = f"all classes {mean[best]:.2f} at {curves.curve_conf[best]:.3f}"
@@ -257,7 +260,7 @@ def plot_curves(
 
 
 def _curve_figure(
-    x: np.ndarray,
+    x_values: np.ndarray,
     per_class: np.ndarray,
     labels: list[str],
     axis_names: tuple[str, str],
@@ -265,13 +268,14 @@ def _curve_figure(
     path: Path,
     class_values: np.ndarray | None = None,
 ) -> Path:
+    """Draw one row of `per_class` (n, len(x_values)) per class and their mean; save as `path`."""
     plt = _pyplot()
     figure, axis = plt.subplots(1, 1, figsize=(7, 5))
     show_legend = len(labels) <= MAX_LEGEND_CLASSES
     for i, (row, label) in enumerate(zip(per_class, labels, strict=True)):
         text = f"{label} {class_values[i]:.3f}" if class_values is not None else label
-        axis.plot(x, row, linewidth=1, alpha=0.6, label=text if show_legend else None)
-    axis.plot(x, per_class.mean(0), linewidth=3, color="tab:blue", label=mean_label)
+        axis.plot(x_values, row, linewidth=1, alpha=0.6, label=text if show_legend else None)
+    axis.plot(x_values, per_class.mean(0), linewidth=3, color="tab:blue", label=mean_label)
     axis.set_xlabel(axis_names[0])
     axis.set_ylabel(axis_names[1])
     axis.set_xlim(0, 1)
