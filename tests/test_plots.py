@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import cv2
@@ -65,17 +64,13 @@ def test_plot_batch_tints_masks_only_inside_them_per_instance_or_overlap(tmp_pat
 
 
 def test_plot_results_writes_one_panel_per_column(tmp_path: Path) -> None:
-    path = tmp_path / "results.csv"
-    with path.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(["epoch", "train/box_loss", "metrics/mAP50", "val/box_loss"])
-        writer.writerows([[1, 0.2, 0.1, "nan"], [2, 0.15, 0.3, "nan"], [3, 0.1, 0.5, "nan"]])
-    image = _read(plot_results(path))
+    rows = [
+        {"epoch": str(epoch), "train/box_loss": str(loss), "metrics/mAP50": str(score), "val/box_loss": "nan"}
+        for epoch, loss, score in ((1, 0.2, 0.1), (2, 0.15, 0.3), (3, 0.1, 0.5))
+    ]
+    image = _read(plot_results(rows, tmp_path / "results.png"))
     assert image.shape[1] > image.shape[0] > 0  # one row of panels
-    empty = tmp_path / "empty" / "results.csv"
-    empty.parent.mkdir()
-    empty.write_text("epoch,train/box_loss\n")
-    assert plot_results(empty) is None
+    assert plot_results([], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
 
 
 def test_plot_curves_writes_four_figures_and_nothing_without_labels(tmp_path: Path) -> None:

@@ -316,7 +316,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     run = (data, run_dir, cfg.single_cls, not cfg.noplots)
     final, best, result = _final_validation(best, last, task, datasets, bundle, ctx, run)
     if ctx.is_main and not cfg.noplots:  # after the last collective: nothing waits on rank 0 here
-        plot_run(results.path, result, bundle.names, run_dir)
+        plot_run(results, result, bundle.names, run_dir)
     return FitResult(run_dir, best, last, final, epoch + 1 - state.start_epoch)
 
 

@@ -10,7 +10,6 @@ drawer runs on rank 0 alone between collectives, where raising would leave the o
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from utils.metrics import RECALL_LEVELS, DetectionMetrics
 
 if TYPE_CHECKING:
     from utils.evaluate import EvalResult
+    from utils.logging import ResultsCSV
 
 LOGGER = logging.getLogger(__name__)
 TRAIN_BATCH_PLOTS = 3  # train_batch0.jpg ... of the first epoch, to check labels and augmentation by eye
@@ -43,10 +43,10 @@ def batch_drawer(run_dir: Path, names: Sequence[str]) -> Callable[[int, dict[str
     return draw
 
 
-def plot_run(results_csv: Path, result: EvalResult, names: Sequence[str], run_dir: Path) -> None:
+def plot_run(results: ResultsCSV, result: EvalResult, names: Sequence[str], run_dir: Path) -> None:
     """At the end of a run: results.png and the final validation's figures (`plot_evaluation`)."""
     try:
-        written = [plot_results(results_csv), *plot_evaluation(result, names, run_dir)]
+        written = [plot_results(results.read(), run_dir / "results.png"), *plot_evaluation(result, names, run_dir)]
     except Exception as error:  # noqa: BLE001 - the run's checkpoints are written; warn, do not fail it
         LOGGER.warning(f"plots not finished: {type(error).__name__}: {error}")
         return
@@ -140,14 +140,12 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_results(csv_path: Path) -> Path | None:
-    """Plot every column of a results.csv against the epoch into `results.png` next to it.
+def plot_results(rows: list[dict[str, str]], path: Path) -> Path | None:
+    """Plot every column of results.csv `rows` (`ResultsCSV.read()`) against the epoch; save as `path`.
 
-    One panel per column (train losses, metrics, val losses, learning rates). Returns the image
-    path, or None when the file has no epochs yet.
+    One panel per column (train losses, metrics, val losses, learning rates). Returns `path`, or
+    None when there are no epochs yet.
     """
-    with csv_path.open(newline="") as file:
-        rows = list(csv.DictReader(file))
     if not rows:
         return None
     columns = [name for name in rows[0] if name != "epoch"]
@@ -169,10 +167,9 @@ def plot_results(csv_path: Path) -> Path | None:
     for axis in axes[len(columns) :]:
         axis.axis("off")
     figure.tight_layout()
-    out = csv_path.with_name("results.png")
-    figure.savefig(out, dpi=120)
+    figure.savefig(path, dpi=120)
     plt.close(figure)
-    return out
+    return path
 
 
 def plot_evaluation(result: EvalResult, names: Sequence[str], save_dir: Path) -> list[Path]:
