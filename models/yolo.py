@@ -322,6 +322,16 @@ def order_anchors(anchors_px: torch.Tensor, strides: torch.Tensor) -> torch.Tens
     return ordered
 
 
+def memory_format(channels_last: bool) -> torch.memory_format:
+    """The layout for a model's 4-D weights: NHWC when `channels_last`, else NCHW.
+
+    A conv whose weight is channels_last produces channels_last output on CPU (oneDNN) and CUDA
+    (cuDNN) whatever its input's layout, so converting the model converts every activation after
+    the first conv. Apply it again after `fuse()`, which builds new convs.
+    """
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
 def build_model(spec: ModelSpec) -> DetectionModel:
     """Build the model described by `spec` (CPU, train mode, biases initialised).
 

@@ -19,6 +19,7 @@ from models.yolo import (
     ModelSpec,
     build_model,
     estimate_gflops,
+    memory_format,
     model_info,
     spec_from_cfg,
 )
@@ -146,6 +147,55 @@ def test_fuse_keeps_eval_outputs(cfg: str) -> None:
     assert len(before) == (6 if cfg.endswith("-seg") else 5)
     for tensor, fused in zip(before, after, strict=True):
         assert torch.allclose(tensor, fused, atol=1e-4)
+
+
+def _conv_output_layouts(model: torch.nn.Module, x: torch.Tensor) -> set[bool]:
+    """Run `model(x)` and return, for every conv output with channels and pixels > 1, whether it was NHWC."""
+    layouts: set[bool] = set()
+
+    def record(module, inputs, output) -> None:
+        if output.shape[1] > 1 and output.shape[2] * output.shape[3] > 1:
+            layouts.add(output.is_contiguous(memory_format=torch.channels_last) and not output.is_contiguous())
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    try:
+        model(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return layouts
+
+
+@pytest.mark.parametrize("cfg", ["yolov5n", "yolov5n-seg"])
+def test_channels_last_model_matches_nchw_in_training_and_after_fuse(cfg: str) -> None:
+    torch.manual_seed(2)
+    nchw = build_model(spec_from_cfg(cfg, 3))
+    nhwc = build_model(spec_from_cfg(cfg, 3))
+    nhwc.load_state_dict(nchw.state_dict())
+    nhwc.to(memory_format=memory_format(True))
+    x = torch.rand(2, 3, 96, 64)  # NCHW input: the first conv's NHWC weight switches the layout
+    assert _conv_output_layouts(nhwc, x) == {True}
+    assert _conv_output_layouts(nchw, x) == {False}
+    losses = []
+    for model in (nchw, nhwc):
+        model.train()
+        raw = model(x)
+        tensors = [*raw[0], raw[1]] if isinstance(raw, tuple) else list(raw)
+        loss = sum((t.float() * torch.linspace(-1, 1, t.numel()).view(t.shape)).sum() for t in tensors)
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.allclose(losses[0], losses[1], rtol=1e-4)
+    grads = [dict((n, p.grad) for n, p in m.named_parameters()) for m in (nchw, nhwc)]
+    for name, grad in grads[0].items():
+        assert (grad - grads[1][name]).norm() <= 1e-3 * grad.norm() + 1e-6, name  # summation order differs
+    # fuse() builds new NCHW convs; applying the layout again after it keeps NHWC end to end.
+    for model in (nchw, nhwc):
+        model.eval().fuse()
+    nhwc.to(memory_format=memory_format(True))
+    with torch.no_grad():
+        assert _conv_output_layouts(nhwc, x) == {True}
+        for a, b in zip(_eval_tensors(nchw(x)), _eval_tensors(nhwc(x)), strict=True):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_spec_from_size_names() -> None:

@@ -15,7 +15,10 @@ import train
 import val
 from tests.conftest import make_tiny_dataset
 from utils.config import ConfigError
+from utils.distributed import DistContext
 from utils.synthetic import SHAPE_NAMES, SyntheticSpec
+from utils.tasks import DETECT
+from utils.val_run import load_model_for_eval
 
 TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.15)
 
@@ -98,10 +101,13 @@ def test_checkpoints_load_weights_only_and_hold_state(trained_run) -> None:
     assert trained_run.best.stat().st_size < trained_run.last.stat().st_size / 2
 
 
-def test_val_reproduces_training_metrics_on_best(trained_run, tiny_data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [[], ["--no-channels-last"]], ids=["nhwc", "nchw"])
+def test_val_reproduces_training_metrics_on_best(trained_run, tiny_data: Path, tmp_path: Path, layout) -> None:
     # Training validates with global batch 2 x 8 = 16 rect batches; the same batch gives the same padding.
+    # Training ran NHWC (the default); validating NCHW must give the same numbers.
     result = val.main(
         [
+            *layout,
             "--weights",
             str(trained_run.best),
             "--data",
@@ -121,6 +127,14 @@ def test_val_reproduces_training_metrics_on_best(trained_run, tiny_data: Path, t
     assert result.num_images == TINY.num_val
     assert result.as_dict()["mAP50-95"] == pytest.approx(trained_run.metrics["mAP50-95"], abs=0.02)
     assert set(result.speed_ms) == {"preprocess", "inference", "nms"}
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_eval_model_layout_follows_flag(trained_run, channels_last: bool) -> None:
+    model, _ = load_model_for_eval(trained_run.best, DETECT, DistContext(), channels_last=channels_last)
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3)]
+    assert weights and all(w.is_contiguous(memory_format=torch.channels_last) == channels_last for w in weights)
+    assert all(w.is_contiguous() != channels_last for w in weights)
 
 
 def test_resume_continues_from_saved_epoch(trained_run, tmp_path: Path) -> None:

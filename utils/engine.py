@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from models.yolo import memory_format
 from utils import checkpoint as ckpt_io
 from utils.coco import check_coco_target, coco_evaluate
 from utils.config import ConfigError, TrainConfig, save_run_config
@@ -313,8 +314,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
     # val.py on best.pt evaluates the same weights.
     run_on_main(lambda: best.exists() and ckpt_io.strip_optimizer(best, ctx), ctx, "stripping best.pt")
-    run = (data, run_dir, cfg.single_cls, not cfg.noplots)
-    final, best, result = _final_validation(best, last, task, datasets, bundle, ctx, run)
+    final, best, result = _final_validation((best, last), task, datasets, bundle, ctx, (cfg, data, run_dir))
     if ctx.is_main and not cfg.noplots:  # after the last collective: nothing waits on rank 0 here
         plot_run(results, result, bundle.names, run_dir)
     return FitResult(run_dir, best, last, final, epoch + 1 - state.start_epoch)
@@ -365,11 +365,11 @@ def _save(state, bundle, cfg, task, epoch, fitness, ctx, weights_dir: Path) -> N
         ckpt_io.save_checkpoint(checkpoint, weights_dir / f"epoch{epoch + 1}.pt", ctx)
 
 
-def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx, run) -> tuple[dict[str, float], Path, Any]:
+def _final_validation(weights_paths, task, datasets, bundle, ctx, run) -> tuple[dict[str, float], Path, Any]:
     """Validate the EMA weights of best.pt (last.pt when --nosave never wrote a best) once more.
 
-    `run` = (data, run_dir, single_cls, plots). Returns the metrics, the checkpoint they belong to
-    and the EvalResult (curves; a confusion matrix too when `plots`). When the dataset YAML names
+    `weights_paths` = (best, last); `run` = (cfg, data, run_dir). Returns the metrics, the checkpoint
+    they belong to and the EvalResult (curves; a confusion matrix too unless --noplots). When the dataset YAML names
     COCO annotations for the val split, predictions.json and coco_eval.json are written to the
     run folder and the mAPs come from pycocotools. Every rank takes part. Only rank 0 is sure to
     see the file (other nodes may not share the filesystem), so rank 0 reads the weights and
@@ -377,20 +377,22 @@ def _final_validation(best: Path, last: Path, task, datasets, bundle, ctx, run) 
     """
     from utils.evaluate import EvalOptions
 
-    data, run_dir, single_cls, plots = run
+    best, last = weights_paths
+    cfg, data, run_dir = run
     path = Path(broadcast_object(str(best if best.exists() else last) if ctx.is_main else None, ctx))
     read = run_on_main(lambda: ckpt_io.inference_weights(ckpt_io.load_checkpoint(path)), ctx, f"reading {path}")
     weights = broadcast_object(read, ctx)
     model = task.build_model(bundle.spec).to(ctx.device)
     model.load_state_dict(weights)
-    model = model.fuse()  # as val.py does (same batch size there gives the same numbers)
+    # Fused and laid out as val.py does (same batch size there gives the same numbers).
+    model = model.fuse().to(memory_format=memory_format(cfg.channels_last))
     use_coco = data.annotations.get("val") is not None
     options = EvalOptions(
-        num_classes=len(bundle.names), description="final val", collect_predictions=use_coco, confusion=plots
+        num_classes=len(bundle.names), description="final val", collect_predictions=use_coco, confusion=not cfg.noplots
     )
     result = task.evaluate(model, datasets.val_loader, options, ctx)
     if use_coco:
-        result = coco_evaluate(result, data, "val", run_dir, ctx, single_cls=single_cls)
+        result = coco_evaluate(result, data, "val", run_dir, ctx, single_cls=cfg.single_cls)
     metrics = {key: float(value) for key, value in result.as_dict().items()}
     LOGGER.info(f"Final ({path}, {result.metric_source} mAP): {_scores_line(metrics)}")
     return metrics, path, result

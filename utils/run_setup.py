@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from models.anchors import check_anchors
-from models.yolo import ModelSpec, model_info
+from models.yolo import ModelSpec, memory_format, model_info
 from utils import checkpoint as ckpt_io
 from utils.augment import AugmentParams
 from utils.config import ConfigError, Hyp, TrainConfig, config_from_dict
@@ -128,7 +128,7 @@ def build_model_bundle(
             spec = task.spec_from_cfg(cfg.cfg, len(names))
             model = task.build_model(spec)
     freeze_layers(model, cfg.freeze)
-    return ModelBundle(model.to(ctx.device), spec, tuple(names))
+    return ModelBundle(model.to(ctx.device, memory_format=memory_format(cfg.channels_last)), spec, tuple(names))
 
 
 def freeze_layers(model: nn.Module, freeze: tuple[int, ...]) -> None:

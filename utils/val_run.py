@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from models.yolo import ModelSpec
+from models.yolo import ModelSpec, memory_format
 from utils import checkpoint as ckpt_io
 from utils.augment import AugmentParams
 from utils.boxes import xyxy_to_xywhn
@@ -27,8 +27,11 @@ from utils.tasks import Task
 LOGGER = logging.getLogger(__name__)
 
 
-def load_model_for_eval(path: Path, task: Task, ctx: DistContext, half: bool = False) -> tuple[nn.Module, dict]:
-    """Build the model stored in checkpoint `path` with its EMA weights (or raw weights), fused, in eval mode.
+def load_model_for_eval(
+    path: Path, task: Task, ctx: DistContext, half: bool = False, channels_last: bool = True
+) -> tuple[nn.Module, dict]:
+    """Build the model stored in checkpoint `path` with its EMA weights (or raw weights), fused, in eval mode,
+    laid out NHWC when `channels_last` (see models.yolo.memory_format).
 
     A checkpoint of another task (segment vs detect) is a one-line ConfigError.
     """
@@ -40,7 +43,7 @@ def load_model_for_eval(path: Path, task: Task, ctx: DistContext, half: bool = F
         )
     model = task.build_model(ModelSpec.from_dict(checkpoint["model_spec"]))
     model.load_state_dict(checkpoint.get("ema") or checkpoint["model"])
-    model = model.fuse().eval().to(ctx.device)
+    model = model.fuse().eval().to(ctx.device, memory_format=memory_format(channels_last))
     if half and ctx.device.type == "cuda":
         model = model.half()
     return model, checkpoint
@@ -115,7 +118,8 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
         raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {ctx.world_size} processes")
     if cfg.half and ctx.device.type != "cuda":
         LOGGER.warning("--half needs CUDA; validating in FP32 on CPU")
-    model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, cfg.half)  # first: cheap, fails fast
+    # First: cheap, and a wrong checkpoint fails fast.
+    model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, cfg.half, cfg.channels_last)
     data = load_data_config(cfg.data, ctx)
     split = "val" if cfg.task == "speed" else cfg.task
     coco_target = check_coco_target(data, split, ctx, cfg.single_cls) if cfg.save_json else None
