@@ -156,6 +156,23 @@ def test_items_repeat_per_key_and_vary_with_epoch_and_rank(tmp_path: Path) -> No
         assert torch.equal(a["image"], b["image"]) and torch.equal(a["labels"], b["labels"])
 
 
+def test_training_shrinks_images_with_linear_and_evaluation_with_area(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    path = folder / "00.png"
+    raw = np.random.default_rng(0).integers(0, 256, cv2.imread(str(path)).shape, np.uint8)  # edges everywhere
+    cv2.imwrite(str(path), raw)
+    height, width = resized_hw(*raw.shape[:2], 64)
+    assert max(raw.shape[:2]) > 64
+    linear = cv2.resize(raw, (width, height), interpolation=cv2.INTER_LINEAR)
+    area = cv2.resize(raw, (width, height), interpolation=cv2.INTER_AREA)
+    assert not np.array_equal(linear, area)
+    for cache_mode in ("none", "ram"):
+        train = LoadImagesAndLabels(folder, _options(augment=True, cache_mode=cache_mode), CTX)
+        evaluation = LoadImagesAndLabels(folder, _options(augment=False, cache_mode=cache_mode), CTX)
+        np.testing.assert_array_equal(train.load_image(0)[0], linear)
+        np.testing.assert_array_equal(evaluation.load_image(0)[0], area)
+
+
 def test_ram_cache_holds_the_shard_and_serves_the_same_pixels(tmp_path: Path) -> None:
     folder = _folder(tmp_path)
     ctx = DistContext(rank=1, local_rank=1, world_size=2, local_world_size=2)

@@ -259,7 +259,7 @@ def transform_instances(inst: Instances, scale_wh: tuple[float, float], pad: tup
     """Scale then shift all coordinates: x * scale_w + pad_w, y * scale_h + pad_h (no clipping)."""
     scale = np.array(scale_wh, np.float32)
     shift = np.array(pad, np.float32)
-    boxes = inst.boxes_xyxy * np.tile(scale, 2) + np.tile(shift, 2)
+    boxes = (inst.boxes_xyxy.reshape(-1, 2, 2) * scale + shift).reshape(-1, 4)  # x1 y1 / x2 y2 pairs
     return Instances(inst.classes.copy(), boxes.astype(np.float32), [s * scale + shift for s in inst.segments])
 
 

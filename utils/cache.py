@@ -42,20 +42,25 @@ def resized_hw(height: int, width: int, img_size: int) -> tuple[int, int]:
     return max(1, round(height * ratio)), max(1, round(width * ratio))
 
 
-def resize_long_side(image: np.ndarray, img_size: int) -> np.ndarray:
-    """Resize an HxWx3 image so its long side equals `img_size`: INTER_AREA to shrink, INTER_LINEAR to grow."""
+def resize_long_side(image: np.ndarray, img_size: int, augment: bool = False) -> np.ndarray:
+    """Resize an HxWx3 image so its long side equals `img_size`.
+
+    Enlarging uses INTER_LINEAR. Shrinking uses INTER_AREA (no aliasing) for evaluation, and
+    INTER_LINEAR when `augment`: about 10x faster (1.4 ms vs 0.14 ms for 450x400 -> 224), and
+    training's random affine resamples the image again anyway.
+    """
     height, width = image.shape[:2]
     new_h, new_w = resized_hw(height, width, img_size)
     if (new_h, new_w) == (height, width):
         return image
-    interpolation = cv2.INTER_AREA if new_h < height else cv2.INTER_LINEAR
+    interpolation = cv2.INTER_AREA if new_h < height and not augment else cv2.INTER_LINEAR
     return cv2.resize(image, (new_w, new_h), interpolation=interpolation)
 
 
-def read_resized(path: str, img_size: int) -> np.ndarray | None:
+def read_resized(path: str, img_size: int, augment: bool = False) -> np.ndarray | None:
     """Decode an image as BGR (EXIF orientation applied by OpenCV) resized to `img_size`; None if unreadable."""
     image = cv2.imread(path, cv2.IMREAD_COLOR)
-    return None if image is None else resize_long_side(image, img_size)
+    return None if image is None else resize_long_side(image, img_size, augment)
 
 
 def available_memory_bytes() -> int:
@@ -100,12 +105,14 @@ class ImageCache:
         mode: str,
         ctx: DistContext,
         num_threads: int = 8,
+        augment: bool = False,
     ) -> None:
         if mode not in ("ram", "disk"):
             raise ValueError(f"cache mode must be 'ram' or 'disk', got '{mode}'")
         self.mode = mode
         self.image_files = image_files
         self.img_size = img_size
+        self.augment = augment  # resize as the dataset does (see resize_long_side)
         self.indices = np.asarray(indices, dtype=np.int64)
         sizes = [resized_hw(int(h), int(w), img_size) for w, h in np.asarray(shapes_wh)[self.indices]]
         self.hw = np.array(sizes, dtype=np.int64).reshape(-1, 2)
@@ -165,7 +172,7 @@ class ImageCache:
         expected = (*self.hw[slot], 3)
         if self.mode == "disk" and _is_current_npy(path, expected):
             return True
-        image = read_resized(path, self.img_size)
+        image = read_resized(path, self.img_size, self.augment)
         if image is None or image.shape != expected:
             return False
         if self.mode == "ram":

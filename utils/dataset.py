@@ -125,7 +125,14 @@ class LoadImagesAndLabels(Dataset):
         self.cache: ImageCache | None = None
         if options.cache_mode != "none":
             self.cache = ImageCache(
-                index.im_files, index.shapes, self.shard, options.img_size, options.cache_mode, ctx, options.workers
+                index.im_files,
+                index.shapes,
+                self.shard,
+                options.img_size,
+                options.cache_mode,
+                ctx,
+                options.workers,
+                augment=options.augment,
             )
 
     def __len__(self) -> int:
@@ -182,7 +189,7 @@ class LoadImagesAndLabels(Dataset):
         if image is None:
             raise FileNotFoundError(f"cannot read image {path} (deleted or corrupted since the label scan?)")
         height0, width0 = image.shape[:2]
-        image = resize_long_side(image, self.options.img_size)
+        image = resize_long_side(image, self.options.img_size, self.options.augment)
         return image, (height0, width0), image.shape[:2]
 
     def _instances(self, index: int, width: int, height: int) -> Instances:
