@@ -121,6 +121,27 @@ def test_ram_cache_skipped_when_node_memory_is_short(
     assert len(warnings) == 1 and "2 ranks" in warnings[0] and "GB" in warnings[0]
 
 
+def test_auto_cache_takes_ram_only_for_a_small_share_of_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    paths, shapes = _images(tmp_path)
+    needed = sum(np.prod(resized_hw(h, w, 32)) * 3 for w, h in shapes)
+    monkeypatch.setattr(cache_module, "available_memory_bytes", lambda: int(needed / cache_module.AUTO_CACHE_FRACTION))
+    with caplog.at_level(logging.INFO):
+        cached = ImageCache(paths, shapes, np.arange(6), 32, "auto", CTX, num_threads=2)
+        assert cached.mode == "ram" and len(cached) == 6 and cached.nbytes == needed
+        np.testing.assert_array_equal(cached.get(3), read_resized(paths[3], 32))
+        # Two ranks on the node double the need: over the fraction, so nothing is cached, without a warning
+        # (the RAM would fit: "ram" mode would still cache here).
+        two_ranks = DistContext(rank=0, world_size=2, local_world_size=2)
+        skipped = ImageCache(paths, shapes, np.arange(6), 32, "auto", two_ranks, num_threads=2)
+        assert len(skipped) == 0 and skipped.get(0) is None and skipped.nbytes == 0
+        assert len(ImageCache(paths, shapes, np.arange(6), 32, "ram", two_ranks, num_threads=2)) == 6
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--cache auto")]
+    assert len(lines) == 2 and "caching them in RAM" in lines[0] and "reading from disk" in lines[1]
+
+
 def test_unreadable_image_falls_back_to_disk(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     paths, shapes = _images(tmp_path)
     Path(paths[1]).write_bytes(b"gone bad after the scan")

@@ -18,8 +18,9 @@ from utils.logging import tqdm_disabled
 
 LOGGER = logging.getLogger(__name__)
 
-CACHE_MODES = ("none", "ram", "disk")
+CACHE_MODES = ("auto", "none", "ram", "disk")
 MEMORY_SAFETY_MARGIN = 0.1  # keep this fraction of available memory free for the rest of training
+AUTO_CACHE_FRACTION = 0.1  # "auto" caches in RAM only when the node's shards need at most this much of it
 GB = 1 << 30
 
 
@@ -90,6 +91,9 @@ class ImageCache:
     table, so forked DataLoader workers share its pages (no per-image Python objects for
     reference counting to copy). Skipped with one warning when the shard, times the ranks on
     this node (they all cache at once), does not fit in available memory.
+    mode "auto": "ram" when the shards of this node's ranks need at most AUTO_CACHE_FRACTION of
+    the available memory (small datasets: decoding then stops competing with training for the
+    CPUs), else nothing is cached; either way one info line says which.
     mode "disk": a .npy per image next to it, written atomically, reused when present with the
     right shape. Every rank fills its own indices with a thread pool, in parallel with the
     others. An image that cannot be read or written is left out (counted, warned) and read
@@ -107,9 +111,9 @@ class ImageCache:
         num_threads: int = 8,
         augment: bool = False,
     ) -> None:
-        if mode not in ("ram", "disk"):
-            raise ValueError(f"cache mode must be 'ram' or 'disk', got '{mode}'")
-        self.mode = mode
+        if mode not in ("auto", "ram", "disk"):
+            raise ValueError(f"cache mode must be 'auto', 'ram' or 'disk', got '{mode}'")
+        self.mode = "ram" if mode == "auto" else mode
         self.image_files = image_files
         self.img_size = img_size
         self.augment = augment  # resize as the dataset does (see resize_long_side)
@@ -121,10 +125,11 @@ class ImageCache:
         self.slot_of = np.full(len(shapes_wh), -1, dtype=np.int64)  # dataset index -> slot, -1 = not held
         self.is_filled = np.zeros(len(self.indices), dtype=bool)
         self.buffer = np.zeros(0, dtype=np.uint8)
-        if mode == "ram" and not self._fits_in_memory(ctx):
+        fits = self._fits_automatically(ctx) if mode == "auto" else mode == "disk" or self._fits_in_memory(ctx)
+        if not fits:
             self.indices = self.indices[:0]
             return
-        if mode == "ram":
+        if self.mode == "ram":
             self.buffer = np.empty(int(self.offsets[-1]), dtype=np.uint8)
         self._fill(ctx, num_threads)
 
@@ -152,6 +157,19 @@ class ImageCache:
         if self.mode == "ram":
             return self.buffer[self.offsets[slot] : self.offsets[slot + 1]].reshape(height, width, 3)
         return np.load(disk_cache_path(self.image_files[index]), allow_pickle=False)
+
+    def _fits_automatically(self, ctx: DistContext) -> bool:
+        """`--cache auto`: whether this node's shards need at most AUTO_CACHE_FRACTION of available memory."""
+        needed = int(self.offsets[-1]) * max(ctx.local_world_size, 1)
+        available = available_memory_bytes()
+        fits = needed <= AUTO_CACHE_FRACTION * available
+        if ctx.is_main:
+            verdict = "caching them in RAM" if fits else f"over {AUTO_CACHE_FRACTION:.0%}: reading from disk"
+            LOGGER.info(
+                f"--cache auto: the node's {ctx.local_world_size} rank(s) need {needed / GB:.2f} GB for their "
+                f"resized images of {available / GB:.1f} GB available; {verdict} (--cache none|ram to choose)"
+            )
+        return fits
 
     def _fits_in_memory(self, ctx: DistContext) -> bool:
         """Return whether this node has room for every local rank's shard; warn once with the numbers if not."""

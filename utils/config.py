@@ -23,7 +23,7 @@ QUICKSTART_IMGSZ = 224
 QUICKSTART_EPOCHS = 20
 QUICKSTART_BATCH = 16
 QUICKSTART_OPTIMIZER = "AdamW"
-CACHE_MODES = ("none", "ram", "disk")
+CACHE_MODES = ("auto", "none", "ram", "disk")
 OPTIMIZERS = ("SGD", "Adam", "AdamW")
 
 
@@ -119,7 +119,7 @@ class TrainConfig:
     imgsz: int = QUICKSTART_IMGSZ
     device: str = ""
     workers: int = 4
-    cache: str = "none"  # "none" | "ram" | "disk"
+    cache: str = "auto"  # "auto" (RAM when small) | "none" | "ram" | "disk"
     optimizer: str = QUICKSTART_OPTIMIZER
     cos_lr: bool = False
     patience: int = 100
@@ -207,7 +207,13 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     )
     parser.add_argument("--epochs", type=int, default=QUICKSTART_EPOCHS)
     parser.add_argument("--batch-size", type=int, default=QUICKSTART_BATCH, help="GLOBAL batch, summed over all ranks")
-    parser.add_argument("--cache", nargs="?", const="ram", default="none", help="cache images: ram | disk | none")
+    parser.add_argument(
+        "--cache",
+        nargs="?",
+        const="ram",
+        default="auto",
+        help="cache resized train images: auto (RAM when they need <= 10%% of free memory) | ram | disk | none",
+    )
     parser.add_argument("--optimizer", default=QUICKSTART_OPTIMIZER, help="SGD | Adam | AdamW (YOLOv5: SGD)")
     parser.add_argument("--cos-lr", action="store_true", help="cosine LR schedule (default linear)")
     parser.add_argument("--label-smoothing", type=float, default=None, help="label smoothing epsilon (overrides hyp)")
