@@ -76,6 +76,7 @@ def test_batch_not_divisible_by_world_size_is_one_line_error() -> None:
         (["--cache", "gpu"], "--cache gpu"),
         (["--optimizer", "LBFGS"], "--optimizer LBFGS"),
         (["--epochs", "0"], "--epochs 0"),
+        (["--close-mosaic", "-1"], "--close-mosaic -1"),
         (["--weights", "missing.pt"], "--weights missing.pt"),
     ],
 )

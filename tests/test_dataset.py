@@ -156,6 +156,28 @@ def test_items_repeat_per_key_and_vary_with_epoch_and_rank(tmp_path: Path) -> No
         assert torch.equal(a["image"], b["image"]) and torch.equal(a["labels"], b["labels"])
 
 
+def test_close_mosaic_epoch_turns_mosaic_and_mixup_off_from_that_epoch(tmp_path: Path) -> None:
+    aug = AugmentParams(mosaic=1.0, mixup=1.0)
+    dataset = LoadImagesAndLabels(_folder(tmp_path), _options(augment=True, aug=aug, close_mosaic_epoch=2), CTX)
+    loaded: list[int] = []
+    original = dataset.load_image
+
+    def recording(index: int) -> Any:
+        loaded.append(index)
+        return original(index)
+
+    dataset.load_image = recording  # type: ignore[method-assign]
+    for epoch, images_per_item, mosaic in ((0, 8, True), (1, 8, True), (2, 1, False), (5, 1, False)):
+        loaded.clear()
+        item = dataset[(3, epoch)]
+        assert len(loaded) == images_per_item  # two 4-image mosaics (mixup), then the image alone
+        (original_hw, _) = item["shape"]
+        assert (original_hw == (64, 64)) is mosaic  # a mosaic has no original geometry; image 3 is 50 x 50
+    # The same items as a dataset without the option until the closing epoch.
+    plain = LoadImagesAndLabels(_folder(tmp_path / "plain"), _options(augment=True, aug=aug), CTX)
+    assert torch.equal(plain[(3, 1)]["image"], dataset[(3, 1)]["image"])
+
+
 def test_training_shrinks_images_with_linear_and_evaluation_with_area(tmp_path: Path) -> None:
     folder = _folder(tmp_path)
     path = folder / "00.png"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import math
 from pathlib import Path
 
@@ -60,8 +61,29 @@ def _read_rows(path: Path) -> list[dict[str, str]]:
 def trained_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
     """Two epochs of train.py, saving epoch1.pt too so --resume can be tested against it."""
     project = tmp_path_factory.mktemp("runs")
-    result = train.main(_train_args(tiny_data, project, "e2e", "--epochs", "2", "--save-period", "1"))
+    handler = _Recorder()
+    logging.getLogger("utils.engine").addHandler(handler)
+    try:
+        args = _train_args(tiny_data, project, "e2e", "--epochs", "2", "--save-period", "1", "--close-mosaic", "1")
+        result = train.main(args)
+    finally:
+        logging.getLogger("utils.engine").removeHandler(handler)
+    ENGINE_LOG[:] = handler.messages
     return result
+
+
+class _Recorder(logging.Handler):
+    """Keeps the messages of the logger it is added to (the fixture's run sets up its own logging)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+ENGINE_LOG: list[str] = []  # utils.engine's messages during trained_run
 
 
 def test_train_writes_run_folder_and_finite_results(trained_run) -> None:
@@ -75,7 +97,9 @@ def test_train_writes_run_folder_and_finite_results(trained_run) -> None:
             assert math.isfinite(float(row[key])), key
     assert set(trained_run.metrics) >= {"precision", "recall", "mAP50", "mAP50-95", "fitness"}
     options = yaml.safe_load((run_dir / "opt.yaml").read_text())
-    assert options["epochs"] == 2 and options["batch_size"] == 8
+    assert options["epochs"] == 2 and options["batch_size"] == 8 and options["close_mosaic"] == 1
+    closing = [m for m in ENGINE_LOG if m.startswith("Closing mosaic")]
+    assert closing == ["Closing mosaic: the last 1 epoch(s) train on single letterboxed images"]
 
 
 def test_train_writes_plots(trained_run) -> None:

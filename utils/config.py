@@ -23,6 +23,7 @@ QUICKSTART_IMGSZ = 224
 QUICKSTART_EPOCHS = 20
 QUICKSTART_BATCH = 16
 QUICKSTART_OPTIMIZER = "AdamW"
+QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)
 CACHE_MODES = ("auto", "none", "ram", "disk")
 OPTIMIZERS = ("SGD", "Adam", "AdamW")
 
@@ -135,6 +136,7 @@ class TrainConfig:
     noplots: bool = False
     save_period: int = -1
     rect: bool = False
+    close_mosaic: int = QUICKSTART_CLOSE_MOSAIC
     single_cls: bool = False
     sync_bn: bool = False
     task: str = "detect"
@@ -234,6 +236,12 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     )
     parser.add_argument("--save-period", type=int, default=-1, help="also save epoch<N>.pt every N epochs (-1: off)")
     parser.add_argument("--rect", action="store_true", help="rectangular training batches (disables mosaic)")
+    parser.add_argument(
+        "--close-mosaic",
+        type=int,
+        default=QUICKSTART_CLOSE_MOSAIC,
+        help="train the last N epochs without mosaic and mixup (0: mosaic throughout, as YOLOv5)",
+    )
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs (CUDA and DDP only)")
     if task == "segment":
         parser.add_argument(
@@ -275,6 +283,8 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
         raise ConfigError(f"--imgsz {cfg.imgsz} must be a positive multiple of 32 (the largest model stride)")
     if cfg.epochs < 1:
         raise ConfigError(f"--epochs {cfg.epochs} must be at least 1")
+    if cfg.close_mosaic < 0:
+        raise ConfigError(f"--close-mosaic {cfg.close_mosaic} must be >= 0")
     if cfg.cache not in CACHE_MODES:
         raise ConfigError(f"--cache {cfg.cache} is not one of {', '.join(CACHE_MODES)}")
     if cfg.optimizer not in OPTIMIZERS:

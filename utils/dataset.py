@@ -43,7 +43,9 @@ class DatasetOptions:
 
     `batch_size` is the per-rank batch, used only for rectangular batch shapes; `cache_mode`
     is "none", "ram" or "disk"; `seed` is the shared seed (shard split, augmentation streams);
-    `workers` sizes the label-scan and cache-fill thread pools. With `with_masks` items carry
+    `workers` sizes the label-scan and cache-fill thread pools. `close_mosaic_epoch`: from this
+    epoch on (0-based, read from the item key) training items are single letterboxed images, no
+    mosaic or mixup; None keeps mosaic throughout. With `with_masks` items carry
     polygons and masks at image size / `mask_ratio`, one per instance or, with `overlap_mask`,
     one index mask per image (docs/CONTRACTS.md, "Segmentation").
     """
@@ -63,6 +65,7 @@ class DatasetOptions:
     num_classes: int
     seed: int = 0
     workers: int = 8
+    close_mosaic_epoch: int | None = None
 
 
 def rect_batch_shapes(
@@ -239,7 +242,7 @@ class LoadImagesAndLabels(Dataset):
         index = int(index) % len(self)
         aug = self.options.aug
         rng = np.random.default_rng([self.options.seed, self.ctx.rank, int(epoch), index])
-        if self.use_mosaic and rng.random() < aug.mosaic:
+        if self._mosaic_open(epoch) and rng.random() < aug.mosaic:
             image, inst = self._load_mosaic(index, rng)
             if rng.random() < aug.mixup:
                 image, inst = mixup(image, inst, *self._load_mosaic(int(rng.choice(self.shard)), rng), rng)
@@ -256,6 +259,11 @@ class LoadImagesAndLabels(Dataset):
             if rng.random() < aug.fliplr:
                 image, inst = flip_lr(image, inst)
         return self._to_item(image, inst, self.index.im_files[index], shape)
+
+    def _mosaic_open(self, epoch: int) -> bool:
+        """Whether items of `epoch` may be mosaics (training, not rect, before `close_mosaic_epoch`)."""
+        close = self.options.close_mosaic_epoch
+        return self.use_mosaic and (close is None or epoch < close)
 
     def _to_item(self, image: np.ndarray, inst: Instances, path: str, shape: ShapeInfo) -> dict[str, Any]:
         """Pack an augmented BGR image and its instances into the contract's item dict."""

@@ -183,6 +183,7 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
         aug=augment_params(cfg.hyp, cfg.rect),
         rect=cfg.rect,
         cache_mode=cfg.cache,
+        close_mosaic_epoch=max(cfg.epochs - cfg.close_mosaic, 0) if cfg.close_mosaic else None,
         **common,
     )
     train = LoadImagesAndLabels(data.split("train"), train_options, ctx)
