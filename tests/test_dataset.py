@@ -116,12 +116,8 @@ def test_training_items_keep_labels_and_polygons_valid(tmp_path: Path) -> None:
     assert total > 32  # mosaics carry several objects
 
 
-def test_mosaic_partners_only_come_from_this_ranks_shard(tmp_path: Path) -> None:
-    ctx = DistContext(rank=1, local_rank=1, world_size=2)
-    aug = AugmentParams(mosaic=1.0, mixup=1.0)
-    dataset = LoadImagesAndLabels(_folder(tmp_path, SIZES_WH * 3), _options(augment=True, aug=aug), ctx)
-    shard = set(dataset.shard.tolist())
-    assert len(shard) == 12
+def _record_loads(dataset: LoadImagesAndLabels) -> list[int]:
+    """Wrap `dataset.load_image` so every index it loads is appended to the returned list."""
     loaded: list[int] = []
     original = dataset.load_image
 
@@ -130,6 +126,16 @@ def test_mosaic_partners_only_come_from_this_ranks_shard(tmp_path: Path) -> None
         return original(index)
 
     dataset.load_image = recording  # type: ignore[method-assign]
+    return loaded
+
+
+def test_mosaic_partners_only_come_from_this_ranks_shard(tmp_path: Path) -> None:
+    ctx = DistContext(rank=1, local_rank=1, world_size=2)
+    aug = AugmentParams(mosaic=1.0, mixup=1.0)
+    dataset = LoadImagesAndLabels(_folder(tmp_path, SIZES_WH * 3), _options(augment=True, aug=aug), ctx)
+    shard = set(dataset.shard.tolist())
+    assert len(shard) == 12
+    loaded = _record_loads(dataset)
     for epoch in range(3):
         for index in sorted(shard):
             dataset[(index, epoch)]
@@ -159,14 +165,7 @@ def test_items_repeat_per_key_and_vary_with_epoch_and_rank(tmp_path: Path) -> No
 def test_close_mosaic_epoch_turns_mosaic_and_mixup_off_from_that_epoch(tmp_path: Path) -> None:
     aug = AugmentParams(mosaic=1.0, mixup=1.0)
     dataset = LoadImagesAndLabels(_folder(tmp_path), _options(augment=True, aug=aug, close_mosaic_epoch=2), CTX)
-    loaded: list[int] = []
-    original = dataset.load_image
-
-    def recording(index: int) -> Any:
-        loaded.append(index)
-        return original(index)
-
-    dataset.load_image = recording  # type: ignore[method-assign]
+    loaded = _record_loads(dataset)
     for epoch, images_per_item, mosaic in ((0, 8, True), (1, 8, True), (2, 1, False), (5, 1, False)):
         loaded.clear()
         item = dataset[(3, epoch)]
