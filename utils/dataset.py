@@ -42,7 +42,7 @@ class DatasetOptions:
     """How to build and serve a dataset; `num_classes` is required, the rest has YOLOv5 defaults.
 
     `batch_size` is the per-rank batch, used only for rectangular batch shapes; `cache_mode`
-    is "none", "ram" or "disk"; `seed` is the shared seed (shard split, augmentation streams);
+    is "none", "auto", "ram" or "disk" (utils/cache.py); `seed` is the shared seed (shard split, augmentation streams);
     `workers` sizes the label-scan and cache-fill thread pools. `close_mosaic_epoch`: from this
     epoch on (0-based, read from the item key) training items are single letterboxed images, no
     mosaic or mixup; None keeps mosaic throughout. With `with_masks` items carry
