@@ -293,8 +293,8 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     for epoch in range(state.start_epoch, cfg.epochs):
         start = time.time()
         datasets.train_loader.set_epoch(epoch)
-        if cfg.close_mosaic and epoch == max(cfg.epochs - cfg.close_mosaic, 0) and datasets.train.use_mosaic:
-            closed = min(cfg.close_mosaic, cfg.epochs)
+        if epoch == datasets.train.options.close_mosaic_epoch and datasets.train.use_mosaic:
+            closed = cfg.epochs - epoch
             LOGGER.info(f"Closing mosaic: the last {closed} epoch(s) train on single letterboxed images")
         draw = batch_drawer(run_dir, bundle.names) if ctx.is_main and not cfg.noplots and epoch == 0 else None
         train_loss = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx, on_batch=draw)
