@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from segment.ops import assemble_masks, crop_mask
+from segment.ops import assemble_masks_by_image, crop_mask
 from utils.boxes import xywhn_to_xyxy
 from utils.config import TrainConfig
 from utils.loss import DetectionLoss, LevelTerms, LossGains
@@ -54,14 +54,7 @@ class SegmentationLoss(DetectionLoss):
         with torch.autocast(protos.device.type, enabled=False):
             protos = protos.float()
             masks = self._prepare_masks(masks.to(protos.device), targets, len(protos), tuple(protos.shape[-2:]))
-            # The zero term keeps the prototype branch in the graph when nothing matched (DDP needs every parameter).
-            seg = protos.sum() * 0.0
-            # One unbind instead of protos[image] per level and image: each indexing op's backward
-            # would allocate and zero a gradient the size of all the prototypes.
-            per_image = protos.unbind(0)
-            row_ids = overlap_instance_ids(targets[:, 0].long()) if self.overlap else None  # once per batch
-            for terms, denominator in zip(levels, denominators, strict=True):
-                seg = seg + self._mask_sum(terms, per_image, masks, targets, row_ids) / denominator
+            seg = self._mask_term(levels, denominators, protos, masks, targets)
         losses = torch.stack((box, seg * self.gains.box, obj, cls))
         return losses.sum().view(1) * len(protos), losses.detach()
 
@@ -91,34 +84,41 @@ class SegmentationLoss(DetectionLoss):
         image_index = targets[target_rows, 0].long()
         return (masks[image_index] == row_ids[target_rows].view(-1, 1, 1)).float()
 
-    def _mask_sum(
+    def _mask_term(
         self,
-        terms: LevelTerms,
-        protos: tuple[torch.Tensor, ...],
+        levels: list[LevelTerms],
+        denominators: torch.Tensor,
+        protos: torch.Tensor,
         masks: torch.Tensor,
         targets: torch.Tensor,
-        row_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Sum over one level's matches of the box-cropped mask BCE / normalised box area (0-d float32).
+        """Sum over every level's matches of the box-cropped mask BCE / normalised box area / level count (0-d).
 
-        Matches are grouped by image so only one image's (m_i, h, w) masks exist at a time.
+        All levels' matches are computed together: one matmul per image, then one BCE and one crop
+        over every match (looping over levels and images cost three times the small ops each way).
         """
-        assigned = terms.assigned
-        total = protos[0].new_zeros(())
-        if terms.num_matches == 0:
+        # The zero term keeps the prototype branch in the graph when nothing matched (DDP needs every parameter).
+        total = protos.sum() * 0.0
+        matched = [(terms, denominator) for terms, denominator in zip(levels, denominators, strict=True)]
+        matched = [(terms, denominator) for terms, denominator in matched if terms.num_matches]
+        if not matched:
             return total
-        coeffs = terms.matched_preds[:, 5 + self.head.num_classes :]
-        height, width = protos[0].shape[-2:]
-        boxes_xywhn = targets[assigned.target_index, 2:6]
+        image_index = torch.cat([terms.assigned.image_index for terms, _ in matched])
+        # Matches grouped by image (stable), so each image's prototypes meet all its rows in one matmul.
+        order = torch.argsort(image_index, stable=True)
+        target_index = torch.cat([terms.assigned.target_index for terms, _ in matched])[order]
+        coeffs = torch.cat([terms.matched_preds[:, 5 + self.head.num_classes :] for terms, _ in matched])[order]
+        # Each match is divided by its level's (rank-averaged) match count, as the box term is.
+        level_counts = torch.cat([denominator.expand(terms.num_matches) for terms, denominator in matched])[order]
+        height, width = protos.shape[-2:]
+        boxes_xywhn = targets[target_index, 2:6]
         boxes_xyxy = xywhn_to_xyxy(boxes_xywhn, width, height)  # prototype pixels
         areas = boxes_xywhn[:, 2:].prod(dim=1).clamp(min=1e-9)
-        for image in assigned.image_index.unique().tolist():
-            rows = assigned.image_index == image
-            logits = assemble_masks(coeffs[rows], protos[image])
-            truth = self._instance_masks(masks, assigned.target_index[rows], targets, row_ids)
-            bce = F.binary_cross_entropy_with_logits(logits, truth, reduction="none")
-            total = total + (crop_mask(bce, boxes_xyxy[rows]).mean(dim=(1, 2)) / areas[rows]).sum()
-        return total
+        logits = assemble_masks_by_image(coeffs, torch.bincount(image_index, minlength=len(protos)).tolist(), protos)
+        row_ids = overlap_instance_ids(targets[:, 0].long()) if self.overlap else None
+        truth = self._instance_masks(masks, target_index, targets, row_ids)
+        bce = F.binary_cross_entropy_with_logits(logits, truth, reduction="none")
+        return total + (crop_mask(bce, boxes_xyxy).mean(dim=(1, 2)) / (areas * level_counts)).sum()
 
 
 def overlap_instance_ids(image_index: torch.Tensor) -> torch.Tensor:

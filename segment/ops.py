@@ -57,3 +57,22 @@ def process_masks(
         logits = F.interpolate(logits[None], size=(height, width), mode="bilinear", align_corners=False)[0]
         out[start : start + chunk] = crop_mask(logits > 0, boxes_xyxy[start : start + chunk])
     return out
+
+
+def assemble_masks_by_image(coeffs: torch.Tensor, counts: list[int], protos: torch.Tensor) -> torch.Tensor:
+    """Return mask logits (n, h, w) for rows grouped by image: the first counts[0] rows use image 0's prototypes, ...
+
+    coeffs: (n, nm) with sum(counts) == n; protos: (B, nm, h, w) with len(counts) == B. One
+    matmul per image that has rows, on views of the prototypes (no per-row copies).
+    """
+    batch, num_masks, height, width = protos.shape
+    if coeffs.dim() != 2 or coeffs.shape[1] != num_masks or len(counts) != batch or sum(counts) != len(coeffs):
+        raise ValueError(
+            f"assemble_masks_by_image: coeffs {tuple(coeffs.shape)} and {len(counts)} image counts summing to "
+            f"{sum(counts)} do not match protos {tuple(protos.shape)}"
+        )
+    flat = protos.reshape(batch, num_masks, height * width).unbind(0)
+    pieces = [rows @ image_protos for rows, image_protos in zip(coeffs.split(counts), flat, strict=True) if len(rows)]
+    if not pieces:
+        return protos.new_zeros((0, height, width))
+    return torch.cat(pieces).view(-1, height, width)

@@ -9,7 +9,8 @@ import torch
 
 from models.yolo import SegmentationModel, build_model, spec_from_cfg
 from segment.loss import SegmentationLoss, build_segmentation_loss, overlap_instance_ids
-from segment.ops import assemble_masks, crop_mask, process_masks
+from segment.ops import assemble_masks, assemble_masks_by_image, crop_mask, process_masks
+from utils.boxes import xywhn_to_xyxy
 from utils.config import DEFAULT_HYP, TrainConfig, load_hyp
 from utils.loss import assign_targets, scale_loss_gains
 
@@ -75,6 +76,19 @@ def test_assemble_masks_is_a_weighted_sum_of_prototypes() -> None:
     assert torch.equal(assemble_masks(coeffs, protos), expected)
     with pytest.raises(ValueError, match="3 prototypes"):
         assemble_masks(coeffs, torch.zeros(3, 2, 2))
+
+
+def test_assemble_masks_by_image_uses_each_rows_own_image() -> None:
+    torch.manual_seed(0)
+    protos, coeffs = torch.randn(3, 4, 5, 6), torch.randn(5, 4)
+    counts = [2, 0, 3]  # image 1 has no rows
+    logits = assemble_masks_by_image(coeffs, counts, protos)
+    owners = [0, 0, 2, 2, 2]
+    expected = torch.cat([assemble_masks(coeffs[i : i + 1], protos[image]) for i, image in enumerate(owners)])
+    torch.testing.assert_close(logits, expected)
+    assert assemble_masks_by_image(coeffs[:0], [0, 0, 0], protos).shape == (0, 5, 6)
+    with pytest.raises(ValueError, match="3 image counts summing to 4"):
+        assemble_masks_by_image(coeffs, [2, 0, 2], protos)
 
 
 def test_process_masks_upsamples_then_crops_to_the_exact_box() -> None:
@@ -162,6 +176,47 @@ def test_rank_halves_with_averaged_counts_add_up_to_full_batch(model: Segmentati
     results = [loss_fn(o, t, lambda _: averaged, masks=m) for o, t, m in halves]
     assert (results[0][0] + results[1][0]).item() == pytest.approx(full_loss.item(), rel=1e-5)
     assert torch.allclose((results[0][1] + results[1][1]) / 2, full_items, rtol=1e-5)
+
+
+def _reference_mask_term(loss_fn: SegmentationLoss, raw, protos, targets, masks) -> torch.Tensor:
+    """The mask term computed one match at a time, straight from the docstring's definition."""
+    levels, denominators = loss_fn._match_levels(raw, targets, None)
+    total = torch.zeros(())
+    for terms, denominator in zip(levels, denominators, strict=True):
+        coeffs = terms.matched_preds[:, 5 + loss_fn.head.num_classes :]
+        for row in range(terms.num_matches):
+            image, target = int(terms.assigned.image_index[row]), int(terms.assigned.target_index[row])
+            logits = (coeffs[row] @ protos[image].flatten(1)).view(protos.shape[-2:])
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, masks[target].float(), reduction="none")
+            box = xywhn_to_xyxy(targets[target : target + 1, 2:6], protos.shape[-1], protos.shape[-2])
+            area = targets[target, 4] * targets[target, 5]
+            total = total + crop_mask(bce[None], box).mean() / area / denominator
+    return total * loss_fn.gains.box
+
+
+def test_mask_term_equals_the_per_match_definition_with_its_gradients(model: SegmentationModel) -> None:
+    # Three images, one without targets, instances of several sizes: matches on every level, interleaved images.
+    torch.manual_seed(4)
+    targets = torch.cat((TARGETS, torch.tensor([[2, 1, 0.4, 0.6, 0.7, 0.6], [0, 1, 0.2, 0.8, 0.2, 0.3]])))
+    targets[:3, 0] = torch.tensor([2.0, 0.0, 0.0])
+    masks = _ellipse_masks(targets)
+    raw, protos = _zero_outputs(model, 4)
+    results = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        leaves = [torch.randn_like(r).requires_grad_() for r in raw], torch.randn_like(protos).requires_grad_()
+        results.append(leaves)
+    loss_fn = SegmentationLoss(model, GAINS)
+    _, items = loss_fn(results[0], targets, masks=masks)
+    seg = loss_fn._mask_term(*loss_fn._match_levels(results[0][0], targets, None), results[0][1], masks, targets)
+    reference = _reference_mask_term(loss_fn, results[1][0], results[1][1], targets, masks)
+    assert items[1].item() == pytest.approx(reference.item(), rel=1e-5) and reference.item() > 0
+    (seg * GAINS.box).backward()
+    reference.backward()
+    torch.testing.assert_close(results[0][1].grad, results[1][1].grad, rtol=1e-4, atol=1e-7)
+    for got, want in zip(results[0][0], results[1][0], strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-7)
+    assert results[0][1].grad[3].abs().sum() == 0 and results[0][1].grad[:3].abs().sum() > 0  # image 3: no targets
 
 
 def test_zero_targets_give_finite_loss_and_zero_seg(model: SegmentationModel) -> None:
