@@ -15,6 +15,7 @@ import torch.distributed as dist
 from tests.dist_helpers import run_distributed
 from utils.distributed import DistContext
 from utils.loader import (
+    WORKER_NICENESS,
     build_train_loader,
     build_val_loader,
     collate_batch,
@@ -175,6 +176,26 @@ def test_workers_draw_different_random_streams(monkeypatch: pytest.MonkeyPatch) 
     assert len(draws) == 2
     first, second = draws.values()
     assert first != second
+
+
+class NicenessDataset(FakeDataset):
+    """FakeDataset whose `path` is the nice value of the process that built the item."""
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, object]:
+        return {**super().__getitem__(key), "path": str(os.nice(0))}
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="no process priorities on this OS")
+def test_workers_run_at_lower_cpu_priority_than_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    ctx = DistContext()
+    expected = {str(min(os.nice(0) + WORKER_NICENESS, 19))}  # the kernel caps nice values at 19
+    assert WORKER_NICENESS > 0 and (os.nice(0) == 19 or expected != {str(os.nice(0))})
+    train = build_train_loader(NicenessDataset(4, ctx), 2, 2, ctx, seed=0)
+    assert {path for batch in train for path in batch["paths"]} == expected
+    val = build_val_loader(NicenessDataset(4, ctx), 2, 2, ctx)
+    assert {path for batch in val for path in batch["paths"]} == expected
+    assert NicenessDataset(1, ctx)[0]["path"] == str(os.nice(0))  # this process keeps its priority
 
 
 def _draws_after_seeding(worker_id: int, seed: int, rank: int) -> tuple[float, int, float]:

@@ -131,10 +131,31 @@ def resolve_num_workers(requested: int, ctx: DistContext, per_rank_batch: int) -
     return max(0, min(requested, cpus // max(ctx.local_world_size, 1), per_rank_batch))
 
 
+# Added to each loader worker's nice value. When workers and the training process want more CPU than the
+# node has, the kernel then favours training: on a 2-core machine, a quick-start step took ~4% less wall
+# time with workers at +10 (7 alternating rounds), and the workers still kept their queue full.
+WORKER_NICENESS = 10
+
+
+def init_worker(worker_id: int, seed: int, rank: int) -> None:
+    """`worker_init_fn` of every loader: lower the worker's CPU priority, then seed it (`seed_worker`)."""
+    lower_cpu_priority(WORKER_NICENESS)
+    seed_worker(worker_id, seed, rank)
+
+
+def lower_cpu_priority(increment: int) -> None:
+    """Raise this process's nice value by `increment`, where the OS has one (best effort, never raises)."""
+    if hasattr(os, "nice"):
+        try:
+            os.nice(increment)
+        except OSError as error:  # e.g. a container that forbids it: run at normal priority
+            LOGGER.debug("loader worker keeps its priority: %s", error)
+
+
 def seed_worker(worker_id: int, seed: int, rank: int) -> None:
     """Seed Python, NumPy and torch inside one loader worker from (seed, rank, worker_id).
 
-    Used as `worker_init_fn`. Without it forked workers share the parent's NumPy state and
+    Called in every worker by `init_worker`. Without it forked workers share the parent's NumPy state and
     draw identical augmentations; mixing the three numbers through `np.random.SeedSequence`
     gives every worker of every rank its own independent, reproducible streams. Workers are
     persistent, so this runs once and the streams continue across epochs.
@@ -214,7 +235,8 @@ def build_train_loader(
     accepts an `(index, epoch)` tuple. The batch is `per_rank_batch` images (global batch //
     world size), the last batch of an epoch may be short (drop_last=False). `num_workers` is
     capped by `resolve_num_workers`; workers persist across epochs (no re-fork, cache pages
-    and file handles stay warm) and are seeded by `seed_worker` from (seed, rank, worker id).
+    and file handles stay warm), run at WORKER_NICENESS lower priority than training and are seeded
+    by `seed_worker` from (seed, rank, worker id).
     Memory is pinned when the device is CUDA. `shuffle=False` (rectangular training) walks the
     shard in dataset order, which is aspect-ratio order there, so each batch holds similar shapes.
     """
@@ -226,7 +248,7 @@ def build_train_loader(
         num_workers=workers,
         collate_fn=collate_batch,
         pin_memory=ctx.device.type == "cuda",
-        worker_init_fn=functools.partial(seed_worker, seed=seed, rank=ctx.rank),
+        worker_init_fn=functools.partial(init_worker, seed=seed, rank=ctx.rank),
         generator=torch.Generator().manual_seed(seed + ctx.rank),
         persistent_workers=workers > 0,
         prefetch_factor=prefetch_factor if workers > 0 else None,
@@ -263,6 +285,6 @@ def build_val_loader(dataset: Any, per_rank_batch: int, num_workers: int, ctx: D
         num_workers=workers,
         collate_fn=collate_batch,
         pin_memory=ctx.device.type == "cuda",
-        worker_init_fn=functools.partial(seed_worker, seed=0, rank=ctx.rank),
+        worker_init_fn=functools.partial(init_worker, seed=0, rank=ctx.rank),
         persistent_workers=workers > 0,
     )
