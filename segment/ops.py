@@ -22,7 +22,10 @@ def crop_mask(masks: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     x1, y1, x2, y2 = boxes.float()[:, :, None, None].unbind(1)  # each (n, 1, 1)
     cols = torch.arange(width, device=masks.device, dtype=torch.float32).view(1, 1, width) + 0.5
     rows = torch.arange(height, device=masks.device, dtype=torch.float32).view(1, height, 1) + 0.5
-    inside = ((rows >= y1) & (rows < y2)) & ((cols >= x1) & (cols < x2))  # (n, h, 1) & (n, 1, w): one full-size op
+    inside_rows, inside_cols = (rows >= y1) & (rows < y2), (cols >= x1) & (cols < x2)  # (n, h, 1), (n, 1, w)
+    if masks.dtype == torch.bool:  # evaluation's binary masks: two logical ands, half the time of a select
+        return masks & inside_rows & inside_cols
+    inside = inside_rows & inside_cols  # one full-size op
     return torch.where(inside, masks, torch.zeros((), dtype=masks.dtype, device=masks.device))
 
 

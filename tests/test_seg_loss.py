@@ -65,6 +65,8 @@ def test_crop_mask_keeps_pixels_whose_centre_is_inside() -> None:
     expected[0, 0:2, 1:3] = 1  # whole-pixel box: exactly the covered pixels
     expected[1, 2:4, 0:3] = 1  # centres 0.5..2.5 in [0.4, 2.6); centre 1.5 < 1.6 is out
     assert cropped.dtype == torch.uint8 and torch.equal(cropped, expected)
+    cropped_bool = crop_mask(masks.bool(), boxes)  # binary masks take their own path
+    assert cropped_bool.dtype == torch.bool and torch.equal(cropped_bool, expected.bool())
     values = torch.arange(20.0).view(1, 4, 5)
     assert crop_mask(values, torch.tensor([[3.0, 3.0, 5.0, 4.0]])).sum() == values[0, 3, 3:5].sum()
 
