@@ -43,13 +43,17 @@ class ModelEMA:
         """
         self.updates += 1
         decay = self.decay_at(self.updates)
-        model_state = unwrap_model(model).state_dict()
+        model_state = unwrap_model(model).state_dict()  # detached views of the live tensors
+        averaged, current = [], []
         for key, ema_value in self.ema.state_dict().items():
-            value = model_state[key].detach()
-            if ema_value.dtype.is_floating_point:
-                ema_value.mul_(decay).add_(value.to(ema_value.dtype), alpha=1 - decay)
-            else:
+            value = model_state[key]
+            if not ema_value.dtype.is_floating_point:
                 ema_value.copy_(value)
+                continue
+            averaged.append(ema_value)
+            current.append(value if value.dtype == ema_value.dtype else value.to(ema_value.dtype))
+        if averaged:  # ema += (1 - d) * (model - ema): one multi-tensor op, not two per tensor (~300 here)
+            torch._foreach_lerp_(averaged, current, 1 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Return the averaged model's state dict: loads straight into a model for validation or export.
