@@ -78,6 +78,26 @@ def test_build_optimizer_groups_and_momentum(name: str) -> None:
     assert type(optimizer).__name__ == name
 
 
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
+def test_fused_optimizer_steps_like_the_per_tensor_loop(name: str) -> None:
+    fused_model, loop_model = _model(), _model()
+    fused = build_optimizer(fused_model, name, lr=0.01, momentum=0.9, weight_decay=5e-4)
+    assert all(group["fused"] for group in fused.param_groups)  # CPU float parameters: fused kernels
+    loop = build_optimizer(loop_model, name, lr=0.01, momentum=0.9, weight_decay=5e-4)
+    for group in loop.param_groups:
+        group["fused"] = None  # PyTorch's default on CPU: one update per tensor
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=generator) for p in fused_model.parameters() if p.requires_grad]
+        for model, optimizer in ((fused_model, fused), (loop_model, loop)):
+            for param, grad in zip((p for p in model.parameters() if p.requires_grad), grads, strict=True):
+                param.grad = grad.clone()
+            optimizer.step()
+    for fused_param, loop_param in zip(fused_model.parameters(), loop_model.parameters(), strict=True):
+        torch.testing.assert_close(fused_param, loop_param, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(fused_model[0].weight, _model()[0].weight)  # the steps did move the weights
+
+
 def test_weight_decay_reaches_only_decayed_weights() -> None:
     model = _model()
     optimizer = build_optimizer(model, "SGD", lr=0.1, momentum=0.9, weight_decay=0.5)

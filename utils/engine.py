@@ -189,7 +189,7 @@ def _accumulate_now(state: TrainState, iteration: int, cfg: TrainConfig) -> int:
 
 def _optimizer_step(state: TrainState) -> None:
     state.scaler.unscale_(state.optimizer)
-    torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm=10.0)
+    torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm=10.0, foreach=True)
     state.scaler.step(state.optimizer)
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
