@@ -29,7 +29,7 @@ def mask_iou(true_masks: torch.Tensor, pred_masks: torch.Tensor) -> torch.Tensor
 
 
 def masks_to_original(masks: torch.Tensor, shape: Any) -> np.ndarray:
-    """Map (n, H, W) bool masks on the letterboxed input back to the original image: (h0, w0, n) uint8.
+    """Map (n, H, W) bool masks on the letterboxed input back to the original image: (h0, w0, n) uint8, Fortran order.
 
     The padding is cut off (letterbox geometry in `shape`, see docs/CONTRACTS.md), then the
     content is resized bilinearly to the original size and thresholded at 0.5. Callers pass a few
@@ -41,7 +41,9 @@ def masks_to_original(masks: torch.Tensor, shape: Any) -> np.ndarray:
     right = min(left + max(int(round(width0 * ratio_w)), 1), masks.shape[2])
     content = masks[:, top:bottom, left:right].float()[None]
     resized = F.interpolate(content, (height0, width0), mode="bilinear", align_corners=False)[0]
-    return np.ascontiguousarray((resized > 0.5).permute(1, 2, 0).cpu().numpy(), dtype=np.uint8)
+    # (n, w0, h0) in C order is (h0, w0, n) in Fortran order, the layout pycocotools encodes: one copy, not two.
+    by_column = (resized > 0.5).transpose(1, 2).contiguous().view(torch.uint8).cpu().numpy()
+    return by_column.transpose(2, 1, 0)
 
 
 def original_rles(masks: torch.Tensor, shape: Any) -> list[dict]:

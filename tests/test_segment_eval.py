@@ -93,10 +93,13 @@ def test_masks_back_to_original_size_undo_the_letterbox() -> None:
     masks[0, 8:16, 0:16] = True  # the original's top-left 10 x 20 quarter
     shape = ((20, 40), ((0.8, 0.8), (0.0, 8.0)))
     original = masks_to_original(masks, shape)
-    assert original.shape == (20, 40, 1)
+    assert original.shape == (20, 40, 1) and original.dtype == np.uint8 and original.flags.f_contiguous
     expected = np.zeros((20, 40), np.uint8)
     expected[:10, :20] = 1
     np.testing.assert_array_equal(original[..., 0], expected)
+    two = masks_to_original(torch.stack((masks[0], masks[0].flip(1))), shape)  # masks stay apart in the layout
+    np.testing.assert_array_equal(two[..., 0], expected)
+    np.testing.assert_array_equal(two[..., 1], expected[:, ::-1])
     rle = encode_rle(original)
     assert isinstance(rle[0]["counts"], str) and mask_utils.area(rle[0]) == 200
     many = masks.expand(40, -1, -1)  # more than one RLE chunk
