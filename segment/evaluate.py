@@ -21,8 +21,8 @@ RLE_CHUNK = 32  # detections resized to original size at a time (bounds memory o
 
 def mask_iou(true_masks: torch.Tensor, pred_masks: torch.Tensor) -> torch.Tensor:
     """Return the (m, n) IoU between m true and n predicted binary masks of the same (H, W)."""
-    true_flat = true_masks.reshape(len(true_masks), -1).float()
-    pred_flat = pred_masks.reshape(len(pred_masks), -1).float()
+    true_flat = true_masks.flatten(1).float()  # flatten, not reshape(m, -1): m may be 0
+    pred_flat = pred_masks.flatten(1).float()
     inter = true_flat @ pred_flat.T
     union = true_flat.sum(1)[:, None] + pred_flat.sum(1)[None, :] - inter
     return inter / union.clamp(min=1e-9)

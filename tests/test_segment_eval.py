@@ -65,6 +65,18 @@ def test_mask_iou_by_hand() -> None:
     torch.testing.assert_close(mask_iou(true, pred), torch.tensor([[0.5, 0.0]]))
 
 
+def test_mask_iou_matches_the_dense_count_over_all_pixels() -> None:
+    generator = torch.Generator().manual_seed(0)
+    true = (torch.rand(3, 20, 24, generator=generator) > 0.8).to(torch.uint8)
+    pred = torch.rand(5, 20, 24, generator=generator) > 0.5
+    dense_true, dense_pred = true.flatten(1).double(), pred.flatten(1).double()
+    inter = dense_true @ dense_pred.T
+    union = dense_true.sum(1)[:, None] + dense_pred.sum(1)[None, :] - inter
+    torch.testing.assert_close(mask_iou(true, pred), (inter / union).float())
+    assert mask_iou(true[:0], pred).shape == (0, 5) and mask_iou(true, pred[:0]).shape == (3, 0)
+    assert mask_iou(torch.zeros_like(true), pred).abs().sum() == 0  # nothing covered: IoU 0, not NaN
+
+
 def test_perfect_masks_give_mask_ap_1_and_disjoint_masks_give_0() -> None:
     perfect = _mask_metrics([0, 1, 2], BOXES.clone())
     assert perfect.map50 == 1.0 and perfect.map50_95 == 1.0
