@@ -105,8 +105,7 @@ class Instances:
 
 def _box_corners(boxes_xyxy: np.ndarray) -> np.ndarray:
     """Corners (n, 4, 2) of boxes (n, 4), clockwise from top-left in image coordinates."""
-    x1, y1, x2, y2 = (boxes_xyxy[:, i] for i in range(4))
-    return np.stack([np.stack(pair, axis=-1) for pair in ((x1, y1), (x2, y1), (x2, y2), (x1, y2))], axis=1)
+    return boxes_xyxy[:, [0, 1, 2, 1, 2, 3, 0, 3]].reshape(-1, 4, 2)  # (x1, y1) (x2, y1) (x2, y2) (x1, y2)
 
 
 def _polygon_bounds(segments: list[np.ndarray]) -> np.ndarray:
@@ -323,7 +322,8 @@ def _warp_image(image: np.ndarray, matrix: np.ndarray, out_wh: tuple[int, int], 
     OpenCV indexes pixel centres, so the matrix is conjugated by a half-pixel shift; this keeps
     the warped pixels exactly under the transformed polygons (no 0.5 px drift under zoom).
     """
-    if np.allclose(matrix, np.eye(3)) and out_wh == (image.shape[1], image.shape[0]):
+    identity = np.eye(3)
+    if out_wh == (image.shape[1], image.shape[0]) and (np.abs(matrix - identity) <= 1e-8 + 1e-5 * identity).all():
         return image.copy()
     to_centres, to_edges = np.eye(3), np.eye(3)
     to_centres[:2, 2], to_edges[:2, 2] = -0.5, 0.5
@@ -416,12 +416,12 @@ def augment_hsv(image: np.ndarray, rng: np.random.Generator, hgain: float, sgain
     if not (hgain or sgain or vgain):
         return image
     gains = rng.uniform(-1, 1, 3) * np.array([hgain, sgain, vgain]) + 1
-    hue, saturation, value = cv2.split(cv2.cvtColor(image, cv2.COLOR_BGR2HSV))
     levels = np.arange(256, dtype=np.float32)
     lut_hue = ((levels * gains[0]) % 180).astype(np.uint8)
     lut_saturation = np.clip(levels * gains[1], 0, 255).astype(np.uint8)
     lut_value = np.clip(levels * gains[2], 0, 255).astype(np.uint8)
-    hsv = cv2.merge((cv2.LUT(hue, lut_hue), cv2.LUT(saturation, lut_saturation), cv2.LUT(value, lut_value)))
+    table = np.stack((lut_hue, lut_saturation, lut_value), axis=1)[None]  # (1, 256, 3): one table per channel
+    hsv = cv2.LUT(cv2.cvtColor(image, cv2.COLOR_BGR2HSV), table)
     if image.flags.c_contiguous:
         cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR, dst=image)
     else:  # OpenCV cannot write into a strided view (e.g. a numpy flip)
