@@ -99,8 +99,7 @@ class SegmentationLoss(DetectionLoss):
         """
         # The zero term keeps the prototype branch in the graph when nothing matched (DDP needs every parameter).
         total = protos.sum() * 0.0
-        matched = [(terms, denominator) for terms, denominator in zip(levels, denominators, strict=True)]
-        matched = [(terms, denominator) for terms, denominator in matched if terms.num_matches]
+        matched = [(terms, count) for terms, count in zip(levels, denominators, strict=True) if terms.num_matches]
         if not matched:
             return total
         image_index = torch.cat([terms.assigned.image_index for terms, _ in matched])
@@ -109,7 +108,7 @@ class SegmentationLoss(DetectionLoss):
         target_index = torch.cat([terms.assigned.target_index for terms, _ in matched])[order]
         coeffs = torch.cat([terms.matched_preds[:, 5 + self.head.num_classes :] for terms, _ in matched])[order]
         # Each match is divided by its level's (rank-averaged) match count, as the box term is.
-        level_counts = torch.cat([denominator.expand(terms.num_matches) for terms, denominator in matched])[order]
+        level_counts = torch.cat([count.expand(terms.num_matches) for terms, count in matched])[order]
         height, width = protos.shape[-2:]
         boxes_xywhn = targets[target_index, 2:6]
         boxes_xyxy = xywhn_to_xyxy(boxes_xywhn, width, height)  # prototype pixels
