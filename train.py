@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from utils.cli import exit_on_user_error, train_main
-from utils.engine import FitResult
 from utils.tasks import DETECT, Task
+from utils.train.engine import FitResult
 
 
 def main(argv: list[str] | None = None, task: Task = DETECT) -> FitResult:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from utils.cli import exit_on_user_error, val_main
-from utils.evaluate import EvalResult
+from utils.eval.evaluate import EvalResult
 from utils.tasks import DETECT, Task
 
 

@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python benchmarks/cache_memory.py`
     sys.path.insert(0, str(ROOT))
 
-from utils.cache import available_memory_bytes, resized_hw  # noqa: E402  (needs the sys.path line above)
+from utils.data.cache import available_memory_bytes, resized_hw  # noqa: E402  (needs the sys.path line above)
+from utils.data.labels import list_image_files, scan_labels  # noqa: E402
+from utils.data.synthetic import SyntheticSpec, ensure_synthetic_dataset  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
-from utils.labels import list_image_files, scan_labels  # noqa: E402
-from utils.synthetic import SyntheticSpec, ensure_synthetic_dataset  # noqa: E402
 
 GB = 1 << 30
 MB = 1 << 20
@@ -94,7 +94,7 @@ def prepare_dataset(root: Path, num_train: int, num_val: int) -> Path:
 def resized_dataset_bytes(train_dir: Path, imgsz: int, num_classes: int) -> tuple[int, int]:
     """Return (images, bytes) of every train image resized to long side `imgsz` as HxWx3 uint8.
 
-    Sizes come from the label scan's (w, h) shapes through `utils.cache.resized_hw`, exactly as
+    Sizes come from the label scan's (w, h) shapes through `utils.data.cache.resized_hw`, exactly as
     `ImageCache` sizes its buffer. The scan also writes the label cache the runs then reuse.
     """
     index = scan_labels(list_image_files(train_dir), num_classes, DistContext(), num_workers=4)

@@ -7,7 +7,7 @@ Usage (from the repository root):
 
 Builds the training dataset exactly as `train.py` does on one rank (augment on, mosaic from the
 hyp YAML, the chosen cache mode), then measures (a) `__getitem__` called in this process and (b)
-batches drawn through `utils.loader.build_train_loader` with worker processes, each after a
+batches drawn through `utils.data.loader.build_train_loader` with worker processes, each after a
 warm-up that is not timed. Prints images/s and ms/image for both.
 """
 
@@ -28,12 +28,12 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/data_pipeline.py`
     sys.path.insert(0, str(ROOT))
 
 from utils.config import DEFAULT_DATA, DEFAULT_HYP, load_hyp  # noqa: E402  (needs the sys.path line above)
-from utils.data_config import load_data_config  # noqa: E402
-from utils.dataset import DatasetOptions, LoadImagesAndLabels  # noqa: E402
+from utils.data.data_config import load_data_config  # noqa: E402
+from utils.data.dataset import DatasetOptions, LoadImagesAndLabels  # noqa: E402
+from utils.data.loader import build_train_loader  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
-from utils.loader import build_train_loader  # noqa: E402
-from utils.logging import setup_logging  # noqa: E402
-from utils.run_setup import augment_params  # noqa: E402
+from utils.logs import setup_logging  # noqa: E402
+from utils.train.setup import augment_params  # noqa: E402
 
 LOGGER = logging.getLogger("benchmarks.data_pipeline")
 MODEL_STRIDE = 32  # largest stride of every YOLOv5 size; only used for rect shapes, which are off here
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_dataset(args: argparse.Namespace, ctx: DistContext) -> LoadImagesAndLabels:
-    """Build the single-rank training dataset the way `utils.run_setup.build_datasets` does."""
+    """Build the single-rank training dataset the way `utils.train.setup.build_datasets` does."""
     data = load_data_config(args.data, ctx)
     options = DatasetOptions(
         img_size=args.imgsz,

@@ -12,9 +12,9 @@ from torch import nn
 
 from segment.ops import process_masks
 from utils.boxes import xywh_to_xyxy
+from utils.data.masks import polygons_to_masks
 from utils.distributed import DistContext
-from utils.evaluate import DetectionScorer, EvalOptions, EvalResult, ImageScore, evaluate_detection, match_classes
-from utils.masks import polygons_to_masks
+from utils.eval.evaluate import DetectionScorer, EvalOptions, EvalResult, ImageScore, evaluate_detection, match_classes
 
 RLE_CHUNK = 32  # detections resized to original size at a time (bounds memory on large images)
 
@@ -129,6 +129,6 @@ def evaluate_segmentation(
     ctx: DistContext,
     loss_fn: Any = None,
 ) -> EvalResult:
-    """Evaluate boxes and masks of a segmentation model; see utils.evaluate.evaluate_detection."""
+    """Evaluate boxes and masks of a segmentation model; see utils.eval.evaluate.evaluate_detection."""
     num_masks = getattr(model, "module", model).head.num_masks
     return evaluate_detection(model, batches, options, ctx, loss_fn, SegmentationScorer(num_masks))

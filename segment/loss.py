@@ -12,7 +12,7 @@ from torch import nn
 from segment.ops import assemble_masks_by_image, crop_mask
 from utils.boxes import xywhn_to_xyxy
 from utils.config import TrainConfig
-from utils.loss import DetectionLoss, LevelTerms, LossGains
+from utils.train.loss import DetectionLoss, LevelTerms, LossGains
 
 
 class SegmentationLoss(DetectionLoss):

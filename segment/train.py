@@ -12,7 +12,7 @@ if str(ROOT) not in sys.path:
 
 from segment.task import SEGMENT  # noqa: E402
 from utils.cli import exit_on_user_error, train_main  # noqa: E402
-from utils.engine import FitResult  # noqa: E402
+from utils.train.engine import FitResult  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> FitResult:

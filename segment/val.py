@@ -12,7 +12,7 @@ if str(ROOT) not in sys.path:
 
 from segment.task import SEGMENT  # noqa: E402
 from utils.cli import exit_on_user_error, val_main  # noqa: E402
-from utils.evaluate import EvalResult  # noqa: E402
+from utils.eval.evaluate import EvalResult  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> EvalResult:

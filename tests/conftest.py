@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from utils.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
+from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 
 
 def make_tiny_dataset(root: Path, spec: SyntheticSpec) -> Path:

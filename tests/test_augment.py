@@ -1,4 +1,4 @@
-"""Tests for utils/augment.py: geometry of every augmentation, pixel/box agreement and determinism."""
+"""Tests for utils/data/augment.py: geometry of every augmentation, pixel/box agreement and determinism."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import cv2
 import numpy as np
 import pytest
 
-from utils.augment import (
+from utils.data.augment import (
     AugmentParams,
     Instances,
     augment_hsv,

@@ -1,4 +1,4 @@
-"""Tests for utils/cache.py: rank shards (also on 2 gloo processes) and the RAM/disk image cache."""
+"""Tests for utils/data/cache.py: rank shards (also on 2 gloo processes) and the RAM/disk image cache."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import cv2
 import numpy as np
 import pytest
 
-import utils.cache as cache_module
+import utils.data.cache as cache_module
 from tests.dist_helpers import run_distributed
-from utils.cache import (
+from utils.data.cache import (
     ImageCache,
     available_memory_bytes,
     disk_cache_path,

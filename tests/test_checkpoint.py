@@ -1,4 +1,4 @@
-"""Tests for utils/checkpoint.py: bit-exact round trip, exact resume, rank-0 atomic save, clear load errors."""
+"""Tests for utils/train/checkpoint.py: bit-exact round trip, exact resume, rank-0 atomic save, clear load errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from utils.checkpoint import (
+from utils.distributed import DistContext
+from utils.train.checkpoint import (
     FORMAT_VERSION,
     Checkpoint,
     RunInfo,
@@ -27,9 +28,8 @@ from utils.checkpoint import (
     save_checkpoint,
     strip_optimizer,
 )
-from utils.distributed import DistContext
-from utils.ema import ModelEMA
-from utils.optim import build_optimizer
+from utils.train.ema import ModelEMA
+from utils.train.optim import build_optimizer
 
 MAIN = DistContext()
 

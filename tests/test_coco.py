@@ -1,4 +1,4 @@
-"""Tests for utils/coco.py: annotation loading errors, id mapping, COCO result format, and COCOeval scores."""
+"""Tests for utils/eval/coco.py: annotation loading errors, id mapping, COCO result format, and COCOeval scores."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ import pytest
 import yaml
 from pycocotools import mask as mask_utils
 
-from utils.coco import (
+from utils.config import ConfigError
+from utils.data.data_config import load_data_config
+from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
+from utils.distributed import DistContext
+from utils.eval.coco import (
     EVAL_FILE,
     PREDICTIONS_FILE,
     STAT_NAMES,
@@ -22,12 +26,8 @@ from utils.coco import (
     predictions_to_coco,
     stem_image_ids,
 )
-from utils.config import ConfigError
-from utils.data_config import load_data_config
-from utils.distributed import DistContext
-from utils.evaluate import EvalResult, ImagePredictions
-from utils.metrics import DetectionMetrics
-from utils.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
+from utils.eval.evaluate import EvalResult, ImagePredictions
+from utils.eval.metrics import DetectionMetrics
 
 MAIN = DistContext()
 TINY = SyntheticSpec(num_train=1, num_val=6, max_objects=4, min_object_frac=0.15, min_side=64, max_side=96)

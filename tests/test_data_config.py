@@ -1,4 +1,4 @@
-"""Tests for utils/data_config.py: dataset YAML parsing and its one-line errors."""
+"""Tests for utils/data/data_config.py: dataset YAML parsing and its one-line errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from utils.config import ConfigError
-from utils.data_config import load_data_config
+from utils.data.data_config import load_data_config
 from utils.distributed import DistContext
 
 

@@ -1,4 +1,4 @@
-"""Tests for utils/dataset.py: items, letterbox geometry, rect batches, augmentation, shards, determinism, EXIF."""
+"""Tests for utils/data/dataset.py: items, letterbox geometry, rect batches, augmentation, shards, determinism, EXIF."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from tests.dist_helpers import run_distributed
-from utils.augment import AugmentParams
-from utils.cache import resized_hw
-from utils.dataset import DatasetOptions, LoadImagesAndLabels, rect_batch_shapes
+from utils.data.augment import AugmentParams
+from utils.data.cache import resized_hw
+from utils.data.dataset import DatasetOptions, LoadImagesAndLabels, rect_batch_shapes
 from utils.distributed import DistContext
 
 CTX = DistContext()
@@ -78,7 +78,7 @@ def test_rect_batches_are_stride_multiples_that_fit(tmp_path: Path) -> None:
 
 
 def test_rect_training_keeps_aspect_and_batches_collate(tmp_path: Path) -> None:
-    from utils.loader import collate_batch
+    from utils.data.loader import collate_batch
 
     options = _options(img_size=128, augment=True, rect=True, stride=32, aug=AugmentParams(translate=0, scale=0))
     dataset = LoadImagesAndLabels(_folder(tmp_path), options, CTX)

@@ -27,12 +27,12 @@ from models.yolo import build_model, spec_from_cfg
 from tests.conftest import make_tiny_dataset
 from tests.dist_helpers import run_distributed
 from utils.config import DEFAULT_HYP, TrainConfig, build_train_parser, config_from_args, load_hyp
+from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext, average_bn_stats
-from utils.engine import build_train_state, fit, train_one_epoch
-from utils.evaluate import evaluate_detection
-from utils.run_setup import ModelBundle, verify_identical_weights
-from utils.synthetic import SHAPE_NAMES, SyntheticSpec
+from utils.eval.evaluate import evaluate_detection
 from utils.tasks import DETECT
+from utils.train.engine import build_train_state, fit, train_one_epoch
+from utils.train.setup import ModelBundle, verify_identical_weights
 
 IMGSZ = 64
 NUM_CLASSES = 3

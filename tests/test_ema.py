@@ -1,4 +1,4 @@
-"""Tests for utils/ema.py: decay ramp, averaging, integer buffers, DDP unwrapping and state round trip."""
+"""Tests for utils/train/ema.py: decay ramp, averaging, integer buffers, DDP unwrapping and state round trip."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from utils.ema import ModelEMA
+from utils.train.ema import ModelEMA
 
 
 def _model() -> nn.Sequential:

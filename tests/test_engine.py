@@ -6,8 +6,8 @@ import pytest
 
 from models.yolo import build_model, spec_from_cfg
 from utils.config import DEFAULT_HYP, load_hyp
-from utils.engine import EarlyStopper
-from utils.run_setup import augment_params, freeze_layers
+from utils.train.engine import EarlyStopper
+from utils.train.setup import augment_params, freeze_layers
 
 
 def test_freeze_first_ten_layers_freezes_exactly_the_backbone() -> None:

@@ -1,4 +1,4 @@
-"""Tests for utils/labels.py: image listing, image/label verification, packing and the label cache."""
+"""Tests for utils/data/labels.py: image listing, image/label verification, packing and the label cache."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import utils.labels as labels_module
-from utils.distributed import DistContext
-from utils.labels import (
+import utils.data.labels as labels_module
+from utils.data.labels import (
     image_to_label_path,
     label_cache_path,
     list_image_files,
     scan_labels,
     verify_image_label,
 )
+from utils.distributed import DistContext
 
 CTX = DistContext()
 

@@ -1,4 +1,4 @@
-"""Tests for utils/loader.py: collate, epoch keys, equal batches per rank, persistent and seeded workers."""
+"""Tests for utils/data/loader.py: collate, epoch keys, equal batches per rank, persistent and seeded workers."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helpers import run_distributed
-from utils.distributed import DistContext
-from utils.loader import (
+from utils.data.loader import (
     WORKER_NICENESS,
     build_train_loader,
     build_val_loader,
@@ -22,6 +21,7 @@ from utils.loader import (
     resolve_num_workers,
     seed_worker,
 )
+from utils.distributed import DistContext
 
 IMAGE_HW = (8, 12)
 

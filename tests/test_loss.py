@@ -1,4 +1,4 @@
-"""Tests for utils/loss.py: gain scaling, target assignment, loss terms and learning on a tiny batch."""
+"""Tests for utils/train/loss.py: gain scaling, target assignment, loss terms and learning on a tiny batch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models.yolo import DetectionModel, build_model, spec_from_cfg
-from utils.loss import (
+from utils.train.loss import (
     DetectionLoss,
     LossGains,
     assign_targets,

@@ -1,4 +1,4 @@
-"""Tests for utils/masks.py and the dataset's masks: hand-drawn rasterisation, overlap masks, augmentation."""
+"""Tests for utils/data/masks.py and the dataset's masks: hand-drawn rasterisation, overlap masks, augmentation."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny_dataset
-from utils.augment import AugmentParams, clip_polygon
-from utils.dataset import DatasetOptions, LoadImagesAndLabels
+from utils.data.augment import AugmentParams, clip_polygon
+from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
+from utils.data.loader import collate_batch
+from utils.data.masks import polygon_areas, polygons_to_mask, polygons_to_masks, polygons_to_overlap_mask
+from utils.data.synthetic import SyntheticSpec
 from utils.distributed import DistContext
-from utils.loader import collate_batch
-from utils.masks import polygon_areas, polygons_to_mask, polygons_to_masks, polygons_to_overlap_mask
-from utils.synthetic import SyntheticSpec
 
 CTX = DistContext()
 TINY = SyntheticSpec(num_train=8, num_val=2, min_side=64, max_side=128, max_objects=5, min_object_frac=0.2)

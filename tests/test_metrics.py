@@ -1,4 +1,4 @@
-"""Tests for utils/metrics.py: matching, COCO AP, per-class AP, DetectionMetrics and ConfusionMatrix."""
+"""Tests for utils/eval/metrics.py: matching, COCO AP, per-class AP, DetectionMetrics and ConfusionMatrix."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from utils.boxes import box_iou
-from utils.metrics import (
+from utils.eval.metrics import (
     RECALL_LEVELS,
     ConfusionMatrix,
     DetectionMetrics,

@@ -1,4 +1,4 @@
-"""Tests for utils/optim.py: parameter groups, optimizers, LR schedule, warmup and batch scaling."""
+"""Tests for utils/train/optim.py: parameter groups, optimizers, LR schedule, warmup and batch scaling."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from utils.optim import (
+from utils.train.optim import (
     GROUP_NAMES,
     accumulate_steps,
     apply_warmup,
@@ -112,9 +112,9 @@ def test_weight_decay_reaches_only_decayed_weights() -> None:
 
 
 def test_build_optimizer_logs_group_sizes(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="utils.optim"):
+    with caplog.at_level(logging.INFO, logger="utils.train.optim"):
         build_optimizer(_model(), "SGD", lr=0.01, momentum=0.9, weight_decay=1e-3)
-    lines = [r.getMessage() for r in caplog.records if r.name == "utils.optim"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "utils.train.optim"]
     assert len(lines) == 1
     assert "3 norm weights" in lines[0] and "3 weights (decay 0.001)" in lines[0] and "5 biases" in lines[0]
 

@@ -8,7 +8,7 @@ import cv2
 import numpy as np
 import torch
 
-from utils.metrics import DetectionMetrics
+from utils.eval.metrics import DetectionMetrics
 from utils.plots import class_colour, column_fractions, plot_batch, plot_confusion_matrix, plot_curves, plot_results
 
 SIDE = 64

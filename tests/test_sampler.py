@@ -1,4 +1,4 @@
-"""Tests for utils/sampler.py: equal steps per rank, shard-only sampling, epoch order, unpadded eval ranges."""
+"""Tests for utils/data/sampler.py: equal steps per rank, shard-only sampling, epoch order, unpadded eval ranges."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import pytest
 import torch.distributed as dist
 
 from tests.dist_helpers import run_distributed
+from utils.data.sampler import ShardedInferenceSampler, SmartDistributedSampler, inference_range, order_seed
 from utils.distributed import DistContext
-from utils.sampler import ShardedInferenceSampler, SmartDistributedSampler, inference_range, order_seed
 
 SIZES = [(10, 2), (11, 2), (13, 2), (10, 3), (11, 3), (13, 3)]
 
 
 def stand_in_rank_shard(num_items: int, ctx: DistContext, seed: int) -> np.ndarray:
-    """Local stand-in for utils.cache.rank_shard with the contract's semantics (same permutation, every W-th)."""
+    """Local stand-in for utils.data.cache.rank_shard with the contract's semantics (same permutation, every W-th)."""
     permutation = np.random.default_rng(seed).permutation(num_items)
     return permutation[ctx.rank :: ctx.world_size]
 

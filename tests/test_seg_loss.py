@@ -12,7 +12,7 @@ from segment.loss import SegmentationLoss, build_segmentation_loss, overlap_inst
 from segment.ops import assemble_masks, assemble_masks_by_image, crop_mask, process_masks
 from utils.boxes import xywhn_to_xyxy
 from utils.config import DEFAULT_HYP, TrainConfig, load_hyp
-from utils.loss import assign_targets, scale_loss_gains
+from utils.train.loss import assign_targets, scale_loss_gains
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,7 +18,7 @@ from segment import val as seg_val
 from tests.conftest import make_tiny_dataset
 from tests.test_torchrun import _torchrun
 from utils.config import ConfigError
-from utils.synthetic import SyntheticSpec
+from utils.data.synthetic import SyntheticSpec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.15)

@@ -14,8 +14,8 @@ from segment.evaluate import (
     masks_to_original,
     original_rles,
 )
-from utils.evaluate import _Stats
-from utils.metrics import DetectionMetrics
+from utils.eval.evaluate import _Stats
+from utils.eval.metrics import DetectionMetrics
 
 SIZE = 32  # input pixels; the test prototypes have the input size, so upsampling cannot round mask corners
 # Two class-0 squares and one class-1 rectangle.

@@ -1,4 +1,4 @@
-"""Tests for the built-in synthetic dataset generator (utils/synthetic.py)."""
+"""Tests for the built-in synthetic dataset generator (utils/data/synthetic.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 from pycocotools.coco import COCO
 
-from utils.synthetic import (
+from utils.data.synthetic import (
     MARKER_NAME,
     SHAPE_NAMES,
     SyntheticSpec,
@@ -169,7 +169,7 @@ _CHILD = """
 import logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-from utils.synthetic import SyntheticSpec, ensure_synthetic_dataset
+from utils.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
 ensure_synthetic_dataset(Path(sys.argv[1]), SyntheticSpec(num_train=12, num_val=4))
 """
 

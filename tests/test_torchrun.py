@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny_dataset
-from utils.synthetic import SHAPE_NAMES, SyntheticSpec
+from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = SyntheticSpec(num_train=8, num_val=4, max_objects=3, min_object_frac=0.2, min_side=64, max_side=96)

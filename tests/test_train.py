@@ -16,10 +16,10 @@ import train
 import val
 from tests.conftest import make_tiny_dataset
 from utils.config import ConfigError
+from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext
-from utils.synthetic import SHAPE_NAMES, SyntheticSpec
+from utils.eval.checkpoint_val import load_model_for_eval
 from utils.tasks import DETECT
-from utils.val_run import load_model_for_eval
 
 TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.15)
 
@@ -62,12 +62,12 @@ def trained_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
     """Two epochs of train.py, saving epoch1.pt too so --resume can be tested against it."""
     project = tmp_path_factory.mktemp("runs")
     handler = _Recorder()
-    logging.getLogger("utils.engine").addHandler(handler)
+    logging.getLogger("utils.train.engine").addHandler(handler)
     try:
         args = _train_args(tiny_data, project, "e2e", "--epochs", "2", "--save-period", "1", "--close-mosaic", "1")
         result = train.main(args)
     finally:
-        logging.getLogger("utils.engine").removeHandler(handler)
+        logging.getLogger("utils.train.engine").removeHandler(handler)
     ENGINE_LOG[:] = handler.messages
     return result
 
@@ -83,7 +83,7 @@ class _Recorder(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-ENGINE_LOG: list[str] = []  # utils.engine's messages during trained_run
+ENGINE_LOG: list[str] = []  # utils.train.engine's messages during trained_run
 
 
 def test_train_writes_run_folder_and_finite_results(trained_run) -> None:

@@ -21,13 +21,13 @@ import val
 from segment import val as segment_val
 from segment.task import SEGMENT
 from tests.dist_helpers import run_distributed
-from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
-from utils.coco import EVAL_FILE, PREDICTIONS_FILE, STAT_NAMES
 from utils.config import ConfigError, ValConfig
+from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 from utils.distributed import DistContext, gather_objects
-from utils.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
+from utils.eval.checkpoint_val import create_val_dir, validate_checkpoint
+from utils.eval.coco import EVAL_FILE, PREDICTIONS_FILE, STAT_NAMES
 from utils.tasks import DETECT, Task
-from utils.val_run import create_val_dir, validate_checkpoint
+from utils.train.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 # Originals of 128-160 px validated at 64 px: boxes in original pixels reach well past 64.

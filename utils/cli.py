@@ -16,12 +16,12 @@ from utils.config import (
     validate,
 )
 from utils.distributed import DistContext, cleanup, init_distributed
-from utils.logging import setup_logging
+from utils.logs import setup_logging
 
 if TYPE_CHECKING:
-    from utils.engine import FitResult
-    from utils.evaluate import EvalResult
+    from utils.eval.evaluate import EvalResult
     from utils.tasks import Task
+    from utils.train.engine import FitResult
 
 T = TypeVar("T")
 LOGGER = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
 
 def train_main(argv: list[str] | None, task: Task) -> FitResult:
     """The whole of train.py / segment/train.py: parse flags, set up the process group, train `task`."""
-    from utils.engine import fit
+    from utils.train.engine import fit
 
     cfg = config_from_args(build_train_parser(task.name).parse_args(argv), task.name)
 
@@ -69,7 +69,7 @@ def train_main(argv: list[str] | None, task: Task) -> FitResult:
 
 def val_main(argv: list[str] | None, task: Task) -> EvalResult:
     """The whole of val.py / segment/val.py: parse flags and validate a `task` checkpoint on every rank."""
-    from utils.val_run import validate_checkpoint
+    from utils.eval.checkpoint_val import validate_checkpoint
 
     cfg = val_config_from_args(build_val_parser(task.name).parse_args(argv))
     return run_entry(cfg.device, lambda ctx: validate_checkpoint(cfg, task, ctx))

@@ -20,11 +20,11 @@ import cv2
 import numpy as np
 import torch
 
-from utils.metrics import RECALL_LEVELS, DetectionMetrics
+from utils.eval.metrics import RECALL_LEVELS, DetectionMetrics
 
 if TYPE_CHECKING:
-    from utils.evaluate import EvalResult
-    from utils.logging import ResultsCSV
+    from utils.eval.evaluate import EvalResult
+    from utils.logs import ResultsCSV
 
 LOGGER = logging.getLogger(__name__)
 TRAIN_BATCH_PLOTS = 3  # train_batch0.jpg ... of the first epoch, to check labels and augmentation by eye
@@ -84,7 +84,7 @@ def plot_batch(batch: dict[str, Any], names: Sequence[str], path: Path, max_imag
     grid = np.full((rows * height, columns * width, 3), 255, np.uint8)
     targets = batch["targets"].numpy()
     masks = batch.get("masks")
-    overlap = masks is not None and masks.dtype == torch.int16  # (B, h, w) index masks (see utils/masks.py)
+    overlap = masks is not None and masks.dtype == torch.int16  # (B, h, w) index masks (see utils/data/masks.py)
     for index in range(count):
         top, left = (index // columns) * height, (index % columns) * width
         tile = np.ascontiguousarray(images[index].transpose(1, 2, 0)[:, :, ::-1])  # RGB CHW -> BGR HWC

@@ -10,8 +10,8 @@ from torch import nn
 
 from models.yolo import ModelSpec, build_model, spec_from_cfg
 from utils.config import ConfigError, TrainConfig
-from utils.evaluate import evaluate_detection
-from utils.loss import DetectionLoss
+from utils.eval.evaluate import evaluate_detection
+from utils.train.loss import DetectionLoss
 
 BOX_METRICS = ("precision", "recall", "mAP50", "mAP50-95")
 

@@ -2,8 +2,8 @@
 
 Convention (exact, tested against hand-drawn grids): coordinates are continuous pixel-edge
 coordinates, the image spans [0, W] x [0, H] and pixel (row j, column i) is the square
-[i, i + 1] x [j, j + 1] with its centre at (i + 0.5, j + 0.5); this is how utils/augment.py and
-utils/synthetic.py place polygons. At `ratio` r, mask pixel (j, i) is the image square
+[i, i + 1] x [j, j + 1] with its centre at (i + 0.5, j + 0.5); this is how utils/data/augment.py and
+utils/data/synthetic.py place polygons. At `ratio` r, mask pixel (j, i) is the image square
 [r*i, r*(i + 1)] x [r*j, r*(j + 1)], and it is set exactly when its centre lies inside the polygon
 (even-odd rule). A centre lying exactly on an edge counts as inside on a left or top edge and
 outside on a right or bottom edge (the "top-left" rule), so two polygons that share an edge never

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from utils.augment import (
+from utils.data.augment import (
     AugmentParams,
     Instances,
     augment_hsv,
@@ -26,13 +26,13 @@ from utils.augment import (
     random_perspective,
     transform_instances,
 )
-from utils.cache import CACHE_MODES, ImageCache, rank_shard, resize_long_side
+from utils.data.cache import CACHE_MODES, ImageCache, rank_shard, resize_long_side
+from utils.data.labels import LabelIndex, list_image_files, scan_labels
+from utils.data.masks import polygons_to_masks, polygons_to_overlap_mask
 from utils.distributed import DistContext
-from utils.labels import LabelIndex, list_image_files, scan_labels
-from utils.masks import polygons_to_masks, polygons_to_overlap_mask
 
 if TYPE_CHECKING:
-    from utils.loader import ShapeInfo
+    from utils.data.loader import ShapeInfo
 
 LOGGER = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ class DatasetOptions:
     """How to build and serve a dataset; `num_classes` is required, the rest has YOLOv5 defaults.
 
     `batch_size` is the per-rank batch, used only for rectangular batch shapes; `cache_mode`
-    is "none", "auto", "ram" or "disk" (utils/cache.py); `seed` is the shared seed (shard split, augmentation streams);
+    is "none", "auto", "ram" or "disk" (utils/data/cache.py); `seed` is the shared seed (shard split,
+    augmentation streams);
     `workers` sizes the label-scan and cache-fill thread pools. `close_mosaic_epoch`: from this
     epoch on (0-based, read from the item key) training items are single letterboxed images, no
     mosaic or mixup; None keeps mosaic throughout. With `with_masks` items carry

@@ -17,10 +17,8 @@ from torch import nn
 from tqdm import tqdm
 
 from models.yolo import memory_format
-from utils import checkpoint as ckpt_io
-from utils.coco import check_coco_target, coco_evaluate
 from utils.config import ConfigError, TrainConfig, save_run_config
-from utils.data_config import load_data_config
+from utils.data.data_config import load_data_config
 from utils.distributed import (
     DistContext,
     all_reduce_sum,
@@ -30,9 +28,13 @@ from utils.distributed import (
     seed_everything,
     smart_ddp,
 )
-from utils.ema import ModelEMA
-from utils.logging import ResultsCSV, tqdm_disabled
-from utils.optim import (
+from utils.eval.coco import check_coco_target, coco_evaluate
+from utils.logs import ResultsCSV, tqdm_disabled
+from utils.plots import batch_drawer, plot_run
+from utils.tasks import Task
+from utils.train import checkpoint as ckpt_io
+from utils.train.ema import ModelEMA
+from utils.train.optim import (
     accumulate_steps,
     apply_warmup,
     build_optimizer,
@@ -41,8 +43,7 @@ from utils.optim import (
     scaled_weight_decay,
     warmup_iterations,
 )
-from utils.plots import batch_drawer, plot_run
-from utils.run_setup import (
+from utils.train.setup import (
     ModelBundle,
     build_datasets,
     build_model_bundle,
@@ -52,7 +53,6 @@ from utils.run_setup import (
     run_anchor_check,
     verify_identical_weights,
 )
-from utils.tasks import Task
 
 LOGGER = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
 def _validate(state, task, datasets, bundle, cfg, ctx, run: bool) -> tuple[dict[str, float], np.ndarray | None]:
     if not run:
         return {}, None
-    from utils.evaluate import EvalOptions
+    from utils.eval.evaluate import EvalOptions
 
     options = EvalOptions(num_classes=len(bundle.names), description="val")
     result = task.evaluate(state.ema.ema, datasets.val_loader, options, ctx, state.loss_fn)
@@ -378,7 +378,7 @@ def _final_validation(weights_paths, task, datasets, bundle, ctx, run) -> tuple[
     see the file (other nodes may not share the filesystem), so rank 0 reads the weights and
     broadcasts them.
     """
-    from utils.evaluate import EvalOptions
+    from utils.eval.evaluate import EvalOptions
 
     best, last = weights_paths
     cfg, data, run_dir = run

@@ -15,9 +15,9 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from utils.data.masks import polygon_areas
 from utils.distributed import DistContext, main_first
-from utils.logging import tqdm_disabled
-from utils.masks import polygon_areas
+from utils.logs import tqdm_disabled
 
 LOGGER = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from utils.config import ConfigError
-from utils.data_config import DataConfig
+from utils.data.data_config import DataConfig
 from utils.distributed import DistContext, broadcast_object, gather_objects, run_on_main
-from utils.evaluate import EvalResult, ImagePredictions
-from utils.metrics import DetectionMetrics
+from utils.eval.evaluate import EvalResult, ImagePredictions
+from utils.eval.metrics import DetectionMetrics
 
 LOGGER = logging.getLogger(__name__)
 

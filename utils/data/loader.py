@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, default_collate
 
+from utils.data.sampler import ShardedInferenceSampler, SmartDistributedSampler
 from utils.distributed import DistContext
-from utils.sampler import ShardedInferenceSampler, SmartDistributedSampler
 
 LOGGER = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ from torch import nn
 
 from models.anchors import check_anchors
 from models.yolo import ModelSpec, memory_format, model_info
-from utils import checkpoint as ckpt_io
-from utils.augment import AugmentParams
 from utils.config import ConfigError, Hyp, TrainConfig, config_from_dict
-from utils.data_config import DataConfig
-from utils.dataset import DatasetOptions, LoadImagesAndLabels
+from utils.data.augment import AugmentParams
+from utils.data.data_config import DataConfig
+from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
+from utils.data.loader import build_train_loader, build_val_loader
 from utils.distributed import DistContext, all_gather_objects, broadcast_object
-from utils.loader import build_train_loader, build_val_loader
 from utils.tasks import Task
+from utils.train import checkpoint as ckpt_io
 
 LOGGER = logging.getLogger(__name__)
 

@@ -12,17 +12,17 @@ import numpy as np
 from torch import nn
 
 from models.yolo import ModelSpec, memory_format
-from utils import checkpoint as ckpt_io
-from utils.augment import AugmentParams
 from utils.boxes import xyxy_to_xywhn
-from utils.coco import CocoTarget, check_coco_target, coco_evaluate
 from utils.config import ConfigError, ValConfig
-from utils.data_config import DataConfig, load_data_config
-from utils.dataset import DatasetOptions, LoadImagesAndLabels
+from utils.data.augment import AugmentParams
+from utils.data.data_config import DataConfig, load_data_config
+from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
+from utils.data.loader import build_val_loader
 from utils.distributed import DistContext, all_gather_objects, broadcast_object
-from utils.evaluate import EvalOptions, EvalResult, format_results
-from utils.loader import build_val_loader
+from utils.eval.coco import CocoTarget, check_coco_target, coco_evaluate
+from utils.eval.evaluate import EvalOptions, EvalResult, format_results
 from utils.tasks import Task
+from utils.train import checkpoint as ckpt_io
 
 LOGGER = logging.getLogger(__name__)
 

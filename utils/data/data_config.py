@@ -31,7 +31,7 @@ class DataConfig:
     Split entries are folders or `.txt` image lists (absolute paths); `annotations` maps a split
     name to its COCO-format instances JSON when the YAML names one. `category_ids` (YAML key
     `category_ids:`, one int per class) is the explicit class index -> COCO category id mapping,
-    e.g. COCO's 80 classes -> ids 1..90; None lets utils/coco.py derive it from the annotations.
+    e.g. COCO's 80 classes -> ids 1..90; None lets utils/eval/coco.py derive it from the annotations.
     """
 
     yaml_file: Path
@@ -100,7 +100,7 @@ def ensure_builtin(name: str, root: Path, yaml_file: Path, ctx: DistContext) -> 
     """Generate a built-in dataset at `root` if it is not complete there; one local rank writes, others wait."""
     if name not in BUILTIN_DATASETS:
         raise ConfigError(f"{yaml_file}: unknown builtin dataset '{name}' (known: {', '.join(BUILTIN_DATASETS)})")
-    from utils.synthetic import ensure_synthetic_dataset
+    from utils.data.synthetic import ensure_synthetic_dataset
 
     # The generator also holds a file lock, so unrelated processes are safe too; main_first
     # simply avoids every local rank contending for it.

@@ -21,7 +21,7 @@ from torch import nn
 
 from utils.config import ConfigError
 from utils.distributed import DistContext
-from utils.ema import ModelEMA, unwrap_model
+from utils.train.ema import ModelEMA, unwrap_model
 
 LOGGER = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ LOGGER = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 TASKS = ("detect", "segment")
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class _RequiredCheckpoint(TypedDict):

@@ -15,8 +15,8 @@ from tqdm import tqdm
 
 from utils.boxes import box_iou, non_max_suppression, scale_boxes, xywh_to_xyxy
 from utils.distributed import DistContext, all_gather_objects, all_reduce_sum
-from utils.logging import tqdm_disabled
-from utils.metrics import ConfusionMatrix, DetectionMetrics, iou_thresholds, match_predictions
+from utils.eval.metrics import ConfusionMatrix, DetectionMetrics, iou_thresholds, match_predictions
+from utils.logs import tqdm_disabled
 
 LOGGER = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from utils.distributed import DistContext
-from utils.logging import tqdm_disabled
+from utils.logs import tqdm_disabled
 
 LOGGER = logging.getLogger(__name__)
 

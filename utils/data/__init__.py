@@ -1,0 +1,1 @@
+"""The data pipeline: image and label files -> augmented, cached, sharded batches."""

@@ -1,0 +1,1 @@
+"""Evaluation: the validation loop, metrics, COCO scoring and checkpoint validation."""
