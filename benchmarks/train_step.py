@@ -112,7 +112,7 @@ def build_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], list[dict], Tr
     cfg = TrainConfig(
         hyp=load_hyp(QUICKSTART_HYP),
         data=args.data,
-        cfg=args.cfg or ("yolov5n-seg" if args.task == "segment" else "yolov5n"),
+        model=args.cfg or ("yolov5n-seg" if args.task == "segment" else "yolov5n"),
         imgsz=args.imgsz,
         batch_size=args.batch_size,
         workers=0,
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         for arm in arms.values():
             arm.infer(batches[i % len(batches)], record=i >= args.warmup)
     print(
-        f"{cfg.cfg} {args.task}, {args.imgsz} px, batch {args.batch_size}, {args.device}"
+        f"{cfg.model} {args.task}, {args.imgsz} px, batch {args.batch_size}, {args.device}"
         f"{' amp' if arms['nhwc'].amp else ''}, {torch.get_num_threads()} threads; median ms over {args.steps} steps"
     )
     print(f"{'phase':<12}" + "".join(f"{name:>10}" for name in arms) + f"{'nchw/nhwc':>11}")

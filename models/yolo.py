@@ -13,7 +13,7 @@ from torch import nn
 
 from models.blocks import C3, SPPF, Concat, Conv, upsample2x
 from models.heads import DetectHead, HeadOutput, SegmentHead
-from utils.config import ConfigError, read_yaml_mapping
+from utils.errors import ConfigError, read_yaml_mapping
 
 LOGGER = logging.getLogger(__name__)
 

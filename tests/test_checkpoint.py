@@ -14,11 +14,13 @@ import torch
 from torch import nn
 
 from utils.distributed import DistContext
+from utils.errors import ConfigError
 from utils.train.checkpoint import (
     FORMAT_VERSION,
     Checkpoint,
     RunInfo,
     build_checkpoint,
+    check_checkpoint_task,
     find_last_checkpoint,
     git_hash,
     inference_weights,
@@ -304,3 +306,15 @@ def test_git_hash_reads_loose_packed_and_detached_heads(tmp_path: Path) -> None:
     assert git_hash(tmp_path) == "c" * 40
     git_hash.cache_clear()
     assert git_hash(tmp_path / "elsewhere") is None
+
+
+@pytest.mark.parametrize(
+    ("stored", "wanted", "script", "entry"),
+    [("segment", "detect", "val", "segment/val.py"), ("detect", "segment", "train", "train.py")],
+)
+def test_checkpoint_of_another_task_is_refused_naming_the_right_script(stored, wanted, script, entry) -> None:
+    ckpt = _Trainer().checkpoint(epoch=0)
+    ckpt["task"] = stored
+    with pytest.raises(ConfigError, match=f"w.pt is a {stored} checkpoint, not a {wanted} one; use {entry}"):
+        check_checkpoint_task(ckpt, wanted, "w.pt", script)
+    check_checkpoint_task(ckpt, stored, "w.pt", script)  # the same task passes

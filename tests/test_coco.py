@@ -12,10 +12,10 @@ import pytest
 import yaml
 from pycocotools import mask as mask_utils
 
-from utils.config import ConfigError
 from utils.data.data_config import load_data_config
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 from utils.distributed import DistContext
+from utils.errors import ConfigError
 from utils.eval.coco import (
     EVAL_FILE,
     PREDICTIONS_FILE,

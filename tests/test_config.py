@@ -9,7 +9,6 @@ import yaml
 
 from utils.config import (
     DEFAULT_HYP,
-    ConfigError,
     build_train_parser,
     build_val_parser,
     config_from_args,
@@ -18,7 +17,8 @@ from utils.config import (
     val_config_from_args,
     validate,
 )
-from utils.distributed import DistContext
+from utils.distributed import DistContext, per_rank_batch
+from utils.errors import ConfigError
 
 
 def _write_hyp(tmp_path: Path, **changes: object) -> Path:
@@ -102,3 +102,31 @@ def test_val_config_checks_thresholds() -> None:
         val_config_from_args(parser.parse_args(["--weights", "x.pt", "--conf-thres", "1.5"]))
     cfg = val_config_from_args(parser.parse_args(["--weights", "x.pt", "--iou-thres", "0.5"]))
     assert cfg.iou_thres == 0.5 and cfg.conf_thres == 0.001
+
+
+def test_cfg_flag_sets_the_model_and_old_checkpoints_still_restore() -> None:
+    cfg = config_from_args(build_train_parser("segment").parse_args(["--cfg", "yolov5s-seg"]), "segment")
+    assert cfg.model == "yolov5s-seg"
+    assert config_from_args(build_train_parser().parse_args([])).model == "yolov5n"
+    stored = {**cfg.to_dict(), "cfg": "yolov5m"}  # a checkpoint written before the field was renamed
+    del stored["model"]
+    assert config_from_dict(stored).model == "yolov5m"
+
+
+@pytest.mark.parametrize(
+    ("task", "split", "speed_only", "conf"),
+    [("val", "val", False, 0.001), ("test", "test", False, 0.001), ("speed", "val", True, 0.25)],
+)
+def test_val_task_flag_chooses_split_or_speed(task: str, split: str, speed_only: bool, conf: float) -> None:
+    args = build_val_parser().parse_args(["--weights", "x.pt", "--task", task, "--save-json", "--plots"])
+    cfg = val_config_from_args(args)
+    assert (cfg.split, cfg.speed_only, cfg.conf_thres) == (split, speed_only, conf)
+    assert cfg.save_json == cfg.plots == (not speed_only)  # YOLOv5's speed task writes no JSON or plots
+
+
+def test_per_rank_batch_is_the_one_divisibility_check() -> None:
+    assert per_rank_batch(64, DistContext(world_size=8)) == 8
+    assert per_rank_batch(5, DistContext()) == 5
+    for batch, world in ((30, 4), (0, 1)):
+        with pytest.raises(ConfigError, match=f"--batch-size {batch}"):
+            per_rank_batch(batch, DistContext(world_size=world))

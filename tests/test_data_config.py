@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from utils.config import ConfigError
 from utils.data.data_config import load_data_config
 from utils.distributed import DistContext
+from utils.errors import ConfigError
 
 
 def _layout(tmp_path: Path) -> Path:

@@ -93,6 +93,7 @@ def _bn_average(ctx: DistContext) -> list[float]:
     return bn.running_mean.tolist() + bn.running_var.tolist()
 
 
+@pytest.mark.distributed
 def test_average_bn_stats_over_two_ranks(tmp_path: Path) -> None:
     results = run_distributed(_bn_average, 2, tmp_path)
     assert results[0] == results[1] == [0.5, 0.5, 2.0, 2.0]
@@ -107,6 +108,7 @@ def _ordered(ctx: DistContext, log_file: str) -> str:
     return broadcast_object(f"from{ctx.rank}", ctx)
 
 
+@pytest.mark.distributed
 def test_main_first_runs_local_main_first_and_broadcast(tmp_path: Path) -> None:
     log_file = tmp_path / "order.txt"
     results = run_distributed(_ordered, 2, tmp_path / "dist", str(log_file))
@@ -128,6 +130,7 @@ def _ddp_steps(ctx: DistContext) -> list[float]:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
+@pytest.mark.distributed
 def test_smart_ddp_keeps_ranks_identical(tmp_path: Path) -> None:
     first, second = run_distributed(_ddp_steps, 2, tmp_path)
     assert first == second
@@ -151,6 +154,7 @@ def _ddp_alive_around_cleanup(ctx: DistContext) -> tuple[bool, bool]:
         gc.enable()
 
 
+@pytest.mark.distributed
 def test_cleanup_frees_ddp_before_destroying_the_group(tmp_path: Path) -> None:
     # The wrapper outlives its builder (reference cycles); left to interpreter shutdown, its reducer's
     # hold on the gloo group aborted ~1 process in 20 with SIGABRT. cleanup() must free it first.
@@ -161,7 +165,7 @@ def test_cleanup_frees_ddp_before_destroying_the_group(tmp_path: Path) -> None:
 
 def _rank0_fails(ctx: DistContext, kind: str) -> tuple[str, str, float]:
     """Call run_on_main with a function that raises on rank 0; return (error type, message, seconds) here."""
-    from utils.config import ConfigError
+    from utils.errors import ConfigError
 
     def fail() -> None:
         raise ConfigError("data.yaml: bad annotations") if kind == "config" else OSError("disk full")
@@ -174,6 +178,7 @@ def _rank0_fails(ctx: DistContext, kind: str) -> tuple[str, str, float]:
     return "none", "", time.monotonic() - start
 
 
+@pytest.mark.distributed
 def test_run_on_main_raises_rank0_failure_on_every_rank(tmp_path: Path) -> None:
     config = run_distributed(_rank0_fails, 2, tmp_path / "config", "config")
     assert [(kind, message) for kind, message, _ in config] == [("ConfigError", "data.yaml: bad annotations")] * 2

@@ -17,8 +17,8 @@ from segment import train as seg_train
 from segment import val as seg_val
 from tests.conftest import make_tiny_dataset
 from tests.test_torchrun import _torchrun
-from utils.config import ConfigError
 from utils.data.synthetic import SyntheticSpec
+from utils.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.15)
@@ -92,6 +92,7 @@ def test_segment_val_on_best_reproduces_the_final_metrics(seg_run, tiny_data: Pa
         assert scores[key] == pytest.approx(seg_run.metrics[key], abs=1e-6), key
 
 
+@pytest.mark.distributed  # also runs val.py in a subprocess
 def test_detection_validator_refuses_a_segmentation_checkpoint_in_one_line(seg_run, tiny_data: Path) -> None:
     with pytest.raises(ConfigError, match="segment checkpoint.*segment/val.py"):
         val.main(["--weights", str(seg_run.best), "--data", str(tiny_data), "--device", "cpu"])

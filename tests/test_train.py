@@ -15,13 +15,14 @@ import yaml
 import train
 import val
 from tests.conftest import make_tiny_dataset
-from utils.config import ConfigError
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext
+from utils.errors import ConfigError
 from utils.eval.checkpoint_val import load_model_for_eval
 from utils.tasks import DETECT
 
 TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.15)
+pytestmark = pytest.mark.slow  # every test uses trained_run (train.main) or calls train.main / val.main
 
 
 @pytest.fixture(scope="module")

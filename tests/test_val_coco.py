@@ -21,10 +21,11 @@ import val
 from segment import val as segment_val
 from segment.task import SEGMENT
 from tests.dist_helpers import run_distributed
-from utils.config import ConfigError, ValConfig
+from utils.config import ValConfig
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 from utils.distributed import DistContext, gather_objects
-from utils.eval.checkpoint_val import create_val_dir, validate_checkpoint
+from utils.errors import ConfigError
+from utils.eval.checkpoint_val import validate_checkpoint
 from utils.eval.coco import EVAL_FILE, PREDICTIONS_FILE, STAT_NAMES
 from utils.tasks import DETECT, Task
 from utils.train.checkpoint import RunInfo, build_checkpoint, save_checkpoint
@@ -93,6 +94,7 @@ def _direct_cocoeval(annotations: Path, predictions: Path | list, iou_type: str 
     return evaluator.stats
 
 
+@pytest.mark.slow
 def test_save_json_reports_exactly_what_cocoeval_gives(dataset, weights: Path, tmp_path: Path, caplog) -> None:
     data, annotations = dataset
     with caplog.at_level(logging.INFO):
@@ -115,6 +117,7 @@ def test_save_json_reports_exactly_what_cocoeval_gives(dataset, weights: Path, t
     assert (run_dir / "PR_curve.png").is_file() and (run_dir / "F1_curve.png").is_file()  # --plots
 
 
+@pytest.mark.slow
 def test_segment_save_json_masks_match_cocoeval_segm(dataset, tmp_path: Path) -> None:
     data, annotations = dataset
     weights = untrained_checkpoint(tmp_path / "seg.pt", SEGMENT, "yolov5n-seg")
@@ -137,6 +140,7 @@ def _validate_on_ranks(ctx: DistContext, cfg: ValConfig) -> tuple[list[int] | No
     return gathered, result.as_dict(), len(result.predictions), result.confusion.matrix
 
 
+@pytest.mark.distributed
 def test_two_rank_validation_matches_one_process(dataset, weights: Path, tmp_path: Path) -> None:
     # 2 ranks x 4 images per batch see exactly the batches (and rect shapes) of 1 process at batch 4.
     data, _ = dataset
@@ -164,6 +168,8 @@ def test_two_rank_validation_matches_one_process(dataset, weights: Path, tmp_pat
     assert two_eval == one_eval
 
 
+@pytest.mark.slow
+@pytest.mark.distributed  # val.py in a subprocess
 def test_missing_annotations_file_is_one_error_line(dataset, weights: Path, tmp_path: Path) -> None:
     data, _ = dataset
     missing = tmp_path / "nowhere" / "instances_val.json"
@@ -179,6 +185,7 @@ def test_missing_annotations_file_is_one_error_line(dataset, weights: Path, tmp_
     assert done.stderr.strip().splitlines()[-1] == f"error: {missing}: annotations file not found"
 
 
+@pytest.mark.slow
 def test_malformed_annotations_file_is_config_error(dataset, weights: Path, tmp_path: Path) -> None:
     data, _ = dataset
     broken = tmp_path / "broken.json"
@@ -190,6 +197,7 @@ def test_malformed_annotations_file_is_config_error(dataset, weights: Path, tmp_
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_task_speed_reports_times_only(dataset, weights: Path, tmp_path: Path, caplog) -> None:
     data, _ = dataset
     with caplog.at_level(logging.INFO):
@@ -199,14 +207,8 @@ def test_task_speed_reports_times_only(dataset, weights: Path, tmp_path: Path, c
     assert not (tmp_path / "v").exists()  # YOLOv5's speed task writes no JSON
 
 
-def test_val_run_folders_increment_unless_exist_ok(tmp_path: Path) -> None:
-    cfg = ValConfig(weights=Path("w.pt"), project=tmp_path, name="exp")
-    made = [create_val_dir(cfg, DistContext()) for _ in range(3)]
-    assert made == [tmp_path / "exp", tmp_path / "exp2", tmp_path / "exp3"]
-    reuse = ValConfig(weights=Path("w.pt"), project=tmp_path, name="exp", exist_ok=True)
-    assert create_val_dir(reuse, DistContext()) == tmp_path / "exp"
-
-
+@pytest.mark.slow
+@pytest.mark.distributed  # val.py in a subprocess
 def test_corrupt_checkpoint_is_one_error_line(tmp_path: Path) -> None:
     bad = tmp_path / "broken.pt"
     bad.write_bytes(b"not a zip archive")

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from utils.config import (
-    ConfigError,
     build_train_parser,
     build_val_parser,
     config_from_args,
@@ -16,6 +15,7 @@ from utils.config import (
     validate,
 )
 from utils.distributed import DistContext, cleanup, init_distributed
+from utils.errors import ConfigError
 from utils.logs import setup_logging
 
 if TYPE_CHECKING:

@@ -10,7 +10,10 @@ from typing import Any
 
 import yaml
 
-from utils.distributed import DistContext
+from utils.data.cache import CACHE_MODES
+from utils.distributed import DistContext, per_rank_batch
+from utils.errors import ConfigError, read_yaml_mapping
+from utils.train.optim import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT / "data" / "synthetic.yaml"
@@ -24,12 +27,6 @@ QUICKSTART_EPOCHS = 20
 QUICKSTART_BATCH = 16
 QUICKSTART_OPTIMIZER = "AdamW"
 QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)
-CACHE_MODES = ("auto", "none", "ram", "disk")
-OPTIMIZERS = ("SGD", "Adam", "AdamW")
-
-
-class ConfigError(ValueError):
-    """A user mistake in a flag or a config file; the message is one line naming the flag or file."""
 
 
 @dataclass(frozen=True)
@@ -72,22 +69,6 @@ class Hyp:
         return dataclasses.asdict(self)
 
 
-def read_yaml_mapping(path: Path) -> dict[str, Any]:
-    """Read a YAML file that must hold a mapping, with safe_load (nothing in it is executed).
-
-    Raises ConfigError naming the file when it is missing, unparsable or not a mapping.
-    """
-    if not path.is_file():
-        raise ConfigError(f"{path}: file not found")
-    try:
-        content = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from error
-    if not isinstance(content, dict):
-        raise ConfigError(f"{path}: expected a mapping of keys to values, got {type(content).__name__}")
-    return content
-
-
 def load_hyp(path: Path, overrides: dict[str, float] | None = None) -> Hyp:
     """Load a hyp YAML into a Hyp; unknown, missing or non-numeric keys are one-line errors naming the file."""
     raw = read_yaml_mapping(path)
@@ -112,7 +93,7 @@ class TrainConfig:
 
     hyp: Hyp
     data: Path = DEFAULT_DATA
-    cfg: str = "yolov5n"
+    model: str = "yolov5n"  # --cfg: a size (yolov5n..x, -seg) or a model YAML path
     weights: str = ""
     hyp_path: Path = QUICKSTART_HYP
     epochs: int = QUICKSTART_EPOCHS
@@ -159,11 +140,16 @@ class TrainConfig:
         return out
 
 
+# Stored option names of older checkpoints -> today's field (so --resume still reads them).
+RENAMED_OPTIONS = {"cfg": "model"}
+
+
 def config_from_dict(options: dict[str, Any]) -> TrainConfig:
     """Rebuild a TrainConfig from `TrainConfig.to_dict()` output (a checkpoint's stored options)."""
     known = {f.name: f for f in fields(TrainConfig)}
     values: dict[str, Any] = {}
     for key, value in options.items():
+        key = RENAMED_OPTIONS.get(key, key)
         if key not in known:
             continue  # options of another version: ignore rather than refuse to resume
         if key == "hyp":
@@ -202,7 +188,9 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     )
     add_common_flags(parser)
     default_cfg = "yolov5n-seg" if task == "segment" else "yolov5n"
-    parser.add_argument("--cfg", default=default_cfg, help="model size (yolov5n..yolov5x) or a model YAML path")
+    parser.add_argument(
+        "--cfg", dest="model", default=default_cfg, help="model size (yolov5n..yolov5x) or a model YAML path"
+    )
     parser.add_argument("--weights", default="", help="checkpoint to fine-tune from ('' = train from scratch)")
     parser.add_argument(
         "--hyp", type=Path, default=QUICKSTART_HYP, help="hyperparameter YAML (YOLOv5: data/hyps/hyp.scratch-low.yaml)"
@@ -272,13 +260,7 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
 
     Every rank runs the same checks on the same options, so every rank raises together.
     """
-    if cfg.batch_size < 1:
-        raise ConfigError(f"--batch-size {cfg.batch_size} must be at least 1")
-    if cfg.batch_size % ctx.world_size:
-        raise ConfigError(
-            f"--batch-size {cfg.batch_size} is not divisible by {ctx.world_size} processes; "
-            f"use a multiple of {ctx.world_size} (it is the global batch, split evenly across ranks)"
-        )
+    per_rank_batch(cfg.batch_size, ctx)
     if cfg.imgsz < 32 or cfg.imgsz % 32:
         raise ConfigError(f"--imgsz {cfg.imgsz} must be a positive multiple of 32 (the largest model stride)")
     if cfg.epochs < 1:
@@ -314,7 +296,8 @@ class ValConfig:
     conf_thres: float = 0.001
     iou_thres: float = 0.6
     max_det: int = 300
-    task: str = "val"  # "val" | "test" | "speed"
+    split: str = "val"  # "val" | "test": the dataset YAML's split to score (--task val|test)
+    speed_only: bool = False  # --task speed: time the val split at conf 0.25 / IoU 0.45, no metrics table
     device: str = ""
     workers: int = 4
     single_cls: bool = False
@@ -353,7 +336,11 @@ def build_val_parser(task: str = "detect") -> argparse.ArgumentParser:
 
 
 def val_config_from_args(args: argparse.Namespace) -> ValConfig:
-    """Build the frozen ValConfig from parsed flags, checking value ranges (one-line errors)."""
+    """Build the frozen ValConfig from parsed flags, checking value ranges (one-line errors).
+
+    `--task` keeps YOLOv5's name and values: `val`/`test` choose the split, `speed` times the val
+    split at YOLOv5's speed settings (conf 0.25, NMS IoU 0.45) without JSON or plots.
+    """
     for flag, value in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{flag} {value} must be within [0, 1]")
@@ -362,7 +349,12 @@ def val_config_from_args(args: argparse.Namespace) -> ValConfig:
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")
     names = {f.name for f in fields(ValConfig)}
-    return ValConfig(**{key: value for key, value in vars(args).items() if key in names})
+    values = {key: value for key, value in vars(args).items() if key in names}
+    if args.task == "speed":
+        values.update(split="val", speed_only=True, conf_thres=0.25, iou_thres=0.45, save_json=False, plots=False)
+    else:
+        values["split"] = args.task
+    return ValConfig(**values)
 
 
 def save_run_config(cfg: TrainConfig, run_dir: Path, ctx: DistContext) -> None:

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from utils.errors import ConfigError
+
 LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -140,6 +142,23 @@ def cleanup() -> None:
         gc.collect()
         dist.destroy_process_group()
     _CONTEXT = None
+
+
+def per_rank_batch(global_batch: int, ctx: DistContext) -> int:
+    """Return the images each rank loads per step for the **global** `--batch-size` `global_batch`.
+
+    The global batch is the one number users set (stable across 1, 8 or 64 GPUs); it must split
+    evenly across ranks, otherwise a one-line ConfigError names the flag and the fix. Every rank
+    computes the same answer from the same arguments, so every rank raises together.
+    """
+    if global_batch < 1:
+        raise ConfigError(f"--batch-size {global_batch} must be at least 1")
+    if global_batch % ctx.world_size:
+        raise ConfigError(
+            f"--batch-size {global_batch} is not divisible by {ctx.world_size} processes; "
+            f"use a multiple of {ctx.world_size} (it is the global batch, split evenly across ranks)"
+        )
+    return global_batch // ctx.world_size
 
 
 def barrier(ctx: DistContext) -> None:
@@ -281,8 +300,6 @@ def run_on_main(fn: Callable[[], T], ctx: DistContext, what: str) -> T | None:
     ConfigError as the same one-line ConfigError, anything else as RuntimeError naming `what`)
     instead of waiting in their next collective until the process-group timeout.
     """
-    from utils.config import ConfigError  # utils.config imports this module
-
     value, error = None, None
     if ctx.is_main:
         try:

@@ -9,7 +9,8 @@ from typing import Any
 from torch import nn
 
 from models.yolo import ModelSpec, build_model, spec_from_cfg
-from utils.config import ConfigError, TrainConfig
+from utils.config import TrainConfig
+from utils.errors import ConfigError
 from utils.eval.evaluate import evaluate_detection
 from utils.train.loss import DetectionLoss
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.config import ConfigError, read_yaml_mapping
 from utils.distributed import DistContext, main_first
+from utils.errors import ConfigError, read_yaml_mapping
 
 KNOWN_KEYS = {
     "path",

@@ -68,6 +68,17 @@ class DatasetOptions:
     workers: int = 8
     close_mosaic_epoch: int | None = None
 
+    @classmethod
+    def for_evaluation(cls, **settings: Any) -> DatasetOptions:
+        """Options of a validation set: no augmentation or cache, rectangular batches padded by half a stride.
+
+        `settings` are the other fields (img_size, batch_size, stride, num_classes, ...). Training's
+        per-epoch validation and val.py both build their sets here, so the same batch size gives the
+        same images and the same numbers.
+        """
+        fixed = {"augment": False, "aug": AugmentParams(), "rect": True, "pad": 0.5, "cache_mode": "none"}
+        return cls(**{**settings, **fixed})
+
 
 def rect_batch_shapes(
     shapes_wh: np.ndarray, batch_size: int, img_size: int, stride: int, pad: float

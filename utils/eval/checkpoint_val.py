@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,14 +12,15 @@ from torch import nn
 
 from models.yolo import ModelSpec, memory_format
 from utils.boxes import xyxy_to_xywhn
-from utils.config import ConfigError, ValConfig
-from utils.data.augment import AugmentParams
+from utils.config import ValConfig
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
 from utils.data.loader import build_val_loader
-from utils.distributed import DistContext, all_gather_objects, broadcast_object
+from utils.distributed import DistContext, all_gather_objects, per_rank_batch
+from utils.errors import ConfigError
 from utils.eval.coco import CocoTarget, check_coco_target, coco_evaluate
 from utils.eval.evaluate import EvalOptions, EvalResult, format_results
+from utils.runs import create_run_dir
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
 
@@ -36,11 +36,7 @@ def load_model_for_eval(
     A checkpoint of another task (segment vs detect) is a one-line ConfigError.
     """
     checkpoint = ckpt_io.load_checkpoint(path)
-    if checkpoint.get("task", "detect") != task.name:
-        raise ConfigError(
-            f"{path} is a {checkpoint.get('task')} checkpoint but this is the {task.name} validator; "
-            f"use {'segment/val.py' if checkpoint.get('task') == 'segment' else 'val.py'}"
-        )
+    ckpt_io.check_checkpoint_task(checkpoint, task.name, path, "val")
     model = task.build_model(ModelSpec.from_dict(checkpoint["model_spec"]))
     model.load_state_dict(checkpoint.get("ema") or checkpoint["model"])
     model = model.fuse().eval().to(ctx.device, memory_format=memory_format(channels_last))
@@ -62,14 +58,8 @@ class ValSetup:
     coco_target: CocoTarget | None  # rank 0 only, when --save-json and the YAML names annotations
 
 
-def speed_config(cfg: ValConfig) -> ValConfig:
-    """Return the options of `--task speed` (YOLOv5): conf 0.25, NMS IoU 0.45, no JSON or plots, val split."""
-    LOGGER.info("--task speed: timing the val split at --conf-thres 0.25 --iou-thres 0.45, no JSON")
-    return dataclasses.replace(cfg, conf_thres=0.25, iou_thres=0.45, save_json=False, plots=False)
-
-
 def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalResult:
-    """Evaluate checkpoint `cfg.weights` on split `cfg.task` of `cfg.data`; every rank calls it.
+    """Evaluate checkpoint `cfg.weights` on split `cfg.split` of `cfg.data`; every rank calls it.
 
     Images are sharded across ranks without padding and statistics gathered, so a torchrun
     validation scores each image once. With --save-json, predictions.json goes to the run folder
@@ -77,8 +67,8 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     mAP50-95 come from pycocotools COCOeval; --plots writes the PR / F1 / P / R curves and the confusion matrix there
     (rank 0, after the last collective). Rank 0 logs the table and per-image timings.
     """
-    if cfg.task == "speed":
-        cfg = speed_config(cfg)
+    if cfg.speed_only:
+        LOGGER.info("--task speed: timing the val split at --conf-thres 0.25 --iou-thres 0.45, no JSON")
     setup = prepare_validation(cfg, task, ctx)
     eval_options = EvalOptions(
         num_classes=len(setup.names),
@@ -99,7 +89,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     report(result, setup.names, cfg, ctx, setup.data.annotations.get(setup.split))
     if cfg.save_txt and setup.save_dir is not None:
         save_txt(result, setup.save_dir / "labels")
-    if cfg.plots and cfg.task != "speed" and setup.save_dir is not None and ctx.is_main:
+    if cfg.plots and setup.save_dir is not None and ctx.is_main:
         from utils.plots import plot_evaluation
 
         plot_evaluation(result, setup.names, setup.save_dir)
@@ -114,57 +104,31 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     Every rank calls it. Problems that can be found before inference (batch divisibility, class
     count, a missing or malformed annotations file) are one-line ConfigErrors raised on every rank.
     """
-    if cfg.batch_size % ctx.world_size:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {ctx.world_size} processes")
+    per_rank = per_rank_batch(cfg.batch_size, ctx)
     if cfg.half and ctx.device.type != "cuda":
         LOGGER.warning("--half needs CUDA; validating in FP32 on CPU")
     # First: cheap, and a wrong checkpoint fails fast.
     model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, cfg.half, cfg.channels_last)
     data = load_data_config(cfg.data, ctx)
-    split = "val" if cfg.task == "speed" else cfg.task
+    split = cfg.split
     coco_target = check_coco_target(data, split, ctx, cfg.single_cls) if cfg.save_json else None
     names = ("item",) if cfg.single_cls else data.names
     if len(names) != len(checkpoint["names"]):
         trained = len(checkpoint["names"])
         raise ConfigError(f"{cfg.weights} was trained on {trained} classes but {cfg.data} has {len(names)}")
-    save_dir = create_val_dir(cfg, ctx) if cfg.save_json or cfg.save_txt or cfg.plots else None
-    loader = build_loader(cfg, task, data.split(split), int(model.stride.max()), len(data.names), ctx)
-    return ValSetup(model, loader, data, names, split, save_dir, coco_target)
-
-
-def build_loader(
-    cfg: ValConfig, task: Task, sources: tuple[Path, ...], stride: int, num_classes: int, ctx: DistContext
-) -> Any:
-    """Build this rank's rectangular-batch validation loader (per-rank batch = global batch / world size)."""
-    per_rank = cfg.batch_size // ctx.world_size
-    options = DatasetOptions(
+    wants_dir = cfg.save_json or cfg.save_txt or cfg.plots
+    save_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok, ctx) if wants_dir else None
+    options = DatasetOptions.for_evaluation(
         img_size=cfg.imgsz,
         batch_size=per_rank,
-        augment=False,
-        aug=AugmentParams(),
-        rect=True,
-        pad=0.5,
-        stride=stride,
+        stride=int(model.stride.max()),
         single_cls=cfg.single_cls,
         with_masks=task.with_masks,
-        num_classes=num_classes,
+        num_classes=len(data.names),
         workers=cfg.workers,
     )
-    dataset = LoadImagesAndLabels(sources, options, ctx)
-    return build_val_loader(dataset, per_rank, cfg.workers, ctx)
-
-
-def create_val_dir(cfg: ValConfig, ctx: DistContext) -> Path:
-    """Pick <project>/<name> (name2, name3... unless --exist-ok) on rank 0, create it, and share the path."""
-    path = None
-    if ctx.is_main:
-        path = Path(cfg.project) / cfg.name
-        suffix = 2
-        while path.exists() and not cfg.exist_ok:
-            path = Path(cfg.project) / f"{cfg.name}{suffix}"
-            suffix += 1
-        path.mkdir(parents=True, exist_ok=True)
-    return Path(broadcast_object(str(path) if path else None, ctx))
+    loader = build_val_loader(LoadImagesAndLabels(data.split(split), options, ctx), per_rank, cfg.workers, ctx)
+    return ValSetup(model, loader, data, names, split, save_dir, coco_target)
 
 
 def report(
@@ -178,13 +142,13 @@ def report(
     mean = {key: float(np.mean([s[key] for s in speeds])) for key in speeds[0]}
     if not ctx.is_main:
         return
-    if cfg.task != "speed":
+    if not cfg.speed_only:
         LOGGER.info(format_results(result, names, cfg.verbose))
     LOGGER.info(
         f"Speed per image: {mean['preprocess']:.1f} ms pre-process, {mean['inference']:.1f} ms inference, "
-        f"{mean['nms']:.1f} ms NMS at batch {cfg.batch_size // ctx.world_size} per rank, size {cfg.imgsz}"
+        f"{mean['nms']:.1f} ms NMS at batch {per_rank_batch(cfg.batch_size, ctx)} per rank, size {cfg.imgsz}"
     )
-    if cfg.task != "speed":
+    if not cfg.speed_only:
         LOGGER.info(f"Metric source: {metric_source_text(result, cfg.save_json, annotations)}")
 
 

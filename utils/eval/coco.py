@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from utils.config import ConfigError
 from utils.data.data_config import DataConfig
 from utils.distributed import DistContext, broadcast_object, gather_objects, run_on_main
+from utils.errors import ConfigError
 from utils.eval.evaluate import EvalResult, ImagePredictions
 from utils.eval.metrics import DetectionMetrics
 

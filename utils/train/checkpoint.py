@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from utils.config import ConfigError
 from utils.distributed import DistContext
+from utils.errors import ConfigError
 from utils.train.ema import ModelEMA, unwrap_model
 
 LOGGER = logging.getLogger(__name__)
@@ -257,6 +257,18 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu", 
     if for_resume and state["optimizer"] is None:
         raise ConfigError(f"checkpoint {path} holds final weights without optimizer state; resume from a last.pt")
     return state  # type: ignore[return-value]
+
+
+def check_checkpoint_task(ckpt: Checkpoint, task_name: str, path: Path | str, script: str) -> None:
+    """Raise a one-line ConfigError when `ckpt` was trained for another task than `task_name`.
+
+    `script` is "train" or "val": the message names the entry point that takes this checkpoint
+    (a segmentation checkpoint given to val.py points at segment/val.py, and so on).
+    """
+    stored = ckpt["task"]
+    if stored != task_name:
+        entry = f"segment/{script}.py" if stored == "segment" else f"{script}.py"
+        raise ConfigError(f"{path} is a {stored} checkpoint, not a {task_name} one; use {entry}")
 
 
 def _first_useful_line(error: Exception) -> str:

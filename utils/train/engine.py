@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from models.yolo import memory_format
-from utils.config import ConfigError, TrainConfig, save_run_config
+from utils.config import TrainConfig, save_run_config
 from utils.data.data_config import load_data_config
 from utils.distributed import (
     DistContext,
@@ -28,9 +28,11 @@ from utils.distributed import (
     seed_everything,
     smart_ddp,
 )
+from utils.errors import ConfigError
 from utils.eval.coco import check_coco_target, coco_evaluate
 from utils.logs import ResultsCSV, tqdm_disabled
 from utils.plots import batch_drawer, plot_run
+from utils.runs import create_run_dir
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
 from utils.train.ema import ModelEMA
@@ -47,7 +49,6 @@ from utils.train.setup import (
     ModelBundle,
     build_datasets,
     build_model_bundle,
-    create_run_dir,
     log_startup,
     resolve_resume,
     run_anchor_check,
@@ -270,7 +271,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     """
     cfg, resume_ckpt = resolve_resume(cfg, ctx)
     seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
-    run_dir = create_run_dir(cfg, ctx, resume=resume_ckpt is not None)
+    run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resume_ckpt is not None, ctx, subdirs=("weights",))
     save_run_config(cfg, run_dir, ctx)
     data = load_data_config(cfg.data, ctx)
     # A bad annotations file fails now, not after training; the parsed file is not kept (it can be large).

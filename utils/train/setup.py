@@ -14,12 +14,13 @@ from torch import nn
 
 from models.anchors import check_anchors
 from models.yolo import ModelSpec, memory_format, model_info
-from utils.config import ConfigError, Hyp, TrainConfig, config_from_dict
+from utils.config import Hyp, TrainConfig, config_from_dict
 from utils.data.augment import AugmentParams
 from utils.data.data_config import DataConfig
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
 from utils.data.loader import build_train_loader, build_val_loader
-from utils.distributed import DistContext, all_gather_objects, broadcast_object
+from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch
+from utils.errors import ConfigError
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
 
@@ -75,31 +76,12 @@ def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dic
     return cfg, checkpoint
 
 
-def create_run_dir(cfg: TrainConfig, ctx: DistContext, resume: bool) -> Path:
-    """Pick runs/<task>/<name> (name2, name3... unless --exist-ok) on rank 0, create it, share the path."""
-    path = None
-    if ctx.is_main:
-        path = Path(cfg.project) / cfg.name
-        if path.exists() and not (cfg.exist_ok or resume):
-            suffix = 2
-            while (Path(cfg.project) / f"{cfg.name}{suffix}").exists():
-                suffix += 1
-            path = Path(cfg.project) / f"{cfg.name}{suffix}"
-        (path / "weights").mkdir(parents=True, exist_ok=True)
-    return Path(broadcast_object(str(path) if path else None, ctx))
-
-
 def _transfer_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Load the entries of `state` whose names and shapes match `model` (fine-tuning to new classes)."""
     own = model.state_dict()
     matching = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     model.load_state_dict(matching, strict=False)
     LOGGER.info(f"Transferred {len(matching)}/{len(own)} tensors from {source}")
-
-
-def _check_task(checkpoint: dict[str, Any], task: Task, path: str) -> None:
-    if checkpoint.get("task", "detect") != task.name:
-        raise ConfigError(f"{path} is a {checkpoint.get('task')} checkpoint; use the {checkpoint.get('task')} scripts")
 
 
 def build_model_bundle(
@@ -114,18 +96,18 @@ def build_model_bundle(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         if resume is not None:
-            _check_task(resume, task, cfg.resume)
+            ckpt_io.check_checkpoint_task(resume, task.name, cfg.resume, "train")
             spec = ModelSpec.from_dict(resume["model_spec"])
             model = task.build_model(spec)
             model.load_state_dict(resume["model"])
         elif cfg.weights:
             source = ckpt_io.load_checkpoint(cfg.weights)
-            _check_task(source, task, cfg.weights)
+            ckpt_io.check_checkpoint_task(source, task.name, cfg.weights, "train")
             spec = dataclasses.replace(ModelSpec.from_dict(source["model_spec"]), num_classes=len(names))
             model = task.build_model(spec)
             _transfer_weights(model, source.get("ema") or source["model"], cfg.weights)
         else:
-            spec = task.spec_from_cfg(cfg.cfg, len(names))
+            spec = task.spec_from_cfg(cfg.model, len(names))
             model = task.build_model(spec)
     freeze_layers(model, cfg.freeze)
     return ModelBundle(model.to(ctx.device, memory_format=memory_format(cfg.channels_last)), spec, tuple(names))
@@ -164,7 +146,7 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
     Validation is sharded across ranks without padding (ShardedInferenceSampler) and its
     statistics gathered, so each val image is scored exactly once and no rank idles.
     """
-    per_rank = cfg.batch_size // ctx.world_size
+    per_rank = per_rank_batch(cfg.batch_size, ctx)
     stride = int(bundle.model.stride.max())
     common = dict(
         img_size=cfg.imgsz,
@@ -187,9 +169,7 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
         **common,
     )
     train = LoadImagesAndLabels(data.split("train"), train_options, ctx)
-    val_options = DatasetOptions(
-        batch_size=per_rank * 2, augment=False, aug=AugmentParams(), rect=True, pad=0.5, cache_mode="none", **common
-    )
+    val_options = DatasetOptions.for_evaluation(batch_size=per_rank * 2, **common)
     val = LoadImagesAndLabels(data.split("val"), val_options, ctx)
     train_loader = build_train_loader(train, per_rank, cfg.workers, ctx, cfg.seed, shuffle=not cfg.rect)
     val_loader = build_val_loader(val, per_rank * 2, cfg.workers, ctx)
