@@ -8,13 +8,11 @@ import numpy as np
 import pycocotools.mask as mask_utils
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from segment.ops import process_masks
 from utils.boxes import xywh_to_xyxy
 from utils.data.masks import polygons_to_masks
-from utils.distributed import DistContext
-from utils.eval.evaluate import DetectionScorer, EvalOptions, EvalResult, ImageScore, evaluate_detection, match_classes
+from utils.eval.evaluate import DetectionScorer, ImageScore, match_classes
 
 RLE_CHUNK = 32  # detections resized to original size at a time (bounds memory on large images)
 
@@ -72,10 +70,6 @@ class SegmentationScorer(DetectionScorer):
     def __init__(self, num_masks: int) -> None:
         self.num_masks = num_masks
 
-    def loss_kwargs(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-        """The segmentation loss also needs the batch's ground-truth masks."""
-        return {"masks": batch["masks"].to(device, non_blocking=True)}
-
     def score_batch(
         self, outputs: list[torch.Tensor], loss_input: Any, targets: torch.Tensor, batch: dict[str, Any], collect: bool
     ) -> list[ImageScore]:
@@ -120,15 +114,3 @@ def _meets_a_label(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     high = torch.minimum(true_boxes[:, None, 2:4], pred[None, :, 2:4])
     overlaps = ((high - low) > 0).all(dim=2) & (labels[:, None, 1] == pred[None, :, 5])
     return overlaps.any(dim=0)
-
-
-def evaluate_segmentation(
-    model: nn.Module,
-    batches: Any,
-    options: EvalOptions,
-    ctx: DistContext,
-    loss_fn: Any = None,
-) -> EvalResult:
-    """Evaluate boxes and masks of a segmentation model; see utils.eval.evaluate.evaluate_detection."""
-    num_masks = getattr(model, "module", model).head.num_masks
-    return evaluate_detection(model, batches, options, ctx, loss_fn, SegmentationScorer(num_masks))

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from torch import nn
+
 from models.yolo import ModelSpec, build_model, segmentation_spec, spec_from_cfg
-from segment.evaluate import evaluate_segmentation
+from segment.evaluate import SegmentationScorer
 from segment.loss import build_segmentation_loss
-from utils.tasks import BOX_METRICS, Task
+from utils.tasks import BOX_METRICS, Task, detection_loss_inputs
 
 MASK_METRICS = tuple(f"mask_{name}" for name in BOX_METRICS)
 
 
-def segment_spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
+def segment_spec_from_cfg(model: str, num_classes: int) -> ModelSpec:
     """Resolve `--cfg` for segmentation: 'yolov5s' and 'yolov5s-seg' both give the -seg model (32 masks)."""
-    spec = spec_from_cfg(cfg, num_classes)
+    spec = spec_from_cfg(model, num_classes)
     return spec if spec.num_masks else segmentation_spec(spec)
+
+
+def segmentation_loss_inputs(batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """Return the detection loss inputs plus the batch's ground-truth `masks` (per instance or overlap) on `device`."""
+    return {**detection_loss_inputs(batch, device), "masks": batch["masks"].to(device, non_blocking=True)}
+
+
+def make_segmentation_scorer(model: nn.Module) -> SegmentationScorer:
+    """Return the mask-aware scorer for `model` (its head's number of mask coefficients)."""
+    return SegmentationScorer(getattr(model, "module", model).head.num_masks)
 
 
 SEGMENT = Task(
@@ -24,5 +39,6 @@ SEGMENT = Task(
     build_model=build_model,
     spec_from_cfg=segment_spec_from_cfg,
     build_loss=build_segmentation_loss,
-    evaluate=evaluate_segmentation,
+    loss_inputs=segmentation_loss_inputs,
+    make_scorer=make_segmentation_scorer,
 )

@@ -29,8 +29,8 @@ from tests.dist_helpers import run_distributed
 from utils.config import DEFAULT_HYP, TrainConfig, build_train_parser, config_from_args, load_hyp
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext, average_bn_stats
-from utils.eval.evaluate import evaluate_detection
-from utils.tasks import DETECT
+from utils.eval.evaluate import DetectionScorer, evaluate
+from utils.tasks import DETECT, Task
 from utils.train.engine import build_train_state, fit, train_one_epoch
 from utils.train.setup import ModelBundle, verify_identical_weights
 
@@ -46,6 +46,7 @@ TINY = SyntheticSpec(num_train=8, num_val=4, max_objects=3, min_object_frac=0.2,
 # rises, so rank 1 alone would train all EARLY_STOP_EPOCHS. Only the broadcast keeps them together.
 FITNESS_BY_RANK = ((0.5, 0.4, 0.6, 0.7, 0.8, 0.9), (0.1, 0.2, 0.3, 0.4, 0.5, 0.6))
 EARLY_STOP_EPOCHS = 4
+pytestmark = pytest.mark.distributed  # every test runs on 2 spawned gloo processes (rank_results or Popen)
 
 
 # ---------------------------------------------------------------------------------------------- fixed data
@@ -258,11 +259,21 @@ class _RankFitness:
         return self.metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class _RankFitnessTask(Task):
+    """DETECT whose evaluation reports rank-dependent fitness (to prove the early-stop decision is rank 0's)."""
+
+    def evaluate(self, model: nn.Module, batches: Any, options: Any, ctx: DistContext, loss_fn: Any = None) -> Any:
+        return _evaluate_with_rank_fitness(model, batches, options, ctx, loss_fn)
+
+
 def _evaluate_with_rank_fitness(
     model: nn.Module, batches: Any, options: Any, ctx: DistContext, loss_fn: Any = None
 ) -> Any:
     """The real evaluation (its collectives included), reporting a per-rank fitness sequence."""
-    return _RankFitness(evaluate_detection(model, batches, options, ctx, loss_fn), ctx.rank)
+    inputs = DETECT.loss_inputs
+    result = evaluate(model, batches, options, ctx, scorer=DetectionScorer(), loss_fn=loss_fn, loss_inputs=inputs)
+    return _RankFitness(result, ctx.rank)
 
 
 def _fit_with_patience(ctx: DistContext, data_yaml: str, project: str) -> int:
@@ -271,8 +282,7 @@ def _fit_with_patience(ctx: DistContext, data_yaml: str, project: str) -> int:
             "--device", "cpu", "--project", project, "--name", "patience", "--seed", "3",
             "--epochs", str(EARLY_STOP_EPOCHS), "--patience", "1", "--noplots"]  # fmt: skip
     cfg = config_from_args(build_train_parser("detect").parse_args(args), "detect")
-    task = dataclasses.replace(DETECT, evaluate=_evaluate_with_rank_fitness)
-    return fit(cfg, task, ctx).epochs_run
+    return fit(cfg, _RankFitnessTask(**vars(DETECT)), ctx).epochs_run
 
 
 def _captured(check: Any, *args: Any) -> Any:

@@ -1,16 +1,12 @@
-"""Rank-aware logging set-up and the per-epoch results CSV."""
+"""Rank-aware logging set-up (INFO on rank 0, rank-tagged warnings elsewhere) and progress-bar policy."""
 
 from __future__ import annotations
 
-import csv
 import logging
 import os
 import sys
-from pathlib import Path
 
 from utils.distributed import DistContext
-
-ROOT_LOGGER = "yolo"
 
 
 class _RankFilter(logging.Filter):
@@ -49,32 +45,3 @@ def setup_logging(ctx: DistContext, verbose: bool = False) -> None:
 def tqdm_disabled(ctx: DistContext) -> bool:
     """Progress bars are shown on rank 0 only, and never when stderr is not a terminal in CI."""
     return not ctx.is_main or os.environ.get("CI", "").lower() == "true"
-
-
-class ResultsCSV:
-    """Append one row per epoch to results.csv on rank 0; other ranks do nothing.
-
-    The header is written with the first row; a resumed run appends to the existing file.
-    """
-
-    def __init__(self, path: Path, ctx: DistContext) -> None:
-        self.path = path
-        self.is_writer = ctx.is_main
-
-    def append(self, row: dict[str, float | int | str]) -> None:
-        """Write `row` (column -> value); columns are fixed by the first row written."""
-        if not self.is_writer:
-            return
-        is_new = not self.path.exists() or self.path.stat().st_size == 0
-        with self.path.open("a", newline="", encoding="utf-8") as file:
-            writer = csv.writer(file)
-            if is_new:
-                writer.writerow(list(row))
-            writer.writerow([f"{v:.6g}" if isinstance(v, float) else v for v in row.values()])
-
-    def read(self) -> list[dict[str, str]]:
-        """Return the rows written so far (for plots and tests)."""
-        if not self.path.exists():
-            return []
-        with self.path.open(newline="", encoding="utf-8") as file:
-            return list(csv.DictReader(file))

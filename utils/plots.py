@@ -24,7 +24,7 @@ from utils.eval.metrics import RECALL_LEVELS, DetectionMetrics
 
 if TYPE_CHECKING:
     from utils.eval.evaluate import EvalResult
-    from utils.logs import ResultsCSV
+    from utils.train.results import ResultsCSV
 
 LOGGER = logging.getLogger(__name__)
 TRAIN_BATCH_PLOTS = 3  # train_batch0.jpg ... of the first epoch, to check labels and augmentation by eye

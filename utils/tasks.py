@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from models.yolo import ModelSpec, build_model, spec_from_cfg
 from utils.config import TrainConfig
+from utils.distributed import DistContext
 from utils.errors import ConfigError
-from utils.eval.evaluate import evaluate_detection
+from utils.eval.evaluate import DetectionScorer, EvalOptions, EvalResult, LossInputs, evaluate
 from utils.train.loss import DetectionLoss
 
 BOX_METRICS = ("precision", "recall", "mAP50", "mAP50-95")
@@ -19,29 +21,49 @@ BOX_METRICS = ("precision", "recall", "mAP50", "mAP50-95")
 
 @dataclass(frozen=True)
 class Task:
-    """The seam between the engine and a task; the engine calls only these fields.
+    """The seam between the engine and a task; the engine and the evaluation loop call only these.
 
     - build_model(spec) -> nn.Module
-    - spec_from_cfg(cfg, num_classes) -> ModelSpec
-    - build_loss(model, cfg: TrainConfig) -> callable (preds, targets, reduce_counts[, masks=]) -> (loss, items)
-    - evaluate(model, batches, EvalOptions, ctx, loss_fn) -> EvalResult
+    - spec_from_cfg(model, num_classes) -> ModelSpec: resolves `--cfg` (a size name or a model YAML)
+    - build_loss(model, cfg) -> callable (preds, *, targets, [masks,] reduce_counts) -> (loss, items)
+    - loss_inputs(batch, device) -> the loss's keyword inputs taken from a batch; training and
+      validation both get them here
+    - make_scorer(model) -> the evaluation loop's task-specific matching (DetectionScorer or a subclass)
     """
 
     name: str
-    with_masks: bool
+    with_masks: bool  # the dataset emits polygons and masks, the collate concatenates them
     loss_names: tuple[str, ...]
     metric_names: tuple[str, ...]  # keys of EvalResult.as_dict() logged per epoch (besides fitness)
     build_model: Callable[[ModelSpec], nn.Module]
     spec_from_cfg: Callable[[str, int], ModelSpec]
     build_loss: Callable[[nn.Module, TrainConfig], Callable[..., Any]]
-    evaluate: Callable[..., Any]
+    loss_inputs: LossInputs
+    make_scorer: Callable[[nn.Module], DetectionScorer]
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        batches: Iterable[dict[str, Any]],
+        options: EvalOptions,
+        ctx: DistContext,
+        loss_fn: Callable[..., Any] | None = None,
+    ) -> EvalResult:
+        """Run the evaluation loop (utils/eval/evaluate.py) with this task's scorer and loss inputs; all ranks call."""
+        scorer, inputs = self.make_scorer(model), self.loss_inputs
+        return evaluate(model, batches, options, ctx, scorer=scorer, loss_fn=loss_fn, loss_inputs=inputs)
 
 
-def detect_spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
+def detection_loss_inputs(batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """Return what the detection loss takes from a batch: `targets` (N, 6) [image, cls, cx, cy, w, h] on `device`."""
+    return {"targets": batch["targets"].to(device, non_blocking=True)}
+
+
+def detect_spec_from_cfg(model: str, num_classes: int) -> ModelSpec:
     """Resolve `--cfg` for detection; a segmentation model ('-seg', num_masks) is a one-line ConfigError."""
-    spec = spec_from_cfg(cfg, num_classes)
+    spec = spec_from_cfg(model, num_classes)
     if spec.num_masks:
-        raise ConfigError(f"--cfg {cfg} is a segmentation model; train it with segment/train.py")
+        raise ConfigError(f"--cfg {model} is a segmentation model; train it with segment/train.py")
     return spec
 
 
@@ -58,5 +80,6 @@ DETECT = Task(
     build_model=build_model,
     spec_from_cfg=detect_spec_from_cfg,
     build_loss=build_detection_loss,
-    evaluate=evaluate_detection,
+    loss_inputs=detection_loss_inputs,
+    make_scorer=lambda model: DetectionScorer(),
 )

@@ -19,11 +19,13 @@ from utils.eval.metrics import ConfusionMatrix, DetectionMetrics, iou_thresholds
 from utils.logs import tqdm_disabled
 
 LOGGER = logging.getLogger(__name__)
+# batch, device -> the loss's keyword inputs (targets, and masks for segmentation): Task.loss_inputs.
+LossInputs = Callable[[dict[str, Any], torch.device], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class EvalOptions:
-    """What evaluate_detection needs besides the model and the data."""
+    """What the evaluation loop needs besides the model and the data."""
 
     num_classes: int
     conf_thres: float = 0.001
@@ -86,7 +88,7 @@ class DetectionScorer:
     """The detection-specific steps of the evaluation loop; SegmentationScorer extends it with masks.
 
     `split_output` separates the eval forward's output into decoded predictions and what the loss
-    takes; `loss_kwargs` gives extra loss inputs from the batch; `score_batch` matches one batch.
+    takes; `score_batch` matches one batch.
     """
 
     num_masks = 0
@@ -95,10 +97,6 @@ class DetectionScorer:
     def split_output(self, output: Any) -> tuple[torch.Tensor, Any]:
         """Return (decoded (B, N, no), loss input) from the eval forward's output."""
         return output[0], output[1]
-
-    def loss_kwargs(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-        """Extra keyword arguments of the loss for this batch (none for detection)."""
-        return {}
 
     def score_batch(
         self, outputs: list[torch.Tensor], loss_input: Any, targets: torch.Tensor, batch: dict[str, Any], collect: bool
@@ -168,21 +166,26 @@ def match_classes(detections: torch.Tensor, true_cls: torch.Tensor, iou: torch.T
 
 
 @torch.no_grad()
-def evaluate_detection(
+def evaluate(
     model: nn.Module,
     batches: Iterable[dict[str, Any]],
     options: EvalOptions,
     ctx: DistContext,
-    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    *,
     scorer: DetectionScorer | None = None,
+    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    loss_inputs: LossInputs | None = None,
 ) -> EvalResult:
     """Run `model` (eval mode) over this rank's validation batches and return metrics over all ranks.
 
-    Every rank must call it: per-image match statistics are gathered from all ranks (the val
-    sampler shards images without padding, so each image is scored exactly once) and every rank
-    computes the same metrics. `model` is a plain module (the EMA or an unwrapped model), never
-    DDP, so ranks with different numbers of batches never meet in a collective mid-loop.
-    `scorer` holds the task-specific steps (DetectionScorer by default).
+    The one evaluation loop of every task (call it through `Task.evaluate`, which supplies the
+    task's scorer and loss inputs). Every rank must call it: per-image match statistics are
+    gathered from all ranks (the val sampler shards images without padding, so each image is
+    scored exactly once) and every rank computes the same metrics. `model` is a plain module (the
+    EMA or an unwrapped model), never DDP, so ranks with different numbers of batches never meet
+    in a collective mid-loop. `scorer` holds the task-specific matching (DetectionScorer by
+    default). With `loss_fn`, the mean validation loss is computed too, from the inputs
+    `loss_inputs(batch, device)` gives (the same Task hook the training loop uses).
     """
     scorer = scorer or DetectionScorer()
     device = next(model.parameters()).device
@@ -203,8 +206,8 @@ def evaluate_detection(
         decoded, loss_input = scorer.split_output(model(images))
         _sync(device)
         after_inference = time.perf_counter()
-        if loss_fn is not None:
-            loss_sum += loss_fn(loss_input, targets, **scorer.loss_kwargs(batch, device))[1]
+        if loss_fn is not None and loss_inputs is not None:
+            loss_sum += loss_fn(loss_input, **loss_inputs(batch, device))[1]
             seen[1] += 1
         height, width = images.shape[2:]
         targets[:, 2:6] *= torch.tensor((width, height, width, height), device=device)

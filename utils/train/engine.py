@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from models.yolo import memory_format
 from utils.config import TrainConfig, save_run_config
-from utils.data.data_config import load_data_config
+from utils.data.data_config import DataConfig, load_data_config
 from utils.distributed import (
     DistContext,
     all_reduce_sum,
@@ -30,22 +30,25 @@ from utils.distributed import (
 )
 from utils.errors import ConfigError
 from utils.eval.coco import check_coco_target, coco_evaluate
-from utils.logs import ResultsCSV, tqdm_disabled
+from utils.eval.evaluate import EvalOptions, EvalResult
+from utils.logs import tqdm_disabled
 from utils.plots import batch_drawer, plot_run
 from utils.runs import create_run_dir
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
 from utils.train.ema import ModelEMA
 from utils.train.optim import (
+    Warmup,
     accumulate_steps,
-    apply_warmup,
     build_optimizer,
     build_scheduler,
     lr_lambda,
     scaled_weight_decay,
     warmup_iterations,
 )
+from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV
 from utils.train.setup import (
+    Datasets,
     ModelBundle,
     build_datasets,
     build_model_bundle,
@@ -68,10 +71,11 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler
     ema: ModelEMA
-    loss_fn: Any
+    loss_fn: Any  # the task's loss: (preds, *, reduce_counts, **task.loss_inputs(batch)) -> (loss, items)
+    loss_inputs: Callable[[dict[str, Any], torch.device], dict[str, torch.Tensor]]  # Task.loss_inputs
     accumulate: int
-    warmup_iters: int
-    lr_fn: Any
+    warmup: Warmup
+    lr_fn: Callable[[int], float]
     use_amp: bool
     last_opt_step: int = -1
     best_fitness: float = 0.0
@@ -122,24 +126,13 @@ def train_one_epoch(
         iteration = i + num_batches * epoch
         images = batch["images"].to(ctx.device, non_blocking=True).float() / 255
         accumulate = _accumulate_now(state, iteration, cfg)
-        if iteration <= state.warmup_iters:
-            apply_warmup(
-                state.optimizer,
-                iteration,
-                state.warmup_iters,
-                epoch,
-                state.lr_fn,
-                cfg.hyp.warmup_bias_lr,
-                cfg.hyp.warmup_momentum,
-                cfg.hyp.momentum,
-            )
+        state.warmup.apply(state.optimizer, iteration, epoch)
         is_step = iteration - state.last_opt_step >= accumulate
         sync_context = state.ddp.no_sync() if ctx.is_distributed and not is_step else contextlib.nullcontext()
         with sync_context:
             with torch.autocast(ctx.device.type, dtype=torch.float16, enabled=state.use_amp):
                 preds = state.ddp(images)
-                extra = {"masks": batch["masks"].to(ctx.device, non_blocking=True)} if "masks" in batch else {}
-                loss, items = state.loss_fn(preds, batch["targets"].to(ctx.device), reduce_counts, **extra)
+                loss, items = state.loss_fn(preds, reduce_counts=reduce_counts, **state.loss_inputs(batch, ctx.device))
             state.scaler.scale(loss * ctx.world_size).backward()
         state.nonfinite_losses += not math.isfinite(float(loss.detach()))
         if is_step:
@@ -182,10 +175,10 @@ def _stop_if_nonfinite(state: TrainState, ctx: DistContext, where: str) -> None:
 
 def _accumulate_now(state: TrainState, iteration: int, cfg: TrainConfig) -> int:
     """Accumulation steps at `iteration`: ramps from 1 to the nominal value during warmup."""
-    if iteration > state.warmup_iters:
+    if iteration > state.warmup.iterations:
         return state.accumulate
     global_batch = cfg.batch_size
-    return max(1, int(np.interp(iteration, [0, state.warmup_iters], [1, cfg.hyp.nbs / global_batch]).round()))
+    return max(1, int(np.interp(iteration, [0, state.warmup.iterations], [1, cfg.hyp.nbs / global_batch]).round()))
 
 
 def _optimizer_step(state: TrainState) -> None:
@@ -212,8 +205,10 @@ def build_train_state(bundle: ModelBundle, cfg: TrainConfig, task: Task, ctx: Di
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=use_amp)
     ema = ModelEMA(model)
     loss_fn = task.build_loss(model, cfg)
-    warmup = warmup_iterations(cfg.hyp.warmup_epochs, batches)
-    return TrainState(model, ddp, optimizer, scheduler, scaler, ema, loss_fn, accumulate, warmup, lr_fn, use_amp)
+    warmup = Warmup.from_hyp(cfg.hyp, warmup_iterations(cfg.hyp.warmup_epochs, batches), lr_fn)
+    return TrainState(
+        model, ddp, optimizer, scheduler, scaler, ema, loss_fn, task.loss_inputs, accumulate, warmup, lr_fn, use_amp
+    )
 
 
 def restore_state(state: TrainState, checkpoint: dict[str, Any], cfg: TrainConfig, batches: int) -> None:
@@ -231,11 +226,35 @@ def restore_state(state: TrainState, checkpoint: dict[str, Any], cfg: TrainConfi
     state.last_opt_step = state.start_epoch * batches - 1
 
 
-def checkpoint_state(state: TrainState, bundle: ModelBundle, cfg: TrainConfig, epoch: int, task: Task) -> dict:
+@dataclass(frozen=True)
+class TrainRun:
+    """What stays fixed for one fit(): the options, the task, this process, the data, model and loaders, the folder."""
+
+    cfg: TrainConfig
+    task: Task
+    ctx: DistContext
+    data: DataConfig
+    bundle: ModelBundle
+    datasets: Datasets
+    run_dir: Path
+
+    @property
+    def last(self) -> Path:
+        """weights/last.pt: written every epoch with the full state, for --resume."""
+        return self.run_dir / "weights" / "last.pt"
+
+    @property
+    def best(self) -> Path:
+        """weights/best.pt: the best fitness so far; stripped to fp16 EMA weights at the end."""
+        return self.run_dir / "weights" / "best.pt"
+
+
+def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Checkpoint:
     """Return the checkpoint for the end of `epoch`: plain data and state dicts only."""
-    run = ckpt_io.RunInfo(task.name, bundle.spec.to_dict(), bundle.names, cfg.to_dict(), cfg.hyp.to_dict())
+    cfg, bundle = run.cfg, run.bundle
+    info = ckpt_io.RunInfo(run.task.name, bundle.spec.to_dict(), list(bundle.names), cfg.to_dict(), cfg.hyp.to_dict())
     return ckpt_io.build_checkpoint(
-        run=run,
+        run=info,
         model=state.model,
         ema=state.ema,
         optimizer=state.optimizer,
@@ -243,24 +262,6 @@ def checkpoint_state(state: TrainState, bundle: ModelBundle, cfg: TrainConfig, e
         epoch=epoch,
         best_fitness=state.best_fitness,
     )
-
-
-class EarlyStopper:
-    """Stop when fitness has not improved for `patience` epochs. Consulted on rank 0 only."""
-
-    def __init__(self, patience: int) -> None:
-        self.patience = patience if patience > 0 else math.inf
-        self.best_fitness = -math.inf
-        self.best_epoch = 0
-
-    def should_stop(self, epoch: int, fitness: float) -> bool:
-        """Record `fitness` for `epoch`; True when the run should end now."""
-        if fitness >= self.best_fitness:
-            self.best_fitness, self.best_epoch = fitness, epoch
-        stop = epoch - self.best_epoch >= self.patience
-        if stop:
-            LOGGER.info(f"Early stop: no improvement for {self.patience} epochs, best epoch {self.best_epoch + 1}")
-        return stop
 
 
 def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
@@ -278,6 +279,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     check_coco_target(data, "val", ctx, cfg.single_cls)
     bundle = build_model_bundle(cfg, task, data, ctx, resume_ckpt)
     datasets = build_datasets(cfg, task, data, bundle, ctx)
+    run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir)
     if resume_ckpt is None and not cfg.weights:
         run_anchor_check(bundle, datasets.train, cfg, ctx)
     state = build_train_state(bundle, cfg, task, ctx, len(datasets.train_loader))
@@ -286,53 +288,50 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
         restore_state(state, resume_ckpt, cfg, len(datasets.train_loader))
         del resume_ckpt
     log_startup(cfg, bundle, datasets, state.accumulate, ctx)
-    weights_dir = run_dir / "weights"
-    last, best = weights_dir / "last.pt", weights_dir / "best.pt"
     results = ResultsCSV(run_dir / "results.csv", ctx)
     stopper = EarlyStopper(cfg.patience)
     epoch = state.start_epoch
     for epoch in range(state.start_epoch, cfg.epochs):
-        start = time.time()
-        datasets.train_loader.set_epoch(epoch)
-        if epoch == datasets.train.options.close_mosaic_epoch and datasets.train.use_mosaic:
-            closed = cfg.epochs - epoch
-            LOGGER.info(f"Closing mosaic: the last {closed} epoch(s) train on single letterboxed images")
-        draw = batch_drawer(run_dir, bundle.names) if ctx.is_main and not cfg.noplots and epoch == 0 else None
-        train_loss = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx, on_batch=draw)
-        lrs = [group["lr"] for group in state.optimizer.param_groups]
-        state.scheduler.step()
-        # Per-rank BN (CPU, or no --sync-bn): every rank averages statistics before eval and save.
-        average_bn_stats(state.model, ctx)
-        average_bn_stats(state.ema.ema, ctx)
-        is_final = epoch + 1 == cfg.epochs
-        metrics, val_loss = _validate(state, task, datasets, bundle, cfg, ctx, run=not cfg.noval or is_final)
-        fitness = metrics.get("fitness", 0.0)
-        state.best_fitness = max(state.best_fitness, fitness)
-        results.append(_results_row(epoch, train_loss, val_loss, metrics, lrs, task, time.time() - start))
-        if not cfg.nosave or is_final:
-            _save(state, bundle, cfg, task, epoch, fitness, ctx, weights_dir)
-        stop = broadcast_object(stopper.should_stop(epoch, fitness) if ctx.is_main else False, ctx)
-        if stop:
+        summary = _run_epoch(run, state, epoch)
+        results.append(summary.as_row(task))
+        if not cfg.nosave or epoch + 1 == cfg.epochs:
+            _save(run, state, epoch, summary.fitness)
+        if broadcast_object(stopper.should_stop(epoch, summary.fitness) if ctx.is_main else False, ctx):
             break
     # best.pt is the deliverable: fp16 EMA weights, no optimizer (several times smaller). last.pt keeps
     # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
     # val.py on best.pt evaluates the same weights.
+    best = run.best
     run_on_main(lambda: best.exists() and ckpt_io.strip_optimizer(best, ctx), ctx, "stripping best.pt")
-    final, best, result = _final_validation((best, last), task, datasets, bundle, ctx, (cfg, data, run_dir))
+    validated, result = _final_validation(run)
     if ctx.is_main and not cfg.noplots:  # after the last collective: nothing waits on rank 0 here
         plot_run(results, result, bundle.names, run_dir)
-    return FitResult(run_dir, best, last, final, epoch + 1 - state.start_epoch)
+    metrics = {key: float(value) for key, value in result.as_dict().items()}
+    return FitResult(run_dir, validated, run.last, metrics, epoch + 1 - state.start_epoch)
 
 
-def _validate(state, task, datasets, bundle, cfg, ctx, run: bool) -> tuple[dict[str, float], np.ndarray | None]:
-    if not run:
-        return {}, None
-    from utils.eval.evaluate import EvalOptions
-
-    options = EvalOptions(num_classes=len(bundle.names), description="val")
-    result = task.evaluate(state.ema.ema, datasets.val_loader, options, ctx, state.loss_fn)
-    LOGGER.info(f"val: {_scores_line(result.as_dict())}")
-    return result.as_dict(), result.loss_items
+def _run_epoch(run: TrainRun, state: TrainState, epoch: int) -> EpochSummary:
+    """Train one epoch, average BN statistics over ranks, validate (unless --noval), and summarise it."""
+    cfg, ctx, datasets = run.cfg, run.ctx, run.datasets
+    start = time.time()
+    datasets.train_loader.set_epoch(epoch)
+    if epoch == datasets.train.options.close_mosaic_epoch and datasets.train.use_mosaic:
+        LOGGER.info(f"Closing mosaic: the last {cfg.epochs - epoch} epoch(s) train on single letterboxed images")
+    draw = batch_drawer(run.run_dir, run.bundle.names) if ctx.is_main and not cfg.noplots and epoch == 0 else None
+    train_loss = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx, on_batch=draw)
+    lrs = [group["lr"] for group in state.optimizer.param_groups]
+    state.scheduler.step()
+    # Per-rank BN (CPU, or no --sync-bn): every rank averages statistics before eval and save.
+    average_bn_stats(state.model, ctx)
+    average_bn_stats(state.ema.ema, ctx)
+    metrics, val_loss = {}, None
+    if not cfg.noval or epoch + 1 == cfg.epochs:
+        options = EvalOptions(num_classes=len(run.bundle.names), description="val")
+        result = run.task.evaluate(state.ema.ema, datasets.val_loader, options, ctx, state.loss_fn)
+        LOGGER.info(f"val: {_scores_line(result.as_dict())}")
+        metrics, val_loss = result.as_dict(), result.loss_items
+    state.best_fitness = max(state.best_fitness, metrics.get("fitness", 0.0))
+    return EpochSummary(epoch, train_loss, val_loss, metrics, lrs, time.time() - start)
 
 
 def _scores_line(metrics: dict[str, float]) -> str:
@@ -345,58 +344,41 @@ def _scores_line(metrics: dict[str, float]) -> str:
     )
 
 
-def _results_row(epoch, train_loss, val_loss, metrics, lrs, task, seconds) -> dict[str, Any]:
-    row: dict[str, Any] = {"epoch": epoch + 1}
-    row.update({f"train/{name}_loss": float(v) for name, v in zip(task.loss_names, train_loss, strict=False)})
-    for key in (*task.metric_names, "fitness"):
-        row[f"metrics/{key}"] = float(metrics.get(key, float("nan")))
-    values = val_loss if val_loss is not None else [float("nan")] * len(task.loss_names)
-    row.update({f"val/{name}_loss": float(v) for name, v in zip(task.loss_names, values, strict=False)})
-    row.update({f"lr/pg{i}": float(lr) for i, lr in enumerate(lrs)})
-    row["time_s"] = round(seconds, 2)
-    return row
-
-
-def _save(state, bundle, cfg, task, epoch, fitness, ctx, weights_dir: Path) -> None:
-    """Write last.pt, best.pt when fitness is the best so far, and periodic copies; rank 0 only."""
-    if not ctx.is_main:
+def _save(run: TrainRun, state: TrainState, epoch: int, fitness: float) -> None:
+    """Write last.pt, best.pt when `fitness` is the best so far, and periodic epoch<N>.pt; rank 0 only."""
+    if not run.ctx.is_main:
         return
-    checkpoint = checkpoint_state(state, bundle, cfg, epoch, task)
-    ckpt_io.save_checkpoint(checkpoint, weights_dir / "last.pt", ctx)
+    checkpoint = checkpoint_state(run, state, epoch)
+    ckpt_io.save_checkpoint(checkpoint, run.last, run.ctx)
     if fitness >= state.best_fitness:
-        ckpt_io.save_checkpoint(checkpoint, weights_dir / "best.pt", ctx)
-    if cfg.save_period > 0 and (epoch + 1) % cfg.save_period == 0:
-        ckpt_io.save_checkpoint(checkpoint, weights_dir / f"epoch{epoch + 1}.pt", ctx)
+        ckpt_io.save_checkpoint(checkpoint, run.best, run.ctx)
+    if run.cfg.save_period > 0 and (epoch + 1) % run.cfg.save_period == 0:
+        ckpt_io.save_checkpoint(checkpoint, run.run_dir / "weights" / f"epoch{epoch + 1}.pt", run.ctx)
 
 
-def _final_validation(weights_paths, task, datasets, bundle, ctx, run) -> tuple[dict[str, float], Path, Any]:
+def _final_validation(run: TrainRun) -> tuple[Path, EvalResult]:
     """Validate the EMA weights of best.pt (last.pt when --nosave never wrote a best) once more.
 
-    `weights_paths` = (best, last); `run` = (cfg, data, run_dir). Returns the metrics, the checkpoint
-    they belong to and the EvalResult (curves; a confusion matrix too unless --noplots). When the dataset YAML names
-    COCO annotations for the val split, predictions.json and coco_eval.json are written to the
-    run folder and the mAPs come from pycocotools. Every rank takes part. Only rank 0 is sure to
-    see the file (other nodes may not share the filesystem), so rank 0 reads the weights and
-    broadcasts them.
+    Returns the checkpoint validated and its EvalResult (curves; a confusion matrix too unless
+    --noplots). When the dataset YAML names COCO annotations for the val split, predictions.json
+    and coco_eval.json are written to the run folder and the mAPs come from pycocotools. Every
+    rank takes part. Only rank 0 is sure to see the file (other nodes may not share the
+    filesystem), so rank 0 reads the weights and broadcasts them.
     """
-    from utils.eval.evaluate import EvalOptions
-
-    best, last = weights_paths
-    cfg, data, run_dir = run
-    path = Path(broadcast_object(str(best if best.exists() else last) if ctx.is_main else None, ctx))
+    cfg, ctx, bundle = run.cfg, run.ctx, run.bundle
+    path = Path(broadcast_object(str(run.best if run.best.exists() else run.last) if ctx.is_main else None, ctx))
     read = run_on_main(lambda: ckpt_io.inference_weights(ckpt_io.load_checkpoint(path)), ctx, f"reading {path}")
     weights = broadcast_object(read, ctx)
-    model = task.build_model(bundle.spec).to(ctx.device)
+    model = run.task.build_model(bundle.spec).to(ctx.device)
     model.load_state_dict(weights)
     # Fused and laid out as val.py does (same batch size there gives the same numbers).
     model = model.fuse().to(memory_format=memory_format(cfg.channels_last))
-    use_coco = data.annotations.get("val") is not None
+    use_coco = run.data.annotations.get("val") is not None
     options = EvalOptions(
         num_classes=len(bundle.names), description="final val", collect_predictions=use_coco, confusion=not cfg.noplots
     )
-    result = task.evaluate(model, datasets.val_loader, options, ctx)
+    result = run.task.evaluate(model, run.datasets.val_loader, options, ctx)
     if use_coco:
-        result = coco_evaluate(result, data, "val", run_dir, ctx, single_cls=cfg.single_cls)
-    metrics = {key: float(value) for key, value in result.as_dict().items()}
-    LOGGER.info(f"Final ({path}, {result.metric_source} mAP): {_scores_line(metrics)}")
-    return metrics, path, result
+        result = coco_evaluate(result, run.data, "val", run.run_dir, ctx, single_cls=cfg.single_cls)
+    LOGGER.info(f"Final ({path}, {result.metric_source} mAP): {_scores_line(result.as_dict())}")
+    return path, result

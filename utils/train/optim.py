@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -171,30 +172,38 @@ def _set_momentum(group: dict[str, Any], momentum: float) -> None:
         group["momentum"] = momentum
 
 
-def apply_warmup(
-    optimizer: torch.optim.Optimizer,
-    iteration: int,
-    warmup_iters: int,
-    epoch: int,
-    lr_fn: Callable[[int], float],
-    warmup_bias_lr: float,
-    warmup_momentum: float,
-    momentum: float,
-) -> bool:
-    """Set every group's LR and momentum for a warmup iteration; return False, touching nothing, after warmup.
+@dataclass(frozen=True)
+class Warmup:
+    """A run's warmup ramp: LR and momentum of every param group over the first `iterations` batches.
 
-    `iteration` is global and 0-based (`epoch * batches_per_epoch + i`), `warmup_iters` from
-    `warmup_iterations`. Over iterations 0..warmup_iters the bias group's LR falls linearly
-    from `warmup_bias_lr` and the other groups' rise from 0, all to `initial_lr * lr_fn(epoch)`;
-    momentum (SGD momentum or Adam/AdamW beta1) rises from `warmup_momentum` to `momentum`.
-    The call at `iteration == warmup_iters` lands exactly on the targets, so nothing is left
-    half-warmed. (Eight arguments, the hyp fields it needs, as the engine passes them.)
+    Over iterations 0..iterations the bias group's LR falls linearly from `bias_lr` and the other
+    groups' rise from 0, all to `initial_lr * lr_fn(epoch)`; momentum (SGD momentum or Adam/AdamW
+    beta1) rises from `start_momentum` to `momentum`. `iterations` comes from `warmup_iterations`;
+    0 disables warmup.
     """
-    if warmup_iters <= 0 or not 0 <= iteration <= warmup_iters:
-        return False
-    points = [0, warmup_iters]
-    for group in optimizer.param_groups:
-        start_lr = warmup_bias_lr if group.get("name") == "bias" else 0.0
-        group["lr"] = float(np.interp(iteration, points, [start_lr, group["initial_lr"] * lr_fn(epoch)]))
-        _set_momentum(group, float(np.interp(iteration, points, [warmup_momentum, momentum])))
-    return True
+
+    iterations: int
+    lr_fn: Callable[[int], float]
+    bias_lr: float  # hyp warmup_bias_lr
+    start_momentum: float  # hyp warmup_momentum
+    momentum: float  # hyp momentum, reached at the end of warmup
+
+    @classmethod
+    def from_hyp(cls, hyp: Any, iterations: int, lr_fn: Callable[[int], float]) -> Warmup:
+        """Build the ramp from a Hyp's warmup_bias_lr, warmup_momentum and momentum."""
+        return cls(iterations, lr_fn, hyp.warmup_bias_lr, hyp.warmup_momentum, hyp.momentum)
+
+    def apply(self, optimizer: torch.optim.Optimizer, iteration: int, epoch: int) -> bool:
+        """Set every group's LR and momentum for `iteration`; return False, touching nothing, after warmup.
+
+        `iteration` is global and 0-based (`epoch * batches_per_epoch + i`). The call at
+        `iteration == iterations` lands exactly on the targets, so nothing is left half-warmed.
+        """
+        if self.iterations <= 0 or not 0 <= iteration <= self.iterations:
+            return False
+        points = [0, self.iterations]
+        for group in optimizer.param_groups:
+            start_lr = self.bias_lr if group.get("name") == "bias" else 0.0
+            group["lr"] = float(np.interp(iteration, points, [start_lr, group["initial_lr"] * self.lr_fn(epoch)]))
+            _set_momentum(group, float(np.interp(iteration, points, [self.start_momentum, self.momentum])))
+        return True

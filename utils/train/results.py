@@ -1,0 +1,95 @@
+"""Per-epoch records: the EpochSummary, results.csv (one row per epoch, rank 0) and early stopping on fitness."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from utils.distributed import DistContext
+
+if TYPE_CHECKING:
+    from utils.tasks import Task
+
+LOGGER = logging.getLogger(__name__)
+
+
+class ResultsCSV:
+    """Append one row per epoch to results.csv on rank 0; other ranks do nothing.
+
+    The header is written with the first row; a resumed run appends to the existing file.
+    """
+
+    def __init__(self, path: Path, ctx: DistContext) -> None:
+        self.path = path
+        self.is_writer = ctx.is_main
+
+    def append(self, row: dict[str, float | int | str]) -> None:
+        """Write `row` (column -> value); columns are fixed by the first row written."""
+        if not self.is_writer:
+            return
+        is_new = not self.path.exists() or self.path.stat().st_size == 0
+        with self.path.open("a", newline="", encoding="utf-8") as file:
+            writer = csv.writer(file)
+            if is_new:
+                writer.writerow(list(row))
+            writer.writerow([f"{v:.6g}" if isinstance(v, float) else v for v in row.values()])
+
+    def read(self) -> list[dict[str, str]]:
+        """Return the rows written so far (for plots and tests)."""
+        if not self.path.exists():
+            return []
+        with self.path.open(newline="", encoding="utf-8") as file:
+            return list(csv.DictReader(file))
+
+
+@dataclass(frozen=True)
+class EpochSummary:
+    """One epoch's figures, as results.csv records them."""
+
+    epoch: int  # 0-based
+    train_loss: np.ndarray  # mean of the task's loss_names over all ranks' batches
+    val_loss: np.ndarray | None  # None when the epoch was not validated (--noval)
+    metrics: dict[str, float]  # EvalResult.as_dict(); empty when not validated
+    lrs: list[float]  # per param group, as used during the epoch
+    seconds: float
+
+    @property
+    def fitness(self) -> float:
+        """The number best.pt and early stopping compare (0 when not validated)."""
+        return self.metrics.get("fitness", 0.0)
+
+    def as_row(self, task: Task) -> dict[str, Any]:
+        """Return the results.csv row: epoch (1-based), train/val losses, metrics, learning rates, time."""
+        row: dict[str, Any] = {"epoch": self.epoch + 1}
+        row.update({f"train/{name}_loss": float(v) for name, v in zip(task.loss_names, self.train_loss, strict=True)})
+        for key in (*task.metric_names, "fitness"):
+            row[f"metrics/{key}"] = float(self.metrics.get(key, float("nan")))
+        values = self.val_loss if self.val_loss is not None else [float("nan")] * len(task.loss_names)
+        row.update({f"val/{name}_loss": float(v) for name, v in zip(task.loss_names, values, strict=True)})
+        row.update({f"lr/pg{i}": float(lr) for i, lr in enumerate(self.lrs)})
+        row["time_s"] = round(self.seconds, 2)
+        return row
+
+
+class EarlyStopper:
+    """Stop when fitness has not improved for `patience` epochs. Consulted on rank 0 only."""
+
+    def __init__(self, patience: int) -> None:
+        self.patience = patience if patience > 0 else math.inf
+        self.best_fitness = -math.inf
+        self.best_epoch = 0
+
+    def should_stop(self, epoch: int, fitness: float) -> bool:
+        """Record `fitness` for `epoch`; True when the run should end now."""
+        if fitness >= self.best_fitness:
+            self.best_fitness, self.best_epoch = fitness, epoch
+        stop = epoch - self.best_epoch >= self.patience
+        if stop:
+            LOGGER.info(f"Early stop: no improvement for {self.patience} epochs, best epoch {self.best_epoch + 1}")
+        return stop
