@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
+import torch.distributed
 import yaml
 
+import utils.cli
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 
 
@@ -32,3 +35,42 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def _refuse(item: pytest.Item, what: str, marker: str, why: str) -> Callable[..., NoReturn]:
+    """A stand-in for `what` that fails `item`, telling the author to mark it `marker`."""
+
+    def refused(*args: object, **kwargs: object) -> NoReturn:
+        pytest.fail(
+            f"{item.nodeid} called {what} but is not marked {marker}: {why}, so add "
+            f"@pytest.mark.{marker} (or a module-level pytestmark) to keep it out of "
+            f'the fast `pytest -m "not slow and not distributed"` run'
+        )
+
+    return refused
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    """Enforce the markers for the whole of each test, its (module-scoped) fixtures' set-up and teardown included.
+
+    Not marked `distributed`: `torch.distributed.init_process_group` fails the test (the attribute is
+    patched on the module, so the library's `dist.init_process_group` is caught; single-process
+    `init_distributed()` never calls it). Not marked `slow`: `utils.cli.run_entry`, which
+    train.py, val.py, segment/train.py and segment/val.py's main() all run through, fails the test.
+    Spawned processes start fresh interpreters, so `distributed` tests' children are unaffected.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        if item.get_closest_marker("distributed") is None and torch.distributed.is_available():
+            why = "tests that start a process group (or spawn processes) are marked distributed"
+            patch.setattr(
+                torch.distributed,
+                "init_process_group",
+                _refuse(item, "torch.distributed.init_process_group", "distributed", why),
+            )
+        if item.get_closest_marker("slow") is None:
+            why = "tests that run train.py / val.py / segment/train.py / segment/val.py end to end are marked slow"
+            patch.setattr(
+                utils.cli, "run_entry", _refuse(item, "a train/val entry point (utils.cli.run_entry)", "slow", why)
+            )
+        return (yield)

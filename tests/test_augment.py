@@ -20,7 +20,6 @@ from utils.data.augment import (
     mixup,
     mosaic4,
     random_perspective,
-    resample_polygon,
     transform_instances,
 )
 
@@ -233,13 +232,6 @@ def test_instances_select_and_concat() -> None:
     assert joined.classes.tolist() == [0, 2, 0, 1, 2] and joined.boxes_xyxy.shape == (5, 4)
     with pytest.raises(ValueError, match="misaligned"):
         Instances(np.zeros(2, np.float32), np.zeros((1, 4), np.float32), [])
-
-
-def test_resample_polygon_is_uniform_along_the_outline() -> None:
-    square = np.array([[0, 0], [10, 0], [10, 10], [0, 10]], np.float32)
-    points = resample_polygon(square, 8)
-    np.testing.assert_allclose(points, [[0, 0], [5, 0], [10, 0], [10, 5], [10, 10], [5, 10], [0, 10], [0, 5]])
-    assert resample_polygon(square, 100).shape == (100, 2)
 
 
 # ---------------------------------------------------------------- geometric augmentations

@@ -174,6 +174,7 @@ ensure_synthetic_dataset(Path(sys.argv[1]), SyntheticSpec(num_train=12, num_val=
 """
 
 
+@pytest.mark.distributed  # two generator subprocesses
 def test_concurrent_processes_generate_once(tmp_path: Path) -> None:
     root = tmp_path / "synthetic"
     logs = [tmp_path / f"child{i}.log" for i in range(2)]

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = SyntheticSpec(num_train=8, num_val=4, max_objects=3, min_object_frac=0.2, min_side=64, max_side=96)
 LAUNCH_TIMEOUT_S = 240
 NPROC = 2
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # every test launches train.py under torchrun
 
 
 @dataclass

@@ -56,10 +56,6 @@ class DistContext:
         return self.world_size > 1
 
 
-# The single piece of global mutable state (see docs/DESIGN.md): set by init_distributed(), cleared by cleanup().
-_CONTEXT: DistContext | None = None
-
-
 def _env_int(names: tuple[str, ...], default: int) -> int:
     """First of `names` set in the environment, as an int; SLURM's "8(x2)" task lists give 8."""
     for name in names:
@@ -110,7 +106,6 @@ def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT
     Uses NCCL on CUDA and gloo on CPU. The group has `timeout`, so a rank that dies makes the
     others fail with an error instead of waiting forever. Called once per entry point.
     """
-    global _CONTEXT
     rank, local_rank, world_size, local_world_size = read_launch_env()
     device = select_device(device_arg, local_rank)
     if device.type == "cuda":
@@ -123,8 +118,7 @@ def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT
         if device.type == "cuda":
             init_kwargs["device_id"] = device
         dist.init_process_group(**init_kwargs)
-    _CONTEXT = DistContext(rank, local_rank, world_size, device, local_world_size)
-    return _CONTEXT
+    return DistContext(rank, local_rank, world_size, device, local_world_size)
 
 
 def cleanup() -> None:
@@ -137,11 +131,9 @@ def cleanup() -> None:
     run in 20 here), which torchrun reports as a failed job. Collecting first frees every
     unreachable wrapper while Python is fully alive.
     """
-    global _CONTEXT
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
-    _CONTEXT = None
 
 
 def per_rank_batch(global_batch: int, ctx: DistContext) -> int:

@@ -121,23 +121,6 @@ def _polygon_bounds(segments: list[np.ndarray]) -> np.ndarray:
     return boxes
 
 
-def resample_polygon(poly: np.ndarray, n: int) -> np.ndarray:
-    """Return `n` points spaced uniformly along the closed outline of `poly` (k, 2), starting at its first vertex.
-
-    Useful where a fixed point count is needed (mask rasterisation, batching polygons). The
-    augmentations here clip polygons exactly, so they do not need it.
-    """
-    poly = np.asarray(poly, np.float32).reshape(-1, 2)
-    if len(poly) == 0:
-        return np.zeros((0, 2), np.float32)
-    closed = np.concatenate([poly, poly[:1]])
-    arc = np.concatenate([[0.0], np.cumsum(np.linalg.norm(np.diff(closed, axis=0), axis=1))])
-    if arc[-1] <= _EPS:
-        return np.repeat(poly[:1], n, axis=0)
-    positions = np.linspace(0.0, arc[-1], n, endpoint=False)
-    return np.stack([np.interp(positions, arc, closed[:, i]) for i in range(2)], axis=1).astype(np.float32)
-
-
 def _previous_vertex(owner: np.ndarray, count: int) -> np.ndarray:
     """Index of each vertex's predecessor in packed polygons (vertices grouped by `owner`, cyclic per polygon)."""
     lengths = np.bincount(owner, minlength=count)
