@@ -1,4 +1,4 @@
-"""Benchmark the RAM image cache's memory cost in a 2-rank CPU run (issue 3): peak PSS with and without cache.
+"""Benchmark the RAM image cache's memory cost in a 2-rank CPU run: peak PSS with and without the cache.
 
 Usage (from the repository root):
 

@@ -5,10 +5,11 @@ Usage (from the repository root):
     python benchmarks/data_pipeline.py                       # imgsz 640, 2 workers, RAM cache
     python benchmarks/data_pipeline.py --imgsz 320 --workers 4 --batches 40 --cache none
 
-Builds the training dataset exactly as `train.py` does on one rank (augment on, mosaic from the
-hyp YAML, the chosen cache mode), then measures (a) `__getitem__` called in this process and (b)
-batches drawn through `utils.data.loader.build_train_loader` with worker processes, each after a
-warm-up that is not timed. Prints images/s and ms/image for both.
+Builds the training dataset as `train.py` does on one rank (augment on, strengths from `--hyp`,
+by default YOLOv5's hyp.scratch-low.yaml rather than the quick start's; the chosen cache mode),
+then measures (a) `__getitem__` called in this process and (b) batches drawn through
+`utils.data.loader.build_train_loader` with worker processes, each after a warm-up that is not
+timed. Prints images/s and ms/image for both.
 """
 
 from __future__ import annotations

@@ -37,6 +37,16 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
+def tiny_val_argv(weights: Path, data: Path, project: Path, *extra: str) -> list[str]:
+    """val.py / segment/val.py flags that validate `weights` on a tiny dataset as its training run did.
+
+    Training on the tiny sets validates 64 px images with a global batch of 2 x 8 = 16 rect batches;
+    the same batch gives the same padding and so the same numbers.
+    """
+    return ["--weights", str(weights), "--data", str(data), "--imgsz", "64", "--batch-size", "16",
+            "--workers", "0", "--device", "cpu", "--project", str(project), *extra]  # fmt: skip
+
+
 def _refuse(item: pytest.Item, what: str, marker: str, why: str) -> Callable[..., NoReturn]:
     """A stand-in for `what` that fails `item`, telling the author to mark it `marker`."""
 

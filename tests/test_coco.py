@@ -99,7 +99,7 @@ def read_coco(shapes: Path) -> dict[str, Any]:
     ("content", "needle"),
     [
         (None, "annotations file not found"),
-        ("{not json", "not a valid JSON file"),
+        ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a COCO JSON object"),
         ('{"images": [], "annotations": []}', "no 'categories' list"),
         ('{"images": [], "annotations": [], "categories": []}', "the 'categories' list is empty"),

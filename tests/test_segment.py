@@ -15,7 +15,7 @@ import train
 import val
 from segment import train as seg_train
 from segment import val as seg_val
-from tests.conftest import make_tiny_dataset
+from tests.conftest import make_tiny_dataset, tiny_val_argv
 from tests.test_torchrun import _torchrun
 from utils.data.synthetic import SyntheticSpec
 from utils.errors import ConfigError
@@ -68,24 +68,7 @@ def test_segment_train_writes_box_and_mask_results(seg_run) -> None:
 
 
 def test_segment_val_on_best_reproduces_the_final_metrics(seg_run, tiny_data: Path, tmp_path: Path) -> None:
-    result = seg_val.main(
-        [
-            "--weights",
-            str(seg_run.best),
-            "--data",
-            str(tiny_data),
-            "--imgsz",
-            "64",
-            "--batch-size",
-            "16",
-            "--workers",
-            "0",
-            "--device",
-            "cpu",
-            "--project",
-            str(tmp_path),
-        ]  # fmt: skip
-    )
+    result = seg_val.main(tiny_val_argv(seg_run.best, tiny_data, tmp_path))
     assert result.mask_metrics is not None
     scores = result.as_dict()
     for key in ("mAP50", "mAP50-95", "mask_mAP50", "mask_mAP50-95"):

@@ -14,7 +14,7 @@ import yaml
 
 import train
 import val
-from tests.conftest import make_tiny_dataset
+from tests.conftest import make_tiny_dataset, tiny_val_argv
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -130,25 +130,7 @@ def test_checkpoints_load_weights_only_and_hold_state(trained_run) -> None:
 def test_val_reproduces_training_metrics_on_best(trained_run, tiny_data: Path, tmp_path: Path, layout) -> None:
     # Training validates with global batch 2 x 8 = 16 rect batches; the same batch gives the same padding.
     # Training ran NHWC (the default); validating NCHW must give the same numbers.
-    result = val.main(
-        [
-            *layout,
-            "--weights",
-            str(trained_run.best),
-            "--data",
-            str(tiny_data),
-            "--imgsz",
-            "64",
-            "--batch-size",
-            "16",
-            "--workers",
-            "0",
-            "--device",
-            "cpu",
-            "--project",
-            str(tmp_path),
-        ]
-    )
+    result = val.main(tiny_val_argv(trained_run.best, tiny_data, tmp_path, *layout))
     assert result.num_images == TINY.num_val
     assert result.as_dict()["mAP50-95"] == pytest.approx(trained_run.metrics["mAP50-95"], abs=0.02)
     assert set(result.speed_ms) == {"preprocess", "inference", "nms"}

@@ -192,7 +192,7 @@ def test_malformed_annotations_file_is_config_error(dataset, weights: Path, tmp_
     broken.write_text('{"images": [], "annotations": [')
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text(yaml.safe_dump({**yaml.safe_load(data.read_text()), "val_annotations": str(broken)}))
-    with pytest.raises(ConfigError, match="broken.json: not a valid JSON file") as error:
+    with pytest.raises(ConfigError, match="broken.json: not valid JSON") as error:
         val.main(_val_args(weights, bad_yaml, tmp_path, "--save-json"))
     assert "\n" not in str(error.value)
 

@@ -140,7 +140,7 @@ class TrainConfig:
         return out
 
 
-# Stored option names of older checkpoints -> today's field (so --resume still reads them).
+# Option names a checkpoint may store -> the TrainConfig field they fill (`cfg` is `model`), so --resume reads them.
 RENAMED_OPTIONS = {"cfg": "model"}
 
 

@@ -240,8 +240,8 @@ def smart_ddp(
     evaluation and save). DDP broadcasts rank 0's parameters and buffers at construction.
 
     `static_graph` lets DDP skip re-discovering the graph each step. Callers must pass False
-    when they accumulate gradients under `no_sync()`: that combination crashes or silently stops
-    all-reducing in current PyTorch releases (pytorch/pytorch#187732).
+    when they accumulate gradients under `no_sync()`: in current PyTorch releases that combination
+    crashes or silently stops all-reducing gradients.
     """
     if not ctx.is_distributed:
         return model
@@ -262,8 +262,10 @@ def smart_ddp(
 
 
 def average_bn_stats(model: torch.nn.Module, ctx: DistContext) -> None:
-    """Average BatchNorm running mean/var over ranks in place, so every rank (and rank 0's checkpoint)
-    reflects the statistics of all shards. Every rank must call it; a no-op in one process."""
+    """Average BatchNorm running mean/var over ranks in place; every rank must call it (a no-op in one process).
+
+    Afterwards every rank (and rank 0's checkpoint) reflects the statistics of all shards.
+    """
     if not (ctx.is_distributed and dist.is_initialized()):
         return
     buffers = [

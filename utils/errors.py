@@ -1,9 +1,11 @@
-"""The user-error type every layer raises (ConfigError) and the one safe YAML reader that raises it."""
+"""The user-error type every layer raises (ConfigError) and the safe YAML/JSON readers that raise it."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -20,12 +22,34 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
 
     Raises ConfigError naming the file when it is missing, unparsable or not a mapping.
     """
+    return _read_mapping(
+        Path(path), _Format("YAML", yaml.safe_load, yaml.YAMLError), "file", "a mapping of keys to values"
+    )
+
+
+def read_json_mapping(path: Path, what: str = "file", expected: str = "a JSON object") -> dict[str, Any]:
+    """Read a JSON file that must hold an object; `what` and `expected` name it in the errors.
+
+    Raises ConfigError naming the file when it is missing ("<path>: <what> not found"), not
+    valid JSON, or not an object.
+    """
+    return _read_mapping(Path(path), _Format("JSON", json.loads, json.JSONDecodeError), what, expected)
+
+
+class _Format(NamedTuple):
+    name: str
+    parse: Callable[[str], Any]
+    error: type[Exception]
+
+
+def _read_mapping(path: Path, file_format: _Format, what: str, expected: str) -> dict[str, Any]:
+    """Read and parse `path` (UTF-8) into a dict, or raise the one-line ConfigError that says why not."""
     if not path.is_file():
-        raise ConfigError(f"{path}: file not found")
+        raise ConfigError(f"{path}: {what} not found")
     try:
-        content = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from error
+        content = file_format.parse(path.read_text(encoding="utf-8"))
+    except (file_format.error, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: not valid {file_format.name} ({str(error).splitlines()[0]})") from error
     if not isinstance(content, dict):
-        raise ConfigError(f"{path}: expected a mapping of keys to values, got {type(content).__name__}")
+        raise ConfigError(f"{path}: expected {expected}, got {type(content).__name__}")
     return content

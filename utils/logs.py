@@ -43,5 +43,5 @@ def setup_logging(ctx: DistContext, verbose: bool = False) -> None:
 
 
 def tqdm_disabled(ctx: DistContext) -> bool:
-    """Progress bars are shown on rank 0 only, and never when stderr is not a terminal in CI."""
+    """Whether to hide progress bars: they show on rank 0 only, and never when the `CI` variable is "true"."""
     return not ctx.is_main or os.environ.get("CI", "").lower() == "true"

@@ -1,5 +1,4 @@
-"""Run-folder figures: training batches with their labels, results.png, PR / F1 / P / R curves and
-the confusion matrix.
+"""Run-folder figures: labelled training batches, results.png, PR / F1 / P / R curves, the confusion matrix.
 
 Only rank 0 calls these. Batch images are drawn with OpenCV (fast enough to run inside the first
 training steps); the charts use matplotlib's non-interactive Agg backend, imported on first use
@@ -74,8 +73,8 @@ def plot_batch(batch: dict[str, Any], names: Sequence[str], path: Path, max_imag
 
     `batch` is what the loader yields (uint8 RGB `images (B, 3, H, W)`, `targets (N, 6)` [image,
     class, cx, cy, w, h] normalised; with `masks`, per-instance uint8 `(N, h, w)` or int16
-    overlap-index `(B, h, w)` masks are tinted in the class colour). Boxes are drawn in the class colour with the
-    class name above them. Returns `path`.
+    overlap-index `(B, h, w)` masks are tinted in the class colour). Boxes are drawn in the class
+    colour with the class name above them. Returns `path`.
     """
     images = batch["images"][:max_images].numpy()
     count, _, height, width = images.shape
@@ -173,8 +172,10 @@ def plot_results(rows: list[dict[str, str]], path: Path) -> Path | None:
 
 
 def plot_evaluation(result: EvalResult, names: Sequence[str], save_dir: Path) -> list[Path]:
-    """Write an EvalResult's figures: box curves, `mask_` curves for segmentation, and
-    confusion_matrix.png when it counted one. Returns the paths."""
+    """Write an EvalResult's figures and return their paths.
+
+    Box curves, `mask_` curves for segmentation, and confusion_matrix.png when it counted one.
+    """
     # After COCOeval replaced the reported mAPs, say that the curves' APs are the internal matcher's.
     source = " (internal)" if result.metric_source != "internal" else ""
     written = plot_curves(result.metrics, names, save_dir, source=source)

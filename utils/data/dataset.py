@@ -103,7 +103,9 @@ def rect_batch_shapes(
 
 
 class LoadImagesAndLabels(Dataset):
-    """Images and YOLO labels from `sources` (folders / .txt lists), served as dicts per docs/CONTRACTS.md.
+    """The training/validation dataset: images and YOLO labels from `sources` as item dicts (docs/CONTRACTS.md).
+
+    `sources` are folders, .txt image lists or image files (`list_image_files`).
 
     Every rank must construct it (the label scan waits for the local main rank). Training
     (`augment`) uses `self.shard = rank_shard(...)`: the image cache holds only these items and

@@ -23,7 +23,7 @@ LOGGER = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = frozenset({".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp"})
 PIL_FORMATS = frozenset({"BMP", "JPEG", "MPO", "PNG", "TIFF", "WEBP"})
-CACHE_VERSION = 2  # 2: degenerate (zero-area) instances are dropped and counted
+CACHE_VERSION = 2  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
 COORD_TOLERANCE = 0.01  # coordinates this far outside [0, 1] are clipped with a warning, further is corrupt
 MIN_RELATIVE_AREA = 1e-8  # an instance covering less of the image (shoelace area) is degenerate and dropped
 MIN_IMAGE_SIDE = 10

@@ -34,7 +34,7 @@ def order_seed(seed: int, epoch: int, rank: int) -> int:
 
 
 class SmartDistributedSampler(Sampler[int]):
-    """Yield this rank's shard in a fresh deterministic order each epoch, padded to the same length on every rank.
+    """Training sampler: this rank's shard in a fresh deterministic order each epoch, equally long on every rank.
 
     `shard` holds the dataset indices this rank owns (from `dataset.shard`, i.e. `rank_shard`),
     so the sampler draws only images this rank has cached. The order is a pure function of

@@ -349,9 +349,10 @@ def _place_objects(
 ) -> list[tuple[int, np.ndarray]]:
     """Draw up to `num_objects` shapes into `image` (float32, in place) and return their labels.
 
-    A candidate is rejected (and redrawn, at most 30 times) when its box overlaps an earlier box
-    with IoU > 0.3 or when it would cover more than 30% of an earlier object's visible pixels,
-    tracked exactly with a per-pixel owner map; so no object is mostly hidden.
+    A candidate is rejected (and redrawn, at most 30 times; after that the object is dropped) when
+    its box overlaps an earlier box with IoU > _MAX_BOX_IOU or when it would leave an earlier object
+    with less than _MIN_VISIBLE of its own pixels visible, tracked exactly with a per-pixel owner
+    map; so no object is mostly hidden.
     """
     height, width = image.shape[:2]
     owner = np.full((height, width), -1, np.int16)  # index of the top object at each pixel
@@ -388,7 +389,7 @@ def _place_objects(
 
 
 def _contrasting_colour(rng: np.random.Generator, background_bgr: np.ndarray) -> tuple[float, float, float]:
-    """Return a random BGR colour at least _MIN_CONTRAST away from `background_bgr` (the farthest of 20 tries)."""
+    """Return the first of 20 random BGR colours at least _MIN_CONTRAST from `background_bgr`, else the farthest."""
     candidates = rng.uniform(0, 255, size=(20, 3))
     distances = np.linalg.norm(candidates - background_bgr, axis=1)
     good = np.flatnonzero(distances >= _MIN_CONTRAST)

@@ -30,9 +30,9 @@ LOGGER = logging.getLogger(__name__)
 def load_model_for_eval(
     path: Path, task: Task, ctx: DistContext, half: bool = False, channels_last: bool = True
 ) -> tuple[nn.Module, dict]:
-    """Build the model stored in checkpoint `path` with its EMA weights (or raw weights), fused, in eval mode,
-    laid out NHWC when `channels_last` (see models.yolo.memory_format).
+    """Build the model stored in checkpoint `path`: EMA weights (or raw ones), fused, eval mode, on ctx.device.
 
+    Laid out NHWC when `channels_last` (see models.yolo.memory_format); fp16 with `half` on CUDA.
     A checkpoint of another task (segment vs detect) is a one-line ConfigError.
     """
     checkpoint = ckpt_io.load_checkpoint(path)
@@ -63,9 +63,10 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
 
     Images are sharded across ranks without padding and statistics gathered, so a torchrun
     validation scores each image once. With --save-json, predictions.json goes to the run folder
-    (runs/val/exp, exp2, ...) and, when the YAML names the split's annotations, mAP50 and
-    mAP50-95 come from pycocotools COCOeval; --plots writes the PR / F1 / P / R curves and the confusion matrix there
-    (rank 0, after the last collective). Rank 0 logs the table and per-image timings.
+    (--project/--name, e.g. runs/val/exp, exp2, ...) and, when the YAML names the split's
+    annotations, mAP50 and mAP50-95 come from pycocotools COCOeval; --save-txt writes labels/ there
+    and --plots the PR / F1 / P / R curves and the confusion matrix (rank 0, after the last
+    collective). Rank 0 logs the table and per-image timings.
     """
     if cfg.speed_only:
         LOGGER.info("--task speed: timing the val split at --conf-thres 0.25 --iou-thres 0.45, no JSON")

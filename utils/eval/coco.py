@@ -18,7 +18,7 @@ import numpy as np
 
 from utils.data.data_config import DataConfig
 from utils.distributed import DistContext, broadcast_object, gather_objects, run_on_main
-from utils.errors import ConfigError
+from utils.errors import ConfigError, read_json_mapping
 from utils.eval.evaluate import EvalResult, ImagePredictions
 from utils.eval.metrics import DetectionMetrics
 
@@ -60,14 +60,7 @@ def load_annotations(path: Path) -> CocoAnnotations:
     Annotations without `area` get the bbox area and without `iscrowd` 0 (COCOeval needs both).
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: annotations file not found")
-    try:
-        dataset = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path}: not a valid JSON file ({str(error).splitlines()[0]})") from error
-    if not isinstance(dataset, dict):
-        raise ConfigError(f"{path}: expected a COCO JSON object with images/annotations/categories lists")
+    dataset = read_json_mapping(path, "annotations file", "a COCO JSON object with images/annotations/categories lists")
     for key in ("images", "annotations", "categories"):
         if not isinstance(dataset.get(key), list):
             raise ConfigError(f"{path}: not a COCO instances file (no '{key}' list)")

@@ -1,4 +1,4 @@
-"""Detection evaluation loop: inference, NMS, matching against labels, metrics gathered over ranks."""
+"""The evaluation loop of every task: inference, NMS, box matching (DetectionScorer), metrics gathered over ranks."""
 
 from __future__ import annotations
 

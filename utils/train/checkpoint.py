@@ -189,8 +189,9 @@ def save_checkpoint(state: Checkpoint, path: Path, ctx: DistContext) -> None:
 
     The file is written to a temp file in the same folder, fsync'ed, then renamed over
     `path` with os.replace, so a crash leaves either the old or the new file, never a
-    truncated one, and no temp file. Parent folders are created. Values that weights-only
-    loading would refuse (modules, dataclasses, paths) raise TypeError before anything is written.
+    truncated one; on an exception the temp file is removed. Parent folders are created.
+    Values that weights-only loading would refuse (modules, dataclasses, paths) raise
+    TypeError before anything is written.
     """
     if not ctx.is_main:
         return

@@ -136,9 +136,9 @@ def train_one_epoch(
             state.scaler.scale(loss * ctx.world_size).backward()
         state.nonfinite_losses += not math.isfinite(float(loss.detach()))
         if is_step:
-            # Before the weights change: a bad micro-batch on any rank has already reached every rank's
-            # gradients through DDP's all-reduce, so every rank stops here together (one 2-number
-            # all-reduce per optimizer step), not just the rank that saw it, with the others
+            # Before the weights change. A bad micro-batch on any rank has already reached every rank's
+            # gradients through DDP's all-reduce, so every rank checks (one 2-number all-reduce per
+            # optimizer step) and stops here together; a rank stopping alone would leave the others
             # waiting in the next step's all-reduce until the process-group timeout.
             _stop_if_nonfinite(state, ctx, f"the optimizer step at epoch {epoch + 1} batch {i + 1}")
             _optimizer_step(state)

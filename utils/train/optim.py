@@ -14,8 +14,8 @@ from torch import nn
 
 LOGGER = logging.getLogger(__name__)
 
-# Hyperparameters (lr0, weight_decay) are tuned for this batch; larger or smaller global batches
-# accumulate gradients and rescale weight decay to match it.
+# YOLOv5's nominal batch (hyp `nbs`), the default of the helpers below; the engine passes the hyp
+# file's `nbs`. Other global batches accumulate gradients and rescale weight decay to match it.
 NOMINAL_BATCH = 64
 # YOLOv5 warms up for at least 100 optimizer iterations, however few batches an epoch has,
 # so a tiny dataset still ramps its LR and momentum gently.
@@ -155,9 +155,9 @@ def build_scheduler(
 def warmup_iterations(warmup_epochs: float, batches_per_epoch: int, min_iters: int = MIN_WARMUP_ITERS) -> int:
     """Return the number of warmup iterations: max(round(warmup_epochs * batches_per_epoch), min_iters).
 
-    The minimum (100, as in YOLOv5) keeps warmup meaningful on small datasets; the engine
-    may pass a smaller `min_iters` for tiny test datasets. `warmup_epochs <= 0` disables
-    warmup (returns 0) instead of forcing the minimum.
+    The minimum (100, as in YOLOv5) keeps warmup meaningful on small datasets; the engine uses
+    it, tests pass a smaller `min_iters`. `warmup_epochs <= 0` disables warmup (returns 0)
+    instead of forcing the minimum.
     """
     if warmup_epochs <= 0:
         return 0

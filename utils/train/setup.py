@@ -1,4 +1,4 @@
-"""Builds the pieces of a training run before the loop: resume, run folder, model, datasets and loaders."""
+"""Training set-up before the loop: resume, model, datasets and loaders, anchor check, weight check, start-up log."""
 
 from __future__ import annotations
 
@@ -58,9 +58,7 @@ def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dic
     path = ckpt_io.find_last_checkpoint(cfg.project) if cfg.resume == "last" else Path(cfg.resume)
     if path is None:
         raise ConfigError(f"--resume: no last.pt found under {cfg.project}; pass the checkpoint path")
-    checkpoint = ckpt_io.load_checkpoint(path)
-    if checkpoint.get("optimizer") is None:
-        raise ConfigError(f"--resume {path}: checkpoint has no optimizer state (a final, stripped checkpoint?)")
+    checkpoint = ckpt_io.load_checkpoint(path, for_resume=True)
     stored = config_from_dict(checkpoint["train_config"])
     run_dir = path.resolve().parent.parent
     cfg = dataclasses.replace(
