@@ -124,6 +124,7 @@ class TrainConfig:
     overlap_mask: bool = False  # segmentation: one index mask per image instead of one mask per instance
     mask_ratio: int = 4  # segmentation: masks at image size / mask_ratio (the prototype resolution)
     channels_last: bool = True  # NHWC weights and activations (models.yolo.memory_format)
+    multi_label: bool = True  # validation NMS: a box once per class above conf (YOLOv5's mAP), else best class only
 
     def to_dict(self) -> dict[str, Any]:
         """Return the options as plain YAML/checkpoint-safe data (paths as strings, hyp nested)."""
@@ -171,6 +172,13 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="", help="cuda device, e.g. 0 or 0,1, or cpu (default: GPU if present)")
     parser.add_argument("--workers", type=int, default=4, help="max dataloader workers per rank")
     parser.add_argument("--single-cls", action="store_true", help="train/validate as a single-class dataset")
+    parser.add_argument(
+        "--multi-label",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mAP validation keeps a box once per class above --conf-thres, as YOLOv5/Ultralytics validate "
+        "(default); --no-multi-label keeps only each box's best class",
+    )
     parser.add_argument(
         "--channels-last",
         action=argparse.BooleanOptionalAction,
@@ -307,6 +315,7 @@ class ValConfig:
     save_txt: bool = False
     plots: bool = False
     channels_last: bool = True
+    multi_label: bool = True  # see TrainConfig.multi_label
     project: Path = ROOT / "runs" / "val"
     name: str = "exp"
     exist_ok: bool = False

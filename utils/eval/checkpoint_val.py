@@ -76,6 +76,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
         conf_thres=cfg.conf_thres,
         iou_thres=cfg.iou_thres,
         max_det=cfg.max_det,
+        multi_label=cfg.multi_label,
         half=cfg.half,
         collect_predictions=cfg.save_json or cfg.save_txt,
         collect_masks=cfg.save_json,  # --save-txt writes boxes only
@@ -150,7 +151,9 @@ def report(
         f"{mean['nms']:.1f} ms NMS at batch {per_rank_batch(cfg.batch_size, ctx)} per rank, size {cfg.imgsz}"
     )
     if not cfg.speed_only:
-        LOGGER.info(f"Metric source: {metric_source_text(result, cfg.save_json, annotations)}")
+        labels = "multi-label" if cfg.multi_label else "single-label (--no-multi-label)"
+        source = metric_source_text(result, cfg.save_json, annotations)
+        LOGGER.info(f"Metric source: {source}; {labels} NMS at --conf-thres {cfg.conf_thres}")
 
 
 def metric_source_text(result: EvalResult, save_json: bool, annotations: Path | None) -> str:

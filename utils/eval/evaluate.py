@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +32,9 @@ class EvalOptions:
     conf_thres: float = 0.001
     iou_thres: float = 0.6
     max_det: int = 300
+    # mAP: a box is kept once per class scoring above conf_thres (YOLOv5's and Ultralytics' validators);
+    # False keeps only each box's best class, as a deployed detector reports it.
+    multi_label: bool = True
     half: bool = False
     collect_predictions: bool = False  # keep per-image boxes in original pixels (COCO JSON, --save-txt)
     collect_masks: bool = True  # with collect_predictions: also keep RLE masks (segmentation, COCO JSON)
@@ -211,15 +215,16 @@ def evaluate(
             seen[1] += 1
         height, width = images.shape[2:]
         targets[:, 2:6] *= torch.tensor((width, height, width, height), device=device)
-        outputs = non_max_suppression(
-            decoded.float(), options.conf_thres, options.iou_thres, max_det=options.max_det, num_masks=scorer.num_masks
+        nms = functools.partial(
+            non_max_suppression, decoded.float(), iou_thres=options.iou_thres, max_det=options.max_det
         )
+        outputs = nms(options.conf_thres, num_masks=scorer.num_masks, multi_label=options.multi_label)
         after_nms = time.perf_counter()
         timings += (after_pre - start, after_inference - after_pre, after_nms - after_inference)
         if confusion is not None:  # in input pixels: letterboxing scales both axes alike, so IoU is the same
-            for index, pred in enumerate(outputs):
-                labels = targets[targets[:, 0] == index, 1:6]
-                confusion.update(pred[:, :6], torch.cat((labels[:, :1], xywh_to_xyxy(labels[:, 1:5])), 1))
+            # The deployment picture: one class per box, whatever the mAP used.
+            single = outputs if not options.multi_label else nms(confusion.conf, num_masks=scorer.num_masks)
+            _count_confusion(confusion, single, targets)
         keep_masks = options.collect_predictions and options.collect_masks
         for index, score in enumerate(scorer.score_batch(outputs, loss_input, targets, batch, keep_masks)):
             stats.add(score)
@@ -234,6 +239,13 @@ def evaluate(
         confusion.matrix = all_reduce_sum(matrix, ctx).cpu().numpy()
         result.confusion = confusion
     return result
+
+
+def _count_confusion(confusion: ConfusionMatrix, outputs: list[torch.Tensor], targets: torch.Tensor) -> None:
+    """Add one batch to `confusion`: NMS outputs (n, 6+) and targets (N, 6) with boxes in input pixels."""
+    for index, pred in enumerate(outputs):
+        labels = targets[targets[:, 0] == index, 1:6]
+        confusion.update(pred[:, :6], torch.cat((labels[:, :1], xywh_to_xyxy(labels[:, 1:5])), 1))
 
 
 def _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, with_masks: bool) -> EvalResult:

@@ -326,7 +326,7 @@ def _run_epoch(run: TrainRun, state: TrainState, epoch: int) -> EpochSummary:
     average_bn_stats(state.ema.ema, ctx)
     metrics, val_loss = {}, None
     if not cfg.noval or epoch + 1 == cfg.epochs:
-        options = EvalOptions(num_classes=len(run.bundle.names), description="val")
+        options = EvalOptions(num_classes=len(run.bundle.names), multi_label=cfg.multi_label, description="val")
         result = run.task.evaluate(state.ema.ema, datasets.val_loader, options, ctx, state.loss_fn)
         LOGGER.info(f"val: {_scores_line(result.as_dict())}")
         metrics, val_loss = result.as_dict(), result.loss_items
@@ -375,7 +375,11 @@ def _final_validation(run: TrainRun) -> tuple[Path, EvalResult]:
     model = model.fuse().to(memory_format=memory_format(cfg.channels_last))
     use_coco = run.data.annotations.get("val") is not None
     options = EvalOptions(
-        num_classes=len(bundle.names), description="final val", collect_predictions=use_coco, confusion=not cfg.noplots
+        num_classes=len(bundle.names),
+        multi_label=cfg.multi_label,
+        description="final val",
+        collect_predictions=use_coco,
+        confusion=not cfg.noplots,
     )
     result = run.task.evaluate(model, run.datasets.val_loader, options, ctx)
     if use_coco:

@@ -1,0 +1,68 @@
+"""Tests for utils/eval/evaluate.py: multi- vs single-label NMS in the mAP; one class per box in confusion."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from utils.distributed import DistContext
+from utils.eval.evaluate import EvalOptions
+from utils.tasks import DETECT
+
+SIZE = 64
+
+
+class _FixedPredictions(nn.Module):
+    """A 'model' whose eval output is one fixed decoded row per image: (decoded (B, 1, 5 + nc), raw list)."""
+
+    def __init__(self, row: list[float]) -> None:
+        super().__init__()
+        self.row = nn.Parameter(torch.tensor(row), requires_grad=False)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.row.expand(len(images), 1, -1), []
+
+
+def _batch(label_cls: int) -> dict:
+    """One 64x64 image with one label in the middle (cx cy w h = 0.5 0.5 0.5 0.5, normalised)."""
+    return {
+        "images": torch.zeros(1, 3, SIZE, SIZE, dtype=torch.uint8),
+        "targets": torch.tensor([[0.0, label_cls, 0.5, 0.5, 0.5, 0.5]]),
+        "paths": ["a.jpg"],
+        "shapes": [((SIZE, SIZE), ((1.0, 1.0), (0.0, 0.0)))],
+    }
+
+
+def _evaluate(label_cls: int, multi_label: bool, confusion: bool = False):
+    # The box exactly covers the label; class 0 scores 0.6, class 1 scores 0.35 (objectness 1).
+    model = _FixedPredictions([32.0, 32.0, 32.0, 32.0, 1.0, 0.6, 0.35])
+    options = EvalOptions(num_classes=2, multi_label=multi_label, confusion=confusion)
+    return DETECT.evaluate(model, [_batch(label_cls)], options, DistContext())
+
+
+def test_second_class_of_a_box_counts_under_multi_label_only() -> None:
+    multi = _evaluate(label_cls=1, multi_label=True)
+    single = _evaluate(label_cls=1, multi_label=False)
+    assert multi.metrics.map50 == pytest.approx(1.0) and multi.metrics.map50_95 == pytest.approx(1.0)
+    assert single.metrics.map50 == 0.0 and single.metrics.map50_95 == 0.0
+    # The best class is found either way.
+    assert _evaluate(label_cls=0, multi_label=False).metrics.map50 == pytest.approx(1.0)
+
+
+def test_multi_label_is_the_default_and_the_confusion_matrix_keeps_one_class_per_box() -> None:
+    assert EvalOptions(num_classes=2).multi_label
+    for multi_label in (True, False):
+        matrix = _evaluate(label_cls=1, multi_label=multi_label, confusion=True).confusion.matrix
+        # matrix[predicted, true]: the box is counted once, as its best class 0 against the label of class 1;
+        # with multi-label NMS feeding it, the class-1 copy (0.35 > 0.25) would add a second detection.
+        np.testing.assert_array_equal(matrix, [[0, 1, 0], [0, 0, 0], [0, 0, 0]])
+
+
+def test_val_flag_chooses_the_nms() -> None:
+    from utils.config import build_val_parser, val_config_from_args
+
+    parse = build_val_parser().parse_args
+    assert val_config_from_args(parse(["--weights", "w.pt"])).multi_label
+    assert not val_config_from_args(parse(["--weights", "w.pt", "--no-multi-label"])).multi_label
