@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     eval_seconds = time.perf_counter() - start
     internal = result.as_dict()
     start = time.perf_counter()
-    scored = coco_evaluate(result, setup.data, setup.split, setup.save_dir, ctx, target=setup.coco_target)
+    scored = coco_evaluate(result, setup.data, cfg.split, setup.save_dir, ctx, target=setup.coco_target)
     coco_seconds = time.perf_counter() - start
     cocoeval_seconds = json.loads((setup.save_dir / EVAL_FILE).read_text())["seconds"]
     coco = scored.as_dict()

@@ -174,10 +174,10 @@ def test_warmup_interpolates_lr_and_momentum(name: str) -> None:
     def momentum_of(group: dict[str, Any]) -> float:
         return group["betas"][0] if name == "Adam" else group["momentum"]
 
-    warmup = Warmup(iterations=100, lr_fn=fn, bias_lr=0.1, start_momentum=0.8, momentum=0.937)
-    target = 0.01 * fn(1)  # iterations 0..100 all counted as epoch 1 here, to check lr_fn(epoch) is used
+    warmup = Warmup(iterations=100, bias_lr=0.1, start_momentum=0.8, momentum=0.937)
+    target = 0.01 * fn(1)  # the schedule's factor of epoch 1, so the ramp ends on it, not on initial_lr
     for iteration, fraction in ((0, 0.0), (50, 0.5), (100, 1.0)):
-        assert warmup.apply(optimizer, iteration, epoch=1)
+        assert warmup.apply(optimizer, iteration, lr_factor=fn(1))
         norm, decay, bias = optimizer.param_groups
         assert norm["lr"] == pytest.approx(target * fraction)
         assert decay["lr"] == pytest.approx(target * fraction)
@@ -187,13 +187,13 @@ def test_warmup_interpolates_lr_and_momentum(name: str) -> None:
             assert all(g["betas"][1] == 0.999 for g in optimizer.param_groups)
     for group in optimizer.param_groups:
         group["lr"] = 0.5
-    assert not warmup.apply(optimizer, 101, epoch=1)  # after warmup nothing is touched
+    assert not warmup.apply(optimizer, 101, lr_factor=fn(1))  # after warmup nothing is touched
     assert all(g["lr"] == 0.5 for g in optimizer.param_groups)
 
 
 def test_warmup_disabled_touches_nothing() -> None:
     optimizer = build_optimizer(_model(), "SGD", lr=0.01, momentum=0.9, weight_decay=0.0)
-    assert not Warmup(0, lambda _: 1.0, bias_lr=0.1, start_momentum=0.8, momentum=0.9).apply(optimizer, 0, 0)
+    assert not Warmup(0, bias_lr=0.1, start_momentum=0.8, momentum=0.9).apply(optimizer, 0, 1.0)
     assert [g["lr"] for g in optimizer.param_groups] == [0.01] * 3
     assert [g["momentum"] for g in optimizer.param_groups] == [0.9] * 3
 

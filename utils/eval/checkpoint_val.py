@@ -53,7 +53,6 @@ class ValSetup:
     loader: Any
     data: DataConfig
     names: tuple[str, ...]
-    split: str
     save_dir: Path | None  # None when nothing is written (no --save-json / --save-txt)
     coco_target: CocoTarget | None  # rank 0 only, when --save-json and the YAML names annotations
 
@@ -86,9 +85,9 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     if cfg.save_json:
         assert setup.save_dir is not None  # prepare_validation makes one whenever something is saved
         result = coco_evaluate(
-            result, setup.data, setup.split, setup.save_dir, ctx, single_cls=cfg.single_cls, target=setup.coco_target
+            result, setup.data, cfg.split, setup.save_dir, ctx, single_cls=cfg.single_cls, target=setup.coco_target
         )
-    report(result, setup.names, cfg, ctx, setup.data.annotations.get(setup.split))
+    report(result, setup.names, cfg, ctx, setup.data.annotations.get(cfg.split))
     if cfg.save_txt and setup.save_dir is not None:
         save_txt(result, setup.save_dir / "labels")
     if cfg.plots and setup.save_dir is not None and ctx.is_main:
@@ -112,8 +111,7 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     # First: cheap, and a wrong checkpoint fails fast.
     model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, cfg.half, cfg.channels_last)
     data = load_data_config(cfg.data, ctx)
-    split = cfg.split
-    coco_target = check_coco_target(data, split, ctx, cfg.single_cls) if cfg.save_json else None
+    coco_target = check_coco_target(data, cfg.split, ctx, cfg.single_cls) if cfg.save_json else None
     names = ("item",) if cfg.single_cls else data.names
     if len(names) != len(checkpoint["names"]):
         trained = len(checkpoint["names"])
@@ -129,8 +127,8 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
         num_classes=len(data.names),
         workers=cfg.workers,
     )
-    loader = build_val_loader(LoadImagesAndLabels(data.split(split), options, ctx), per_rank, cfg.workers, ctx)
-    return ValSetup(model, loader, data, names, split, save_dir, coco_target)
+    loader = build_val_loader(LoadImagesAndLabels(data.split(cfg.split), options, ctx), per_rank, cfg.workers, ctx)
+    return ValSetup(model, loader, data, names, save_dir, coco_target)
 
 
 def report(

@@ -126,7 +126,7 @@ def train_one_epoch(
         iteration = i + num_batches * epoch
         images = batch["images"].to(ctx.device, non_blocking=True).float() / 255
         accumulate = _accumulate_now(state, iteration, cfg)
-        state.warmup.apply(state.optimizer, iteration, epoch)
+        state.warmup.apply(state.optimizer, iteration, state.lr_fn(epoch))
         is_step = iteration - state.last_opt_step >= accumulate
         sync_context = state.ddp.no_sync() if ctx.is_distributed and not is_step else contextlib.nullcontext()
         with sync_context:
@@ -205,7 +205,7 @@ def build_train_state(bundle: ModelBundle, cfg: TrainConfig, task: Task, ctx: Di
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=use_amp)
     ema = ModelEMA(model)
     loss_fn = task.build_loss(model, cfg)
-    warmup = Warmup.from_hyp(cfg.hyp, warmup_iterations(cfg.hyp.warmup_epochs, batches), lr_fn)
+    warmup = Warmup.from_hyp(cfg.hyp, warmup_iterations(cfg.hyp.warmup_epochs, batches))
     return TrainState(
         model, ddp, optimizer, scheduler, scaler, ema, loss_fn, task.loss_inputs, accumulate, warmup, lr_fn, use_amp
     )

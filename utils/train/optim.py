@@ -177,23 +177,22 @@ class Warmup:
     """A run's warmup ramp: LR and momentum of every param group over the first `iterations` batches.
 
     Over iterations 0..iterations the bias group's LR falls linearly from `bias_lr` and the other
-    groups' rise from 0, all to `initial_lr * lr_fn(epoch)`; momentum (SGD momentum or Adam/AdamW
-    beta1) rises from `start_momentum` to `momentum`. `iterations` comes from `warmup_iterations`;
-    0 disables warmup.
+    groups' rise from 0, all to `initial_lr * lr_factor` (the schedule's factor for the current
+    epoch); momentum (SGD momentum or Adam/AdamW beta1) rises from `start_momentum` to `momentum`.
+    `iterations` comes from `warmup_iterations`; 0 disables warmup.
     """
 
     iterations: int
-    lr_fn: Callable[[int], float]
     bias_lr: float  # hyp warmup_bias_lr
     start_momentum: float  # hyp warmup_momentum
     momentum: float  # hyp momentum, reached at the end of warmup
 
     @classmethod
-    def from_hyp(cls, hyp: Any, iterations: int, lr_fn: Callable[[int], float]) -> Warmup:
+    def from_hyp(cls, hyp: Any, iterations: int) -> Warmup:
         """Build the ramp from a Hyp's warmup_bias_lr, warmup_momentum and momentum."""
-        return cls(iterations, lr_fn, hyp.warmup_bias_lr, hyp.warmup_momentum, hyp.momentum)
+        return cls(iterations, hyp.warmup_bias_lr, hyp.warmup_momentum, hyp.momentum)
 
-    def apply(self, optimizer: torch.optim.Optimizer, iteration: int, epoch: int) -> bool:
+    def apply(self, optimizer: torch.optim.Optimizer, iteration: int, lr_factor: float) -> bool:
         """Set every group's LR and momentum for `iteration`; return False, touching nothing, after warmup.
 
         `iteration` is global and 0-based (`epoch * batches_per_epoch + i`). The call at
@@ -204,6 +203,6 @@ class Warmup:
         points = [0, self.iterations]
         for group in optimizer.param_groups:
             start_lr = self.bias_lr if group.get("name") == "bias" else 0.0
-            group["lr"] = float(np.interp(iteration, points, [start_lr, group["initial_lr"] * self.lr_fn(epoch)]))
+            group["lr"] = float(np.interp(iteration, points, [start_lr, group["initial_lr"] * lr_factor]))
             _set_momentum(group, float(np.interp(iteration, points, [self.start_momentum, self.momentum])))
         return True
