@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from models.convert import load_weights
 from models.yolo import ModelSpec, memory_format
 from utils.boxes import xyxy_to_xywhn
 from utils.config import ValConfig
@@ -33,9 +34,10 @@ def load_model_for_eval(
     """Build the model stored in checkpoint `path`: EMA weights (or raw ones), fused, eval mode, on ctx.device.
 
     Laid out NHWC when `channels_last` (see models.yolo.memory_format); fp16 with `half` on CUDA.
-    A checkpoint of another task (segment vs detect) is a one-line ConfigError.
+    A YOLOv5 / Ultralytics .pt is converted in memory (models/convert.py). A checkpoint of
+    another task (segment vs detect) is a one-line ConfigError.
     """
-    checkpoint = ckpt_io.load_checkpoint(path)
+    checkpoint = load_weights(path)
     ckpt_io.check_checkpoint_task(checkpoint, task.name, path, "val")
     model = task.build_model(ModelSpec.from_dict(checkpoint["model_spec"]))
     model.load_state_dict(checkpoint.get("ema") or checkpoint["model"])

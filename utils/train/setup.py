@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from models.anchors import check_anchors
+from models.convert import load_weights
 from models.yolo import ModelSpec, memory_format, model_info
 from utils.config import Hyp, TrainConfig, config_from_dict
 from utils.data.augment import AugmentParams
@@ -99,7 +100,7 @@ def build_model_bundle(
             model = task.build_model(spec)
             model.load_state_dict(resume["model"])
         elif cfg.weights:
-            source = ckpt_io.load_checkpoint(cfg.weights)
+            source = load_weights(cfg.weights)  # ours, or YOLOv5 / Ultralytics converted in memory
             ckpt_io.check_checkpoint_task(source, task.name, cfg.weights, "train")
             spec = dataclasses.replace(ModelSpec.from_dict(source["model_spec"]), num_classes=len(names))
             model = task.build_model(spec)

@@ -1,0 +1,257 @@
+"""Convert YOLOv5 / Ultralytics checkpoints (pickled model objects) into this project's weights-only format.
+
+    python3 -m models.convert yolov5s.pt yolov5s-converted.pt
+
+`--weights yolov5s.pt` in train.py, val.py, detect.py and export.py converts in memory instead
+(`load_weights`). The file is read with models/safe_pickle.py, so nothing in it runs. Its
+module tree is mapped onto our network by structure: YOLOv5's numbered layer list
+(`model.0` ... `model.24`) lines up with `DetectionModel.layers()`, each YOLOv5 block's
+sub-module names are renamed to ours (C3's cv1/cv2/cv3/m are deep_in/skip/mix/blocks, ...),
+and every tensor must match our tensor of that name in shape: a file that does not fill our
+model exactly is refused with one line naming the first difference. Anchors, strides, class
+names and the scale (depth/width multiples) come from the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import sys
+import zipfile
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.safe_pickle import Placeholder, UnsafePickleError, load_untrusted
+from models.yolo import BASE_DEPTHS, BASE_WIDTHS, ModelSpec, build_model
+from utils.distributed import DistContext
+from utils.errors import ConfigError
+from utils.train.checkpoint import FORMAT_VERSION, Checkpoint, load_checkpoint, save_checkpoint
+
+LOGGER = logging.getLogger(__name__)
+
+# YOLOv5 v6+ P5 layer types by index (yolov5n..x and -seg share it); index 24 is the head.
+YOLOV5_LAYOUT = (
+    "Conv", "Conv", "C3", "Conv", "C3", "Conv", "C3", "Conv", "C3", "SPPF",
+    "Conv", "Upsample", "Concat", "C3", "Conv", "Upsample", "Concat", "C3",
+    "Conv", "Concat", "C3", "Conv", "Concat", "C3",
+)  # fmt: skip
+HEADS = {"Detect": "detect", "Segment": "segment"}
+# YOLOv5 sub-module name -> ours, per YOLOv5 block type (children not listed keep their name).
+RENAMES: dict[str, dict[str, str]] = {
+    "C3": {"cv1": "deep_in", "cv2": "skip", "cv3": "mix", "m": "blocks"},
+    "Bottleneck": {"cv1": "reduce", "cv2": "spatial"},
+    "SPPF": {"cv1": "reduce", "cv2": "mix"},
+    "Proto": {"cv1": "expand", "cv2": "refine", "cv3": "project"},
+    "Detect": {"m": "convs"},
+    "Segment": {"m": "convs"},
+}
+DERIVED_BUFFERS = {"anchor_grid"}  # YOLOv5 < 6.0 stored this copy of the anchors; ours computes it
+
+
+def _children(node: Placeholder) -> Mapping[str, Any]:
+    """The `_modules` of a pickled nn.Module (empty for anything else)."""
+    modules = node.attribute("_modules")
+    return modules if isinstance(modules, Mapping) else {}
+
+
+def _flatten(node: Placeholder, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    """Add `node`'s parameters and persistent buffers to `out` under our names, as state_dict() orders them."""
+    skipped = node.attribute("_non_persistent_buffers_set") or set()
+    for group in ("_parameters", "_buffers"):
+        for name, tensor in (node.attribute(group) or {}).items():
+            if tensor is not None and name not in skipped and name not in DERIVED_BUFFERS:
+                out[prefix + name] = tensor
+    renames = RENAMES.get(node.class_name, {})
+    for name, child in _children(node).items():
+        if isinstance(child, Placeholder):
+            _flatten(child, f"{prefix}{renames.get(name, name)}.", out)
+
+
+def find_model(raw: Any, path: Path) -> Placeholder:
+    """Return the pickled model of a YOLOv5/Ultralytics checkpoint: `ema` when present, else `model`."""
+    if isinstance(raw, Placeholder):
+        return raw
+    model = (raw.get("ema") or raw.get("model")) if isinstance(raw, Mapping) else None
+    if not isinstance(model, Placeholder) or "model" not in _children(model):
+        raise ConfigError(f"{path}: not a YOLOv5 or Ultralytics checkpoint (no pickled model with a layer list)")
+    return model
+
+
+def _layers(model: Placeholder, path: Path) -> list[Placeholder]:
+    """The numbered layers, checked against the YOLOv5 v6+ P5 layout (one-line error otherwise)."""
+    layers = list(_children(_children(model)["model"]).values())
+    kinds = tuple(layer.class_name for layer in layers)
+    if len(kinds) == len(YOLOV5_LAYOUT) + 1 and kinds[:-1] == YOLOV5_LAYOUT and kinds[-1] in HEADS:
+        if layers[-1].attribute("_buffers", {}).get("anchors") is not None:
+            return layers
+        raise ConfigError(
+            f"{path}: {model.source} has an anchor-free head (YOLOv8-style); only YOLOv5's anchor-based "
+            "yolov5n-x and -seg layouts convert"
+        )
+    if len(kinds) > len(YOLOV5_LAYOUT) + 1:
+        what = f"{len(kinds)} layers (a P6 or custom model)"
+    else:
+        index = next((i for i, (a, b) in enumerate(zip(kinds, YOLOV5_LAYOUT, strict=False)) if a != b), len(kinds) - 1)
+        expected = YOLOV5_LAYOUT[index] if index < len(YOLOV5_LAYOUT) else "Detect or Segment"
+        what = f"layer {index} is {kinds[index]}, expected {expected}"
+    raise ConfigError(f"{path}: {model.source}: {what}; only the YOLOv5 v6+ P5 layout (yolov5n-x, -seg) converts")
+
+
+def _scale(model: Placeholder, layers: list[Placeholder]) -> tuple[float, float]:
+    """(depth_multiple, width_multiple): from the model's YAML, else inferred from layer sizes."""
+    yaml = model.attribute("yaml")
+    if isinstance(yaml, Mapping) and "depth_multiple" in yaml and "width_multiple" in yaml:
+        return float(yaml["depth_multiple"]), float(yaml["width_multiple"])
+    stem_channels = _children(layers[0])["conv"].attribute("_parameters")["weight"].shape[0]
+    blocks = len(_children(_children(layers[2])["m"]))
+    return blocks / BASE_DEPTHS[0], stem_channels / BASE_WIDTHS[0]
+
+
+def _names(model: Placeholder, num_classes: int) -> list[str]:
+    """Class names from the model (a list, or YOLOv5 v7's {index: name}); numbers when absent or inconsistent."""
+    names = model.attribute("names")
+    if isinstance(names, Mapping):
+        names = [names[key] for key in sorted(names)]
+    if isinstance(names, (list, tuple)) and len(names) == num_classes:
+        return [str(name) for name in names]
+    return [str(index) for index in range(num_classes)]
+
+
+def spec_from_pickle(model: Placeholder, layers: list[Placeholder], path: Path) -> ModelSpec:
+    """Describe the pickled model as our ModelSpec: scale, anchors in pixels, classes, mask sizes."""
+    head = layers[-1]
+    anchors_grid = head.attribute("_buffers")["anchors"].float()  # (levels, anchors, 2) in grid units
+    stride = head.attribute("stride")
+    stride = model.attribute("stride") if not isinstance(stride, torch.Tensor) else stride
+    if not isinstance(stride, torch.Tensor) or stride.numel() != len(anchors_grid):
+        raise ConfigError(f"{path}: the head's strides are missing or do not match its {len(anchors_grid)} levels")
+    anchors_px = anchors_grid * stride.float().view(-1, 1, 1)
+    depth, width = _scale(model, layers)
+    spec = ModelSpec(
+        depth_multiple=depth,
+        width_multiple=width,
+        anchors=tuple(tuple(round(v, 4) for v in level.flatten().tolist()) for level in anchors_px),
+        num_classes=int(head.attribute("nc")),
+    )
+    if head.class_name == "Segment":
+        protos = _children(_children(head)["proto"])["cv1"]
+        num_protos = _children(protos)["conv"].attribute("_parameters")["weight"].shape[0]
+        spec = replace(spec, num_masks=int(head.attribute("nm")), num_protos=int(num_protos))
+    return spec
+
+
+def map_weights(layers: list[Placeholder], model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """Return our state dict filled from the pickled layers; any missing, extra or misshaped tensor is an error."""
+    prefixes = {id(module): f"{name}." for name, module in model.named_modules()}
+    theirs: dict[str, torch.Tensor] = {}
+    for layer, ours in zip(layers, model.layers(), strict=True):
+        _flatten(layer, prefixes[id(ours)], theirs)
+    own = model.state_dict()
+    theirs.setdefault("head.stride", own["head.stride"])  # YOLOv5 keeps it as a plain attribute
+    extra = [key for key in theirs if key not in own]
+    missing = [key for key in own if key not in theirs]
+    if extra or missing:
+        detail = f"unexpected tensor {extra[0]}" if extra else f"no tensor for {missing[0]}"
+        raise ConfigError(f"{path}: does not fit our {type(model).__name__}: {detail}")
+    for key, tensor in own.items():
+        if theirs[key].shape != tensor.shape:
+            shapes = f"{tuple(theirs[key].shape)} in the file, {tuple(tensor.shape)} here"
+            raise ConfigError(f"{path}: tensor {key} has shape {shapes}")
+    if not torch.allclose(theirs["head.stride"].float(), own["head.stride"]):
+        strides = f"{theirs['head.stride'].tolist()} differ from ours {own['head.stride'].tolist()}"
+        raise ConfigError(f"{path}: strides {strides}")
+    return {key: theirs[key].detach().clone().contiguous() for key in own}
+
+
+def convert_loaded(raw: Any, path: Path) -> Checkpoint:
+    """Turn an object tree read by load_untrusted into our Checkpoint (weights only, like a stripped best.pt)."""
+    model_node = find_model(raw, path)
+    layers = _layers(model_node, path)
+    spec = spec_from_pickle(model_node, layers, path)
+    weights = map_weights(layers, build_model(spec), path)
+    meta = raw if isinstance(raw, Mapping) else {}
+    epoch = meta.get("epoch")
+    fitness = meta.get("best_fitness")
+    return Checkpoint(
+        format_version=FORMAT_VERSION,
+        task=HEADS[layers[-1].class_name],
+        model_spec=spec.to_dict(),
+        names=_names(model_node, spec.num_classes),
+        model=weights,
+        ema=weights,
+        ema_updates=0,
+        optimizer=None,
+        scaler=None,
+        epoch=epoch if isinstance(epoch, int) else -1,
+        best_fitness=float(fitness) if isinstance(fitness, (int, float)) else 0.0,
+        train_config={"converted_from": str(path), "source_model": model_node.source},
+        hyp={},
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        torch_version=str(torch.__version__),
+    )
+
+
+def convert_checkpoint(path: Path | str) -> Checkpoint:
+    """Read a YOLOv5 / Ultralytics .pt safely and return it as our Checkpoint; one-line ConfigError on failure."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    return convert_loaded(load_untrusted(path), path)
+
+
+def load_weights(path: Path | str) -> Checkpoint:
+    """Load `--weights`: one of our checkpoints, or a YOLOv5 / Ultralytics file converted in memory.
+
+    Our own format is tried first (weights-only torch.load). Only when that refuses the file is
+    it read with the restricted unpickler; a file that names code-running globals stays refused
+    (UnsafePickleError), and a file that is neither format gets our loader's original error.
+    """
+    path = Path(path)
+    try:
+        return load_checkpoint(path)
+    except ConfigError as error:
+        if not zipfile.is_zipfile(path):
+            raise
+        ours_error = error
+    try:
+        raw = load_untrusted(path)
+        model = find_model(raw, path)
+    except UnsafePickleError:
+        raise
+    except ConfigError:
+        raise ours_error from None
+    checkpoint = convert_loaded(raw, path)
+    LOGGER.info(
+        f"{path}: converted {model.source} to this project's format in memory "
+        f"(python3 -m models.convert {path} saves it once)"
+    )
+    return checkpoint
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Command line: convert SOURCE (a YOLOv5/Ultralytics .pt) into OUTPUT (default SOURCE-converted.pt)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("source", type=Path, help="YOLOv5 or Ultralytics checkpoint (.pt)")
+    parser.add_argument("output", type=Path, nargs="?", help="where to write ours (default: SOURCE-converted.pt)")
+    args = parser.parse_args(argv)
+    output = args.output or args.source.with_name(f"{args.source.stem}-converted.pt")
+    checkpoint = convert_checkpoint(args.source)
+    save_checkpoint(checkpoint, output, DistContext())
+    spec = ModelSpec.from_dict(checkpoint["model_spec"])
+    print(
+        f"{args.source} -> {output}: {checkpoint['task']} model, {spec.num_classes} classes, "
+        f"depth {spec.depth_multiple} width {spec.width_multiple}, {len(checkpoint['model'])} tensors"
+    )
+    return output
+
+
+if __name__ == "__main__":
+    from utils.cli import exit_on_user_error
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sys.exit(exit_on_user_error(main))
