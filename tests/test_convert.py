@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.convert import convert_checkpoint, load_weights, main
-from models.safe_pickle import Placeholder, RestrictedUnpickler, UnsafePickleError, load_untrusted
 from models.yolo import ModelSpec, build_model
 from tests import yolov5_fakes as v5
 from utils.config import TrainConfig, load_hyp
+from utils.convert import convert_checkpoint, load_weights, main
 from utils.data.data_config import DataConfig
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.eval.checkpoint_val import load_model_for_eval
+from utils.safe_pickle import Placeholder, RestrictedUnpickler, UnsafePickleError, load_untrusted
 from utils.tasks import DETECT
 from utils.train.checkpoint import load_checkpoint
 from utils.train.setup import build_model_bundle
@@ -227,7 +227,7 @@ def test_scale_is_inferred_when_the_yaml_is_missing(tmp_path: Path) -> None:
 def test_module_entry_point_converts(yolov5n_file: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
     output = tmp_path / "cli.pt"
     done = subprocess.run(
-        [sys.executable, "-m", "models.convert", str(yolov5n_file[0]), str(output)],
+        [sys.executable, "-m", "utils.convert", str(yolov5n_file[0]), str(output)],
         cwd=REPO, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

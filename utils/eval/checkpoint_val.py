@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from models.convert import load_weights
 from models.yolo import ModelSpec, memory_format
 from utils.boxes import xyxy_to_xywhn
 from utils.config import ValConfig
+from utils.convert import load_weights
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
 from utils.data.loader import build_val_loader
@@ -34,7 +34,7 @@ def load_model_for_eval(
     """Build the model stored in checkpoint `path`: EMA weights (or raw ones), fused, eval mode, on ctx.device.
 
     Laid out NHWC when `channels_last` (see models.yolo.memory_format); fp16 with `half` on CUDA.
-    A YOLOv5 / Ultralytics .pt is converted in memory (models/convert.py). A checkpoint of
+    A YOLOv5 / Ultralytics .pt is converted in memory (utils/convert.py). A checkpoint of
     another task (segment vs detect) is a one-line ConfigError.
     """
     checkpoint = load_weights(path)

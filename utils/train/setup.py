@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from models.anchors import check_anchors
-from models.convert import load_weights
 from models.yolo import ModelSpec, memory_format, model_info
 from utils.config import Hyp, TrainConfig, config_from_dict
+from utils.convert import load_weights
 from utils.data.augment import AugmentParams
 from utils.data.data_config import DataConfig
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels

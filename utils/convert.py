@@ -1,9 +1,9 @@
 """Convert YOLOv5 / Ultralytics checkpoints (pickled model objects) into this project's weights-only format.
 
-    python3 -m models.convert yolov5s.pt yolov5s-converted.pt
+    python3 -m utils.convert yolov5s.pt yolov5s-converted.pt
 
 `--weights yolov5s.pt` in train.py, val.py, detect.py and export.py converts in memory instead
-(`load_weights`). The file is read with models/safe_pickle.py, so nothing in it runs. Its
+(`load_weights`). The file is read with utils/safe_pickle.py, so nothing in it runs. Its
 module tree is mapped onto our network by structure: YOLOv5's numbered layer list
 (`model.0` ... `model.24`) lines up with `DetectionModel.layers()`, each YOLOv5 block's
 sub-module names are renamed to ours (C3's cv1/cv2/cv3/m are deep_in/skip/mix/blocks, ...),
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from models.safe_pickle import Placeholder, UnsafePickleError, load_untrusted
 from models.yolo import BASE_DEPTHS, BASE_WIDTHS, ModelSpec, build_model
 from utils.distributed import DistContext
 from utils.errors import ConfigError
+from utils.safe_pickle import Placeholder, UnsafePickleError, load_untrusted
 from utils.train.checkpoint import FORMAT_VERSION, Checkpoint, load_checkpoint, save_checkpoint
 
 LOGGER = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ def load_weights(path: Path | str) -> Checkpoint:
     checkpoint = convert_loaded(raw, path)
     LOGGER.info(
         f"{path}: converted {model.source} to this project's format in memory "
-        f"(python3 -m models.convert {path} saves it once)"
+        f"(python3 -m utils.convert {path} saves it once)"
     )
     return checkpoint
 

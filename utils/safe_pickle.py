@@ -12,7 +12,7 @@ decides what every global in the file becomes:
   records its arguments and state as plain data. Nothing is imported, nothing executed.
 
 The result is the checkpoint's object tree with modules as placeholders whose `state` holds
-`_parameters`, `_buffers`, `_modules` and attributes; models/convert.py reads weights from it.
+`_parameters`, `_buffers`, `_modules` and attributes; utils/convert.py reads weights from it.
 """
 
 from __future__ import annotations
