@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from utils.distributed import DistContext
 from utils.logs import tqdm_disabled
+from utils.memory import memory_headroom
 
 LOGGER = logging.getLogger(__name__)
 
@@ -65,18 +66,14 @@ def read_resized(path: str, img_size: int, augment: bool = False) -> np.ndarray 
 
 
 def available_memory_bytes() -> int:
-    """Return the memory the kernel says can be allocated without swapping (MemAvailable), in bytes.
+    """Return the bytes this process may still allocate: the least of MemAvailable, the cgroup limit and RLIMIT_AS.
 
-    Read from /proc/meminfo; where that is missing, free physical pages from os.sysconf.
+    See utils/memory.py; a container's limit is invisible in /proc/meminfo.
     """
-    try:
-        with open("/proc/meminfo", encoding="ascii") as file:
-            for line in file:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    headroom = memory_headroom()
+    if headroom.limited_by != "MemAvailable":
+        LOGGER.debug(f"memory headroom {headroom.available / GB:.2f} GB, limited by {headroom.limited_by}")
+    return headroom.available
 
 
 def disk_cache_path(image_path: str) -> Path:
