@@ -260,3 +260,43 @@ def test_degenerate_instances_are_dropped_counted_and_reported(
     cached = scan_labels(files, 3, CTX)
     assert "(cached)" in caplog.text and cached.num_degenerate == 4
     assert cached.reordered(np.array([2, 1, 0])).num_degenerate == 4
+
+
+def test_label_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    image = _image(tmp_path / "images" / "bom.jpg")
+    label = _label(tmp_path, "bom", "\ufeff0 0.5 0.5 0.2 0.2\n".encode("utf-8"))
+    record = verify_image_label(str(image), str(label), num_classes=1)
+    assert record.status == "found" and record.message == ""
+    np.testing.assert_allclose(record.labels, [[0, 0.5, 0.5, 0.2, 0.2]], rtol=1e-6)
+
+
+def test_jpeg_missing_only_its_end_marker_is_kept_and_a_truncated_one_is_not(tmp_path: Path) -> None:
+    pixels = cv2.GaussianBlur(np.random.default_rng(2).integers(0, 256, (48, 64, 3), np.uint8), (5, 5), 0)
+    full = cv2.imencode(".jpg", pixels)[1].tobytes()
+    assert full.endswith(b"\xff\xd9")
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "no_eoi.jpg").write_bytes(full[:-2])
+    (images / "cut.jpg").write_bytes(full[:-40])
+    kept = verify_image_label(str(images / "no_eoi.jpg"), str(tmp_path / "labels" / "no_eoi.txt"), 1)
+    assert kept.status == "missing" and kept.shape_wh == (64, 48)
+    assert "without end-of-image marker" in kept.message and "kept" in kept.message
+    cut = verify_image_label(str(images / "cut.jpg"), str(tmp_path / "labels" / "cut.txt"), 1)
+    assert cut.status == "corrupt" and "truncated JPEG" in cut.message
+
+
+def test_file_names_that_are_not_utf8_are_scanned_and_read(tmp_path: Path) -> None:
+    from utils.data.cache import read_image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    name = os.fsdecode(os.fsencode(images) + b"/caf\xe9.jpg")  # Latin-1 byte: not valid UTF-8
+    ok, encoded = cv2.imencode(".jpg", np.full((30, 40, 3), 90, np.uint8))
+    Path(name).write_bytes(encoded.tobytes())
+    _label(tmp_path, os.fsdecode(b"caf\xe9"), "0 0.5 0.5 0.2 0.2\n")
+    _image(images / "plain.jpg", 40, 30)
+    index = scan_labels(list_image_files(images), 1, CTX)
+    assert sorted(os.fsencode(p).rsplit(b"/", 1)[-1] for p in index.im_files) == [b"caf\xe9.jpg", b"plain.jpg"]
+    assert index.counts["found"] == 1
+    image = read_image(name)
+    assert image is not None and image.shape == (30, 40, 3)

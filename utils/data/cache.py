@@ -59,9 +59,23 @@ def resize_long_side(image: np.ndarray, img_size: int, augment: bool = False) ->
     return cv2.resize(image, (new_w, new_h), interpolation=interpolation)
 
 
+def read_image(path: str) -> np.ndarray | None:
+    """Decode an image file as HxWx3 BGR uint8 with its EXIF orientation applied; None if unreadable.
+
+    Python reads the bytes and cv2.imdecode decodes them: cv2.imread passes the name to C++ as
+    UTF-8, and a file name that is not valid UTF-8 (Python holds it with surrogate escapes)
+    crashes the process there instead of failing.
+    """
+    try:
+        data = np.fromfile(path, dtype=np.uint8)
+    except (OSError, ValueError):
+        return None
+    return cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
+
+
 def read_resized(path: str, img_size: int, augment: bool = False) -> np.ndarray | None:
-    """Decode an image as BGR (EXIF orientation applied by OpenCV) resized to `img_size`; None if unreadable."""
-    image = cv2.imread(path, cv2.IMREAD_COLOR)
+    """Decode an image as BGR (EXIF orientation applied) resized to `img_size`; None if unreadable."""
+    image = read_image(path)
     return None if image is None else resize_long_side(image, img_size, augment)
 
 

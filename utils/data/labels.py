@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import tempfile
@@ -105,8 +106,31 @@ def _orientation(image: Image.Image) -> int:
     return int(image.getexif().get(0x0112, 1))
 
 
-def _check_image(path: str) -> tuple[int, int]:
-    """Return the EXIF-corrected (width, height) of an image, or raise BadInputError saying why it is unusable."""
+def _decodes_without_end_marker(path: str) -> bool:
+    """Whether a JPEG that lacks its end-of-image marker still holds all of its scan data.
+
+    The file is decoded three times with an end marker appended: right after its bytes, and
+    after two different runs of filler bytes. A complete scan ignores the filler (the decoder
+    has every block already); a truncated one decodes the filler as image data, so the pixels
+    differ. PIL, not OpenCV: libjpeg's warnings would otherwise go to stderr once per file.
+    """
+    with open(path, "rb") as file:
+        data = file.read()
+    decoded = []
+    for filler in (b"", b"\x00" * 64, b"\x55" * 64):
+        try:
+            with Image.open(io.BytesIO(data + filler + b"\xff\xd9")) as image:
+                decoded.append(np.asarray(image))
+        except Exception:  # any decoder failure means "not fully decodable"
+            return False
+    return all(np.array_equal(decoded[0], other) for other in decoded[1:])
+
+
+def _check_image(path: str) -> tuple[tuple[int, int], str]:
+    """Return the EXIF-corrected (width, height) of an image and a note ('' or what was tolerated).
+
+    Raises BadInputError saying why an image is unusable.
+    """
     try:
         size = os.path.getsize(path)
         if size == 0:
@@ -122,22 +146,27 @@ def _check_image(path: str) -> tuple[int, int]:
         raise BadInputError(f"not a readable image ({type(error).__name__}: {error})") from error
     if image_format not in PIL_FORMATS:
         raise BadInputError(f"unsupported image format {image_format}")
+    note = ""
     if image_format in ("JPEG", "MPO"):
         with open(path, "rb") as file:
             file.seek(max(0, size - 64))
-            if b"\xff\xd9" not in file.read():  # 0xFFD9 cannot occur inside entropy-coded data
-                raise BadInputError("truncated JPEG (no end-of-image marker)")
+            has_end_marker = b"\xff\xd9" in file.read()  # 0xFFD9 cannot occur inside entropy-coded data
+        if not has_end_marker and not _decodes_without_end_marker(path):
+            raise BadInputError("truncated JPEG (no end-of-image marker, and image data is missing)")
+        if not has_end_marker:
+            note = "JPEG without end-of-image marker, but its image data is complete; kept"
     if orientation in (5, 6, 7, 8):  # rotated by 90 degrees: the decoder swaps width and height
         width, height = height, width
     if min(width, height) < MIN_IMAGE_SIDE:
         raise BadInputError(f"image size {width}x{height} is below {MIN_IMAGE_SIDE} pixels")
-    return width, height
+    return (width, height), note
 
 
 def _read_label_rows(label_path: str) -> list[tuple[float, ...]]:
     """Parse a label file into rows of floats; raise BadInputError for unreadable text or bad columns."""
     try:
-        with open(label_path, encoding="utf-8") as file:
+        # utf-8-sig: editors on Windows start files with a byte-order mark, which is not part of a number
+        with open(label_path, encoding="utf-8-sig") as file:
             lines = file.read().splitlines()
     except (OSError, UnicodeDecodeError) as error:
         raise BadInputError(f"unreadable label file ({type(error).__name__})") from error
@@ -222,11 +251,12 @@ def verify_image_label(image_path: str, label_path: str, num_classes: int) -> La
     with no instance is "empty" (background).
     """
     try:
-        shape_wh = _check_image(image_path)
+        shape_wh, image_note = _check_image(image_path)
     except BadInputError as error:
         return LabelRecord(image_path, "corrupt", message=f"corrupt image {image_path}: {error}; skipped")
+    image_message = f"image {image_path}: {image_note}" if image_note else ""
     if not os.path.lexists(label_path):
-        return LabelRecord(image_path, "missing", shape_wh)
+        return LabelRecord(image_path, "missing", shape_wh, message=image_message)
     try:
         rows, fixes = _check_rows(_read_label_rows(label_path), num_classes)
     except BadInputError as error:
@@ -234,7 +264,8 @@ def verify_image_label(image_path: str, label_path: str, num_classes: int) -> La
     labels, segments, num_degenerate = _drop_degenerate(*_rows_to_instances(rows))
     if num_degenerate:
         fixes.append(f"dropped {num_degenerate} degenerate (zero-area) instance(s)")
-    message = f"fixed label {label_path}: {'; '.join(fixes)}" if fixes else ""
+    label_message = f"fixed label {label_path}: {'; '.join(fixes)}" if fixes else ""
+    message = "; ".join(part for part in (image_message, label_message) if part)
     status = "found" if len(labels) else "empty"
     return LabelRecord(image_path, status, shape_wh, labels, segments, message, num_degenerate)
 
@@ -319,9 +350,9 @@ def files_hash(image_files: Sequence[str], label_files: Sequence[str], num_class
     for path in (*image_files, *label_files):
         try:
             stat = os.stat(path)
-            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+            digest.update(os.fsencode(path) + f"\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
         except OSError:
-            digest.update(f"{path}\0missing\n".encode())
+            digest.update(os.fsencode(path) + b"\0missing\n")  # fsencode: names need not be UTF-8
     return digest.hexdigest()
 
 
