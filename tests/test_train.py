@@ -63,12 +63,15 @@ def trained_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
     """Two epochs of train.py, saving epoch1.pt too so --resume can be tested against it."""
     project = tmp_path_factory.mktemp("runs")
     handler = _Recorder()
-    logging.getLogger("utils.train.engine").addHandler(handler)
+    loggers = [logging.getLogger(name) for name in ("utils.train.engine", "utils.train.setup")]
+    for logger in loggers:
+        logger.addHandler(handler)
     try:
         args = _train_args(tiny_data, project, "e2e", "--epochs", "2", "--save-period", "1", "--close-mosaic", "1")
         result = train.main(args)
     finally:
-        logging.getLogger("utils.train.engine").removeHandler(handler)
+        for logger in loggers:
+            logger.removeHandler(handler)
     ENGINE_LOG[:] = handler.messages
     return result
 
@@ -84,7 +87,13 @@ class _Recorder(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-ENGINE_LOG: list[str] = []  # utils.train.engine's messages during trained_run
+ENGINE_LOG: list[str] = []  # utils.train.engine's and utils.train.setup's messages during trained_run
+
+
+def test_startup_line_counts_the_cached_images(trained_run) -> None:
+    # --cache auto holds the 16 tiny training images in RAM; the line once said "cached 0" regardless.
+    startup = [message for message in ENGINE_LOG if message.startswith("world size")]
+    assert len(startup) == 1 and "(this rank's shard 16, cached 16)" in startup[0], startup
 
 
 def test_train_writes_run_folder_and_finite_results(trained_run) -> None:

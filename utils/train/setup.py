@@ -207,7 +207,7 @@ def verify_identical_weights(model: nn.Module, ctx: DistContext) -> None:
 def log_startup(cfg: TrainConfig, bundle: ModelBundle, datasets: Datasets, accumulate: int, ctx: DistContext) -> None:
     """Log the numbers that catch mistakes: world size, batches, accumulation, model and data sizes."""
     LOGGER.info(model_info(bundle.model, cfg.imgsz))
-    cached = getattr(datasets.train, "cached_count", 0)
+    cached = len(datasets.train.cache) if datasets.train.cache is not None else 0
     LOGGER.info(
         f"world size {ctx.world_size} | global batch {cfg.batch_size} | per-rank batch {datasets.per_rank_batch} | "
         f"accumulate {accumulate} (nominal batch {int(cfg.hyp.nbs)}) | train images {len(datasets.train)} "
