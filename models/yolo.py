@@ -13,6 +13,7 @@ from torch import nn
 
 from models.blocks import C3, SPPF, Concat, Conv, upsample2x
 from models.heads import DetectHead, HeadOutput, SegmentHead
+from models.yolov5_yaml import LAYOUT_KEYS, read_yolov5_layout
 from utils.errors import ConfigError, read_yaml_mapping
 
 LOGGER = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ BASE_WIDTHS = (64, 128, 256, 512, 1024)
 BASE_DEPTHS = (3, 6, 9, 3)
 SEG_NUM_MASKS = 32
 SEG_BASE_PROTOS = 256
-YAML_KEYS = ("depth_multiple", "width_multiple", "anchors", "nc", "num_masks")
+YAML_KEYS = ("depth_multiple", "width_multiple", "anchors", "nc", "num_masks", *LAYOUT_KEYS)
 
 
 @dataclass(frozen=True)
@@ -95,18 +96,19 @@ def scale_width(channels: int, width_multiple: float) -> int:
     return int(math.ceil(channels * width_multiple / 8) * 8)
 
 
-def segmentation_spec(spec: ModelSpec, num_masks: int = SEG_NUM_MASKS) -> ModelSpec:
-    """Return `spec` with `num_masks` mask coefficients and YOLOv5-seg's 256 width-scaled prototype channels."""
-    return replace(spec, num_masks=num_masks, num_protos=scale_width(SEG_BASE_PROTOS, spec.width_multiple))
+def segmentation_spec(spec: ModelSpec, num_masks: int = SEG_NUM_MASKS, base_protos: int = SEG_BASE_PROTOS) -> ModelSpec:
+    """Return `spec` with `num_masks` mask coefficients and `base_protos` (YOLOv5-seg: 256) width-scaled prototypes."""
+    return replace(spec, num_masks=num_masks, num_protos=scale_width(base_protos, spec.width_multiple))
 
 
 def spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
     """Resolve `--cfg` to a ModelSpec: a size name ('yolov5s', 's', 'yolov5s-seg', 'yolov5s.yaml') or a YAML file.
 
-    A YAML file may set `depth_multiple`, `width_multiple` (required), `anchors`, `nc` and `num_masks`
-    (> 0 for a segmentation model); any other key is a ConfigError (a ValueError) naming the file and
-    key. `num_classes` (from the dataset) wins over the file's `nc`. '-seg' records 32 mask
-    coefficients and 256 width-scaled prototypes.
+    A YAML file sets `depth_multiple`, `width_multiple` (required), `anchors`, `nc` and `num_masks`
+    (> 0 for a segmentation model), or is a YOLOv5 model YAML whose `backbone`/`head` lists must be
+    the standard yolov5n-x or -seg P5 layout (models/yolov5_yaml.py); any other key or layout is a
+    ConfigError (a ValueError) naming the file. `num_classes` (from the dataset) wins over the file's
+    `nc`. '-seg' records 32 mask coefficients and 256 width-scaled prototypes.
     """
     path = Path(cfg)
     if path.suffix in {".yaml", ".yml"} and path.is_file():
@@ -131,20 +133,36 @@ def _spec_from_yaml(path: Path, num_classes: int) -> ModelSpec:
         value = raw.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: '{key}' must be a number, got {value!r}")
-    num_masks = raw.get("num_masks", 0)
+    head = read_yolov5_layout(raw, path)
+    num_masks, base_protos = (head.num_masks, head.base_protos) if head else (raw.get("num_masks", 0), SEG_BASE_PROTOS)
     if isinstance(num_masks, bool) or not isinstance(num_masks, int) or num_masks < 0:
         raise ConfigError(f"{path}: 'num_masks' must be an integer >= 0, got {num_masks!r}")
     if "nc" in raw and raw["nc"] != num_classes:
         LOGGER.info("%s: overriding nc=%s with the dataset's %d classes", path, raw["nc"], num_classes)
-    try:
-        anchors = tuple(tuple(float(v) for v in level) for level in raw.get("anchors", DEFAULT_ANCHORS))
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"{path}: 'anchors' must be 3 lists of w, h pixel pairs ({error})") from error
+    anchors = _anchors_from_yaml(raw.get("anchors", DEFAULT_ANCHORS), path)
     try:
         spec = ModelSpec(float(raw["depth_multiple"]), float(raw["width_multiple"]), anchors, num_classes)
-        return segmentation_spec(spec, num_masks) if num_masks else spec
+        return segmentation_spec(spec, num_masks, base_protos) if num_masks else spec
     except ValueError as error:
         raise ConfigError(f"{path}: {error}") from error
+
+
+def _anchors_from_yaml(value: Any, path: Path) -> tuple[tuple[float, ...], ...]:
+    """Anchor pixel pairs from a model YAML's `anchors`: 3 lists of w, h pairs, or YOLOv5's count per level.
+
+    YOLOv5 reads an integer as "this many anchors per level, fitted by AutoAnchor". We support 3
+    (our heads' count): the COCO anchors are the start, and the training set-up's anchor check refits
+    them to the dataset when fewer than 98% of its labels can be matched (models/anchors.py).
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value != 3:
+            raise ConfigError(f"{path}: 'anchors: {value}' per level is not supported; use 3 or list the anchors")
+        LOGGER.info("%s: anchors: 3 -> the COCO anchors, refitted by AutoAnchor at the start if they fit poorly", path)
+        return DEFAULT_ANCHORS
+    try:
+        return tuple(tuple(float(v) for v in level) for level in value)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{path}: 'anchors' must be 3 lists of w, h pixel pairs ({error})") from error
 
 
 class Backbone(nn.Module):

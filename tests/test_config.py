@@ -78,6 +78,7 @@ def test_batch_not_divisible_by_world_size_is_one_line_error() -> None:
         (["--epochs", "0"], "--epochs 0"),
         (["--close-mosaic", "-1"], "--close-mosaic -1"),
         (["--weights", "missing.pt"], "--weights missing.pt"),
+        (["--seed", "-1"], r"--seed -1 must be in \[0, 2\*\*32\)"),
     ],
 )
 def test_validate_rejects_bad_flags(flags: list[str], needle: str) -> None:

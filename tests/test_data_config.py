@@ -38,7 +38,6 @@ def test_relative_paths_resolve_against_yaml_folder(tmp_path: Path) -> None:
         ("path: ds\ntrain: images/train\nval: images/val\n", "missing 'names'"),
         ("path: ds\ntrain: images/train\nval: images/val\nnames: [a]\nnc: 2\n", "nc=2 but 'names' has 1"),
         ("path: ds\ntrain: images/train\nval: images/val\nnames: [a]\nweights: x\n", "unknown key 'weights'"),
-        ("path: ds\ntrain: images/train\nval: images/val\nnames: [a]\ndownload: http://x\n", "'download'"),
         ("- just\n- a list\n", "expected a mapping"),
         ("path: [unclosed\n", "not valid YAML"),
     ],

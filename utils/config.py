@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,12 @@ QUICKSTART_EPOCHS = 20
 QUICKSTART_BATCH = 16
 QUICKSTART_OPTIMIZER = "AdamW"
 QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)
+LOGGER = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Hyp:
-    """Training hyperparameters, read from a hyp YAML (every key required, unknown keys rejected)."""
+    """Training hyperparameters, read from a hyp YAML (every key required but YOLOV5_HYP_DEFAULTS; unknown rejected)."""
 
     lr0: float
     lrf: float
@@ -69,22 +71,54 @@ class Hyp:
         return dataclasses.asdict(self)
 
 
+# Keys YOLOv5's hyp files leave out, with the values YOLOv5's train.py uses for them: it hard-codes the
+# nominal batch 64, takes label smoothing from a flag (default 0.0), and older files lack fl_gamma.
+YOLOV5_HYP_DEFAULTS = {"nbs": 64.0, "label_smoothing": 0.0, "fl_gamma": 0.0}
+
+
 def load_hyp(path: Path, overrides: dict[str, float] | None = None) -> Hyp:
-    """Load a hyp YAML into a Hyp; unknown, missing or non-numeric keys are one-line errors naming the file."""
+    """Load a hyp YAML into a Hyp; unknown, missing or non-numeric keys are one-line errors naming the file.
+
+    A YOLOv5 hyp file loads as it is: a missing `nbs`, `label_smoothing` or `fl_gamma` takes
+    YOLOV5_HYP_DEFAULTS, and YOLOv5's `anchors` key (anchors per level for AutoAnchor) is ignored,
+    because anchors come from `--cfg` (or `--weights`) and are refitted only when they fit the labels poorly.
+    One warning line names the file and what was filled in or ignored. `overrides` (flags such as
+    --label-smoothing) replace file values.
+    """
     raw = read_yaml_mapping(path)
+    overrides = overrides or {}
     names = {f.name for f in fields(Hyp)}
-    unknown = sorted(set(raw) - names)
+    unknown = sorted(set(raw) - names - {"anchors"})
     if unknown:
         raise ConfigError(f"{path}: unknown hyperparameter '{unknown[0]}' (known: {', '.join(sorted(names))})")
-    missing = sorted(names - set(raw))
+    missing = sorted(names - set(raw) - set(YOLOV5_HYP_DEFAULTS))
     if missing:
         raise ConfigError(f"{path}: missing hyperparameter '{missing[0]}'")
+    defaults = {key: value for key, value in YOLOV5_HYP_DEFAULTS.items() if key not in raw}
     values: dict[str, float] = {}
-    for key, value in {**raw, **(overrides or {})}.items():
+    for key, value in {**raw, **defaults, **overrides}.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: hyperparameter '{key}' must be a number, got {value!r}")
         values[key] = float(value)
+    anchors = values.pop("anchors", None)
+    _log_yolov5_hyp(path, {key: value for key, value in defaults.items() if key not in overrides}, anchors)
     return Hyp(**values)
+
+
+def _log_yolov5_hyp(path: Path, defaults: dict[str, float], anchors: float | None) -> None:
+    """Say in one line which of YOLOv5's train.py values filled `path`'s missing keys and that `anchors` is ignored."""
+    notes = []
+    if defaults:
+        filled = ", ".join(f"{key}={value:g}" for key, value in defaults.items())
+        notes.append(f"missing keys take YOLOv5's train.py values {filled}")
+    if anchors is not None:
+        notes.append(
+            f"'anchors: {anchors:g}' is ignored (anchors come from --cfg or --weights; from scratch, AutoAnchor "
+            "refits them only if they fit the labels poorly)"
+        )
+    if notes:
+        # A warning, not info: this runs before logging is set up, where only warnings reach stderr.
+        LOGGER.warning("%s: YOLOv5 hyp file: %s", path, "; ".join(notes))
 
 
 @dataclass(frozen=True)
@@ -281,6 +315,8 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
         raise ConfigError(f"--optimizer {cfg.optimizer} is not one of {', '.join(OPTIMIZERS)}")
     if cfg.workers < 0:
         raise ConfigError(f"--workers {cfg.workers} must be >= 0")
+    if not 0 <= cfg.seed < 2**32:  # numpy seeds are unsigned 32-bit; -1 would fail only when shards are drawn
+        raise ConfigError(f"--seed {cfg.seed} must be in [0, 2**32); every rank derives its randomness from it")
     if cfg.mask_ratio not in (1, 2, 4, 8):
         raise ConfigError(f"--mask-ratio {cfg.mask_ratio} must be one of 1, 2, 4, 8 (a divisor of the stride 8)")
     if cfg.hyp.nbs < 1:

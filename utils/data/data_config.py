@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ KNOWN_KEYS = {
     "download",
 }
 BUILTIN_DATASETS = ("synthetic",)
+LOGGER = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,17 +58,22 @@ class DataConfig:
 def parse_names(raw: dict, yaml_file: Path) -> tuple[str, ...]:
     """Read class names from `names` (list or {index: name}) and check them against optional `nc`."""
     names = raw.get("names")
+    num_classes = raw.get("nc")
+    if num_classes is not None and (
+        isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
+    ):
+        raise ConfigError(f"{yaml_file}: 'nc' must be a positive integer (the number of classes), got {num_classes!r}")
     if isinstance(names, dict):
         keys = sorted(names)
         if keys != list(range(len(keys))):
             raise ConfigError(f"{yaml_file}: 'names' keys must be 0..{len(keys) - 1}, got {keys[:5]}...")
         names = [names[k] for k in keys]
-    if names is None and "nc" in raw:
-        names = [f"class{i}" for i in range(int(raw["nc"]))]
+    if names is None and num_classes is not None:
+        names = [f"class{i}" for i in range(num_classes)]
     if not isinstance(names, list) or not names:
         raise ConfigError(f"{yaml_file}: missing 'names' (a list or an index->name mapping)")
-    if "nc" in raw and int(raw["nc"]) != len(names):
-        raise ConfigError(f"{yaml_file}: nc={raw['nc']} but 'names' has {len(names)} entries")
+    if num_classes is not None and num_classes != len(names):
+        raise ConfigError(f"{yaml_file}: nc={num_classes} but 'names' has {len(names)} entries")
     return tuple(str(n) for n in names)
 
 
@@ -111,7 +118,8 @@ def ensure_builtin(name: str, root: Path, yaml_file: Path, ctx: DistContext) -> 
 def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
     """Load and check a dataset YAML; relative paths resolve against `path`, itself relative to the YAML.
 
-    Nothing in the YAML is executed: `builtin: synthetic` names a generator this project ships.
+    Nothing in the YAML is executed: `builtin: synthetic` names a generator this project ships, and
+    YOLOv5's `download` (a URL or a Python script) is ignored with one warning on rank 0.
     A missing key or split path is a ConfigError naming the file.
     """
     yaml_file = Path(yaml_file).resolve()
@@ -119,8 +127,11 @@ def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
     unknown = sorted(set(raw) - KNOWN_KEYS)
     if unknown:
         raise ConfigError(f"{yaml_file}: unknown key '{unknown[0]}' (known: {', '.join(sorted(KNOWN_KEYS))})")
-    if raw.get("download"):
-        raise ConfigError(f"{yaml_file}: 'download' is not supported; download the dataset yourself and set 'path'")
+    if raw.get("download") and ctx.is_main:
+        # YOLOv5 runs this (a URL, or Python code) when a split is missing; we never download or execute anything.
+        LOGGER.warning(
+            "%s: 'download' is ignored (nothing is downloaded or run); fetch the dataset yourself", yaml_file
+        )
     for key in ("train", "val"):
         if key not in raw:
             raise ConfigError(f"{yaml_file}: missing key '{key}'")
@@ -129,10 +140,11 @@ def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
     if raw.get("builtin"):
         ensure_builtin(str(raw["builtin"]), root, yaml_file, ctx)
     splits = {key: _resolve(raw[key], root, yaml_file, key) for key in ("train", "val", "test") if raw.get(key)}
+    hint = " ('download' is not run: fetch the dataset yourself)" if raw.get("download") else ""
     for key, sources in splits.items():
         for source in sources:
             if not source.exists():
-                raise ConfigError(f"{yaml_file}: '{key}' path {source} does not exist")
+                raise ConfigError(f"{yaml_file}: '{key}' path {source} does not exist{hint}")
     annotations = {}
     for key in ("val", "test"):
         ann = raw.get(f"{key}_annotations")

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import cv2
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -17,16 +16,18 @@ from utils.data.augment import (
     AugmentParams,
     Instances,
     augment_hsv,
+    copy_paste,
     flip_lr,
     flip_ud,
     instances_to_labels,
+    is_box_outline,
     letterbox,
     mixup,
     mosaic4,
     random_perspective,
     transform_instances,
 )
-from utils.data.cache import CACHE_MODES, ImageCache, rank_shard, resize_long_side
+from utils.data.cache import CACHE_MODES, ImageCache, rank_shard, read_image, resize_long_side
 from utils.data.labels import LabelIndex, list_image_files, scan_labels
 from utils.data.masks import polygons_to_masks, polygons_to_overlap_mask
 from utils.distributed import DistContext
@@ -102,6 +103,21 @@ def rect_batch_shapes(
     return order.astype(np.int64), batch_shapes
 
 
+def _warn_if_copy_paste_idle(aug: AugmentParams, use_mosaic: bool, index: LabelIndex) -> None:
+    """Warn once (rank 0) when copy_paste > 0 can never act: it runs inside mosaic and needs polygon labels."""
+    if not use_mosaic or aug.mosaic == 0:
+        message = "copy_paste %g has no effect: it is applied to mosaics, and mosaic is off (--rect or hyp mosaic 0)"
+        LOGGER.warning(message, aug.copy_paste)
+        return
+    lengths = np.diff(index.seg_offsets)
+    four_points = index.seg_points.reshape(-1, 4, 2) if (lengths == 4).all() else None
+    if four_points is not None and is_box_outline(four_points).all():
+        LOGGER.warning(
+            "copy_paste %g has no effect: the training labels have no polygons (box-only labels cannot be copy-pasted)",
+            aug.copy_paste,
+        )
+
+
 class LoadImagesAndLabels(Dataset):
     """The training/validation dataset: images and YOLO labels from `sources` as item dicts (docs/CONTRACTS.md).
 
@@ -138,6 +154,8 @@ class LoadImagesAndLabels(Dataset):
         if options.single_cls:
             self.labels[:, 0] = 0
         self.use_mosaic = options.augment and not options.rect  # rect batches need unmixed images
+        if options.augment and options.aug.copy_paste > 0 and ctx.is_main:
+            _warn_if_copy_paste_idle(options.aug, self.use_mosaic, index)
         self.shard = rank_shard(len(index), ctx, options.seed) if options.augment else np.arange(len(index))
         self.cache: ImageCache | None = None
         if options.cache_mode != "none":
@@ -193,7 +211,7 @@ class LoadImagesAndLabels(Dataset):
         """Return (BGR image resized to long side img_size, (h0, w0) original, (h, w) resized).
 
         Served from the cache when it holds the item (copied, so callers may modify it),
-        otherwise decoded from disk with OpenCV, which applies the EXIF orientation.
+        otherwise decoded from disk (`read_image`: EXIF orientation applied, any file name).
         Raises FileNotFoundError naming the file when it cannot be read.
         """
         width0, height0 = (int(v) for v in self.index.shapes[index])
@@ -202,7 +220,7 @@ class LoadImagesAndLabels(Dataset):
             image = cached.copy() if self.cache.mode == "ram" else cached
             return image, (height0, width0), image.shape[:2]
         path = self.index.im_files[index]
-        image = cv2.imread(path, cv2.IMREAD_COLOR)
+        image = read_image(path)
         if image is None:
             raise FileNotFoundError(f"cannot read image {path} (deleted or corrupted since the label scan?)")
         height0, width0 = image.shape[:2]
@@ -222,6 +240,7 @@ class LoadImagesAndLabels(Dataset):
             images.append(image)
             instances.append(self._instances(i, width, height))
         image, inst = mosaic4(images, instances, size, rng)
+        image, inst = copy_paste(image, inst, self.options.aug.copy_paste, rng)  # on the canvas, as YOLOv5
         return self._perspective(image, inst, rng, border=(-size // 2, -size // 2))
 
     def _perspective(
