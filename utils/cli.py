@@ -7,19 +7,15 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from utils.config import (
-    build_train_parser,
-    build_val_parser,
-    config_from_args,
-    val_config_from_args,
-    validate,
-)
+from utils.config import build_val_parser, train_config_from_argv, val_config_from_args, validate
 from utils.distributed import DistContext, cleanup, init_distributed
 from utils.errors import ConfigError
 from utils.logs import setup_logging
 
 if TYPE_CHECKING:
     from utils.eval.evaluate import EvalResult
+    from utils.export import ExportedFile
+    from utils.predict.predictor import PredictResult
     from utils.tasks import Task
     from utils.train.engine import FitResult
 
@@ -54,7 +50,7 @@ def train_main(argv: list[str] | None, task: Task) -> FitResult:
     """The whole of train.py / segment/train.py: parse flags, set up the process group, train `task`."""
     from utils.train.engine import fit
 
-    cfg = config_from_args(build_train_parser(task.name).parse_args(argv), task.name)
+    cfg = train_config_from_argv(argv, task.name)
 
     def body(ctx: DistContext) -> FitResult:
         validate(cfg, ctx)
@@ -73,3 +69,23 @@ def val_main(argv: list[str] | None, task: Task) -> EvalResult:
 
     cfg = val_config_from_args(build_val_parser(task.name).parse_args(argv))
     return run_entry(cfg.device, lambda ctx: validate_checkpoint(cfg, task, ctx))
+
+
+def predict_main(argv: list[str] | None, task: Task) -> PredictResult:
+    """The whole of detect.py / segment/predict.py: parse flags and predict `task` on --source, sharded over ranks."""
+    from utils.predict.config import build_predict_parser, predict_config_from_args
+    from utils.predict.predictor import predict
+
+    cfg = predict_config_from_args(build_predict_parser(task.name).parse_args(argv))
+    return run_entry(cfg.device, lambda ctx: predict(cfg, task, ctx))
+
+
+def export_main(argv: list[str] | None, tasks: dict[str, Task]) -> list[ExportedFile]:
+    """The whole of export.py: parse flags and export the checkpoint on rank 0 (other ranks do nothing).
+
+    `tasks` maps a checkpoint's `task` field to its Task; export.py passes DETECT and SEGMENT.
+    """
+    from utils.export import build_export_parser, export_checkpoint, export_config_from_args
+
+    cfg = export_config_from_args(build_export_parser().parse_args(argv))
+    return run_entry(cfg.device, lambda ctx: export_checkpoint(cfg, tasks, ctx))

@@ -1,0 +1,259 @@
+"""Tests for export.py / utils/export.py: TorchScript and ONNX files match PyTorch, carry metadata, dynamic batch."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import export
+from models.yolo import DEFAULT_ANCHORS, ModelSpec, build_model, segmentation_spec
+from segment.task import SEGMENT
+from utils import export as export_lib
+from utils.cli import exit_on_user_error
+from utils.distributed import DistContext
+from utils.errors import ConfigError
+from utils.eval.checkpoint_val import load_model_for_eval
+from utils.export import (
+    ExportConfig,
+    ExportMismatchError,
+    ExportWrapper,
+    Tolerance,
+    build_export_parser,
+    check_parity,
+    export_checkpoint,
+    export_config_from_args,
+    read_metadata,
+)
+from utils.tasks import DETECT, Task
+from utils.train.checkpoint import RunInfo, build_checkpoint, save_checkpoint
+
+TASKS = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
+NAMES = ["circle", "square", "triangle"]
+NUM_MASKS = 4
+IMGSZ = 64
+# The smallest width YOLOv5's layers allow (8 channels after rounding), full depth structure.
+TINY_SPEC = ModelSpec(depth_multiple=0.33, width_multiple=0.125, anchors=DEFAULT_ANCHORS, num_classes=len(NAMES))
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning"),  # TorchScript is under test
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny untrained detection and segmentation checkpoint, saved as training saves them."""
+    folder = tmp_path_factory.mktemp("export-weights")
+    paths = {}
+    for task, spec in ((DETECT, TINY_SPEC), (SEGMENT, segmentation_spec(TINY_SPEC, NUM_MASKS))):
+        torch.manual_seed(0)
+        model = build_model(spec)
+        run = RunInfo(task=task.name, model_spec=spec.to_dict(), names=NAMES, train_config={}, hyp={})
+        state = build_checkpoint(run=run, model=model, ema=None, optimizer=None, scaler=None, epoch=0, best_fitness=0)
+        paths[task.name] = folder / f"{task.name}.pt"
+        save_checkpoint(state, paths[task.name], DistContext())
+    return paths
+
+
+def _copy(checkpoints: dict[str, Path], task: Task, folder: Path) -> Path:
+    """Copy the task's checkpoint to `folder` as best.pt, so each test's exports land in its own folder."""
+    return Path(shutil.copy(checkpoints[task.name], folder / "best.pt"))
+
+
+def _config(weights: Path, *include: str, **options: object) -> ExportConfig:
+    return ExportConfig(weights=weights, include=include, imgsz=(IMGSZ, IMGSZ), **options)
+
+
+def _pytorch_outputs(weights: Path, task: Task, images: torch.Tensor) -> list[np.ndarray]:
+    """What the eval model gives for `images`, reduced to the exported outputs."""
+    model, _ = load_model_for_eval(weights, task, DistContext(), channels_last=False)
+    with torch.no_grad():
+        outputs = ExportWrapper(model).eval()(images)
+    return [t.numpy() for t in (outputs if isinstance(outputs, tuple) else (outputs,))]
+
+
+def _check_outputs(got: list[np.ndarray], want: list[np.ndarray], task: Task, images: torch.Tensor) -> None:
+    """Exported outputs equal PyTorch's within fp32 tolerance and have YOLOv5's shapes."""
+    batch, _, height, width = images.shape
+    num_boxes = 3 * sum((height // stride) * (width // stride) for stride in (8, 16, 32))
+    num_outputs = 5 + len(NAMES) + (NUM_MASKS if task.with_masks else 0)
+    assert got[0].shape == (batch, num_boxes, num_outputs)
+    if task.with_masks:
+        assert len(got) == 2 and got[1].shape == (batch, NUM_MASKS, height // 4, width // 4)
+    for array, expected in zip(got, want, strict=True):
+        np.testing.assert_allclose(array, expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("task", [DETECT, SEGMENT], ids=lambda task: task.name)
+def test_torchscript_matches_pytorch_at_any_batch_and_size(
+    checkpoints: dict[str, Path], task: Task, tmp_path: Path
+) -> None:
+    weights = _copy(checkpoints, task, tmp_path)
+    (result,) = export_checkpoint(_config(weights, "torchscript"), TASKS, DistContext())
+    assert result.path == tmp_path / "best.torchscript" and result.path.is_file()
+    assert result.max_abs_diff is not None and result.max_abs_diff <= 1e-4
+    assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed, not left behind
+    loaded = torch.jit.load(str(result.path))
+    # Traced at batch 1 and 64 px, the graph builds its grids from the input's size: batch 3 at 96 x 64 works.
+    for images in (torch.rand(1, 3, IMGSZ, IMGSZ), torch.rand(3, 3, 96, IMGSZ)):
+        with torch.no_grad():
+            outputs = loaded(images)
+        got = [t.numpy() for t in (outputs if isinstance(outputs, tuple) else (outputs,))]
+        _check_outputs(got, _pytorch_outputs(weights, task, images), task, images)
+    assert read_metadata(result.path) == {
+        "stride": 32,
+        "names": {0: "circle", 1: "square", 2: "triangle"},
+        "task": task.name,
+        "imgsz": [IMGSZ, IMGSZ],
+        "batch": 1,
+        "dynamic": False,
+        "half": False,
+    }
+
+
+@pytest.mark.parametrize("task", [DETECT, SEGMENT], ids=lambda task: task.name)
+def test_dynamic_onnx_matches_pytorch_at_batch_1_and_3(
+    checkpoints: dict[str, Path], task: Task, tmp_path: Path
+) -> None:
+    pytest.importorskip("onnx")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    weights = _copy(checkpoints, task, tmp_path)
+    (result,) = export_checkpoint(_config(weights, "onnx", dynamic=True), TASKS, DistContext())
+    assert result.path == tmp_path / "best.onnx"
+    assert result.max_abs_diff is not None and result.max_abs_diff <= 1e-3
+    session = onnxruntime.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
+    assert [out.name for out in session.get_outputs()] == (["output0", "output1"] if task.with_masks else ["output0"])
+    for images in (torch.rand(1, 3, IMGSZ, IMGSZ), torch.rand(3, 3, IMGSZ, IMGSZ), torch.rand(2, 3, 96, IMGSZ)):
+        got = session.run(None, {"images": images.numpy()})
+        _check_outputs(got, _pytorch_outputs(weights, task, images), task, images)
+    metadata = read_metadata(result.path)
+    assert metadata["task"] == task.name and metadata["dynamic"] is True and metadata["stride"] == 32
+    assert metadata["names"] == {0: "circle", 1: "square", 2: "triangle"} and metadata["imgsz"] == [IMGSZ, IMGSZ]
+
+
+def test_static_onnx_refuses_another_batch_size(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    pytest.importorskip("onnx")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+    weights = _copy(checkpoints, DETECT, tmp_path)
+    (result,) = export_checkpoint(_config(weights, "onnx", batch_size=2), TASKS, DistContext())
+    session = onnxruntime.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
+    assert session.run(None, {"images": np.zeros((2, 3, IMGSZ, IMGSZ), np.float32)})[0].shape[0] == 2
+    with pytest.raises(InvalidArgument, match="images"):
+        session.run(None, {"images": np.zeros((3, 3, IMGSZ, IMGSZ), np.float32)})
+    assert read_metadata(result.path)["batch"] == 2
+
+
+def test_onnx_without_onnxruntime_is_checked_but_parity_not_run(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("onnx")
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # `import onnxruntime` now raises ImportError
+    weights = _copy(checkpoints, DETECT, tmp_path)
+    with caplog.at_level("INFO"):
+        (result,) = export_checkpoint(_config(weights, "onnx"), TASKS, DistContext())
+    assert result.path.is_file() and result.max_abs_diff is None
+    assert "onnxruntime is not installed (pip install onnxruntime): parity not run" in caplog.text
+
+
+def test_missing_onnx_is_one_line_before_any_work(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "onnx", None)  # `import onnx` now raises ImportError
+    weights = _copy(checkpoints, DETECT, tmp_path)
+    with pytest.raises(ConfigError) as error:
+        export_checkpoint(_config(weights, "torchscript", "onnx"), TASKS, DistContext())
+    assert str(error.value) == "ONNX export needs the 'onnx' package: pip install onnx"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["best.pt"]  # not even the TorchScript file
+
+
+def test_simplify_without_onnxsim_is_one_line(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "onnx", types.ModuleType("onnx"))  # installed or not, the check passes
+    monkeypatch.setitem(sys.modules, "onnxsim", None)
+    with pytest.raises(ConfigError, match=r"^--simplify needs the 'onnxsim' package: pip install onnxsim$"):
+        export_checkpoint(_config(_copy(checkpoints, DETECT, tmp_path), "onnx", simplify=True), TASKS, DistContext())
+
+
+def test_half_on_cpu_is_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--half needs a CUDA device"):
+        export_checkpoint(_config(_copy(checkpoints, DETECT, tmp_path), "torchscript", half=True), TASKS, DistContext())
+
+
+def test_failed_parity_leaves_no_file(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def mismatch(*args: object) -> float:
+        raise ExportMismatchError("outputs differ")
+
+    monkeypatch.setattr(export_lib, "check_parity", mismatch)
+    weights = _copy(checkpoints, DETECT, tmp_path)
+    with pytest.raises(ExportMismatchError):
+        export_checkpoint(_config(weights, "torchscript"), TASKS, DistContext())
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["best.pt"]  # neither the file nor its temp
+
+
+def test_check_parity_measures_and_rejects() -> None:
+    wrapper = torch.nn.Identity()
+    images = [torch.full((1, 2), 100.0), torch.full((3, 2), 100.0)]
+    tolerance = Tolerance(rtol=1e-3, atol=1e-3)  # 0.101 allowed at 100
+    worst = check_parity(wrapper, lambda x: [x.numpy() + 0.05], images, tolerance, Path("m.onnx"))
+    assert worst == pytest.approx(0.05, abs=1e-5)
+    with pytest.raises(ExportMismatchError, match=r"m\.onnx: outputs differ from PyTorch by up to 0\.2 at batch 1"):
+        check_parity(wrapper, lambda x: [x.numpy() + 0.2], images, tolerance, Path("m.onnx"))
+    with pytest.raises(ExportMismatchError, match="output shape"):
+        check_parity(wrapper, lambda x: [x.numpy()[:, :1]], images, tolerance, Path("m.onnx"))
+
+
+def test_only_rank_0_exports(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    weights = _copy(checkpoints, DETECT, tmp_path)
+    assert export_checkpoint(_config(weights, "torchscript"), TASKS, DistContext(rank=1, world_size=2)) == []
+    assert not (tmp_path / "best.torchscript").exists()
+
+
+def test_flags_follow_yolov5_and_bad_ones_are_one_line() -> None:
+    parser = build_export_parser()
+    cfg = export_config_from_args(parser.parse_args(["--weights", "w.pt", "--include", "ONNX", "torchscript", "onnx"]))
+    assert cfg.include == ("onnx", "torchscript") and cfg.imgsz == (640, 640) and cfg.opset == 17
+    assert export_config_from_args(parser.parse_args(["--weights", "w.pt", "--img", "320", "640"])).imgsz == (320, 640)
+    refusals = {
+        ("--include", "tflite"): "--include tflite is not supported; choose from torchscript, onnx",
+        ("--imgsz", "100"): "--imgsz 100 must be one or two positive multiples of 32",
+        ("--batch-size", "0"): "--batch-size 0 must be at least 1",
+        ("--opset", "99"): "--opset 99 must be within 11..20",
+        ("--half", "--dynamic"): "--half and --dynamic cannot be combined",
+    }
+    for flags, message in refusals.items():
+        with pytest.raises(ConfigError, match=f"^{message}"):
+            export_config_from_args(parser.parse_args(["--weights", "w.pt", *flags]))
+
+
+@pytest.mark.slow
+def test_export_py_end_to_end(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """export.py's main(): both formats of a segmentation checkpoint, the task read from the file."""
+    include = ["torchscript", "onnx"] if importlib.util.find_spec("onnx") else ["torchscript"]
+    weights = _copy(checkpoints, SEGMENT, tmp_path)
+    results = export.main(["--weights", str(weights), "--include", *include, "--imgsz", str(IMGSZ), "--dynamic"])
+    assert [item.file_format for item in results] == include
+    assert all(item.path.is_file() and read_metadata(item.path)["task"] == "segment" for item in results)
+
+
+@pytest.mark.slow
+def test_export_py_missing_onnx_prints_one_line_and_exits_2(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    argv = ["--weights", str(_copy(checkpoints, DETECT, tmp_path)), "--include", "onnx"]
+    with pytest.raises(SystemExit) as exit_info:
+        exit_on_user_error(lambda: export.main(argv))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: ONNX export needs the 'onnx' package: pip install onnx\n"

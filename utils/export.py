@@ -1,0 +1,430 @@
+"""Export a checkpoint to TorchScript and ONNX with its metadata, and check each file's outputs against PyTorch."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib
+import json
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from utils.distributed import DistContext
+from utils.errors import ConfigError
+from utils.eval.checkpoint_val import load_model_for_eval
+from utils.tasks import Task
+from utils.train import checkpoint as ckpt_io
+
+LOGGER = logging.getLogger(__name__)
+
+SUFFIXES = {"torchscript": ".torchscript", "onnx": ".onnx"}  # YOLOv5's file names: best.pt -> best.torchscript
+DEFAULT_OPSET = 17  # YOLOv5's default
+# The TorchScript-based ONNX exporter (dynamo=False) that we use writes opsets up to 20 in torch 2.14.
+OPSET_RANGE = (11, 20)
+MAX_STRIDE = 32
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Options of export.py, resolved once from the command line (YOLOv5's flag names and defaults)."""
+
+    weights: Path
+    include: tuple[str, ...] = ("torchscript",)  # any of SUFFIXES
+    imgsz: tuple[int, int] = (640, 640)  # (height, width) of the traced input, multiples of 32
+    batch_size: int = 1
+    device: str = "cpu"
+    half: bool = False  # fp16 weights and input; CUDA only
+    dynamic: bool = False  # ONNX: batch, height and width are free axes
+    simplify: bool = False  # ONNX: run onnxsim on the graph
+    opset: int = DEFAULT_OPSET
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Exported outputs pass when |exported - pytorch| <= atol + rtol * |pytorch| element-wise (numpy.allclose)."""
+
+    rtol: float
+    atol: float
+
+
+# fp32: onnxruntime sums in another order, so yolov5n/s at 640 differ from PyTorch by up to 6e-5 on box pixels
+# near 640 (one float32 step there; benchmarks/export.py) and TorchScript by 0. atol + rtol = 1e-3 allows
+# 0.64 px at 640 and 0.002 on a score: well above rounding, well below what a wrong graph gives (whole pixels).
+FP32_TOLERANCE = Tolerance(rtol=1e-3, atol=1e-3)
+FP16_TOLERANCE = Tolerance(rtol=1e-2, atol=1e-2)  # fp16 keeps ~3 significant digits
+
+
+class ExportMetadata(TypedDict):
+    """What an exported file carries besides the graph (TorchScript: config.txt as JSON; ONNX: metadata_props)."""
+
+    stride: int  # the largest model stride: input sides must be multiples of it
+    names: dict[int, str]  # class id -> name
+    task: str  # "detect" | "segment"
+    imgsz: list[int]  # [height, width] the graph was traced at
+    batch: int
+    dynamic: bool  # ONNX only: batch, height and width are free
+    half: bool
+
+
+@dataclass(frozen=True)
+class ExportedFile:
+    """One written file, how long writing it took, and how far its outputs are from PyTorch's."""
+
+    file_format: str  # "torchscript" | "onnx"
+    path: Path
+    export_seconds: float
+    max_abs_diff: float | None  # None when parity could not be run (ONNX without onnxruntime)
+
+
+class ExportMismatchError(ConfigError):
+    """An exported file's outputs differ from PyTorch's beyond the tolerance; no file was written.
+
+    A ConfigError so the entry point reports it as one line (exit status 2) like other refusals.
+    """
+
+
+class ExportWrapper(nn.Module):
+    """The graph an exported file holds: the eval model's decoded predictions, without the raw training output.
+
+    images: (B, 3, H, W) in [0, 1], H and W multiples of 32. Detection returns decoded (B, N, 5 + nc):
+    xywh in input pixels, objectness and class probabilities (YOLOv5's `output0`). Segmentation returns
+    (decoded (B, N, 5 + nc + nm) with raw mask coefficients, protos (B, nm, H/4, W/4)) (`output0`, `output1`).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.with_protos = model.head.num_masks > 0
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run the model and keep what deployment needs (see the class docstring)."""
+        decoded, raw = self.model(images)
+        return (decoded, raw[1]) if self.with_protos else decoded
+
+
+def build_export_parser() -> argparse.ArgumentParser:
+    """Return the argparse parser of export.py (YOLOv5's flags for the formats we write)."""
+    parser = argparse.ArgumentParser(description="Export a detection or segmentation checkpoint to TorchScript/ONNX")
+    parser.add_argument("--weights", type=Path, required=True, help="checkpoint path (best.pt / last.pt)")
+    parser.add_argument("--include", nargs="+", default=["torchscript"], help="formats: torchscript onnx")
+    parser.add_argument("--imgsz", "--img", "--img-size", nargs="+", type=int, default=[640], help="image (h, w)")
+    parser.add_argument("--batch-size", type=int, default=1, help="batch size of the traced input")
+    parser.add_argument("--device", default="cpu", help="cpu or a cuda device, e.g. 0")
+    parser.add_argument("--half", action="store_true", help="FP16 export (CUDA only; not with --dynamic)")
+    parser.add_argument("--dynamic", action="store_true", help="ONNX: dynamic batch, height and width")
+    parser.add_argument("--simplify", action="store_true", help="ONNX: simplify the graph (needs onnxsim)")
+    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset version")
+    return parser
+
+
+def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
+    """Build the frozen ExportConfig from parsed flags; a bad value is a one-line ConfigError naming the flag."""
+    include = tuple(dict.fromkeys(name.lower() for name in args.include))  # unique, in the given order
+    unknown = [name for name in include if name not in SUFFIXES]
+    if unknown:
+        raise ConfigError(f"--include {unknown[0]} is not supported; choose from {', '.join(SUFFIXES)}")
+    if len(args.imgsz) not in (1, 2) or any(side < MAX_STRIDE or side % MAX_STRIDE for side in args.imgsz):
+        given = " ".join(map(str, args.imgsz))
+        raise ConfigError(f"--imgsz {given} must be one or two positive multiples of {MAX_STRIDE} (height width)")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")
+    if not OPSET_RANGE[0] <= args.opset <= OPSET_RANGE[1]:
+        raise ConfigError(f"--opset {args.opset} must be within {OPSET_RANGE[0]}..{OPSET_RANGE[1]}")
+    if args.half and args.dynamic:  # YOLOv5 refuses the pair too (it traces dynamic graphs on CPU, which lacks fp16)
+        raise ConfigError("--half and --dynamic cannot be combined; use one of them")
+    height, width = args.imgsz * 2 if len(args.imgsz) == 1 else args.imgsz
+    return ExportConfig(
+        weights=args.weights,
+        include=include,
+        imgsz=(height, width),
+        batch_size=args.batch_size,
+        device=args.device,
+        half=args.half,
+        dynamic=args.dynamic,
+        simplify=args.simplify,
+        opset=args.opset,
+    )
+
+
+def check_export_dependencies(cfg: ExportConfig, ctx: DistContext) -> None:
+    """Refuse, in one line, what this machine cannot do: --half off CUDA, ONNX without onnx, --simplify without onnxsim.
+
+    onnxruntime is optional: without it the ONNX file is only checked structurally.
+    """
+    if cfg.half and ctx.device.type != "cuda":
+        raise ConfigError("--half needs a CUDA device (e.g. --device 0); CPU exports stay FP32")
+    if "onnx" in cfg.include:
+        _require_package("onnx", "ONNX export needs the 'onnx' package: pip install onnx")
+        if cfg.simplify:
+            _require_package("onnxsim", "--simplify needs the 'onnxsim' package: pip install onnxsim")
+
+
+def _require_package(name: str, message: str) -> None:
+    """Raise ConfigError(message) when package `name` cannot be imported."""
+    try:
+        importlib.import_module(name)
+    except ImportError as error:
+        raise ConfigError(message) from error
+
+
+def checkpoint_task_name(path: Path) -> str:
+    """Return the task ("detect" or "segment") stored in checkpoint `path`.
+
+    A file that is not one of our checkpoints is handed to the loader as a detection model, so the
+    loader's own one-line error (or a format it learns to read) decides.
+    """
+    try:
+        return ckpt_io.load_checkpoint(path)["task"]
+    except ConfigError:
+        return "detect"
+
+
+def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistContext) -> list[ExportedFile]:
+    """Write `cfg.weights` in each format of `cfg.include` next to it and check each against PyTorch.
+
+    Runs on rank 0 only; other ranks return [] at once (no collective inside). The task comes from
+    the checkpoint's `task` field, looked up in `tasks` ({"detect": DETECT, "segment": SEGMENT}).
+    Each file is written to a temporary sibling, loaded back and run on random input at the traced
+    batch size (and two more with --dynamic); only a file within tolerance replaces `best.<format>`.
+    Raises ExportMismatchError (one line) otherwise.
+    """
+    if not ctx.is_main:
+        return []
+    if ctx.is_distributed:
+        LOGGER.info(f"Exporting on rank 0 only; ranks 1-{ctx.world_size - 1} do nothing")
+    check_export_dependencies(cfg, ctx)
+    task = tasks[checkpoint_task_name(cfg.weights)]
+    model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, half=cfg.half, channels_last=False)
+    wrapper = ExportWrapper(model).eval()  # eval: exporters restore the wrapper's mode, and with it the model's
+    metadata = ExportMetadata(
+        stride=int(model.stride.max()),
+        names=dict(enumerate(checkpoint["names"])),
+        task=task.name,
+        imgsz=list(cfg.imgsz),
+        batch=cfg.batch_size,
+        dynamic=cfg.dynamic,
+        half=cfg.half,
+    )
+    dtype = torch.float16 if cfg.half else torch.float32
+    example = torch.zeros(cfg.batch_size, 3, *cfg.imgsz, device=ctx.device, dtype=dtype)
+    batch_sizes = [cfg.batch_size, cfg.batch_size + 2] if cfg.dynamic else [cfg.batch_size]
+    tolerance = FP16_TOLERANCE if cfg.half else FP32_TOLERANCE
+    exported = []
+    for file_format in cfg.include:
+        path = cfg.weights.with_suffix(SUFFIXES[file_format])
+        with _temporary_sibling(path) as tmp_path:
+            start = time.perf_counter()
+            runner = WRITERS[file_format](wrapper, example, tmp_path, metadata, cfg)
+            seconds = time.perf_counter() - start
+            max_diff = None
+            if runner is not None:
+                inputs = [_random_images(batch, cfg.imgsz, example) for batch in batch_sizes]
+                max_diff = check_parity(wrapper, runner, inputs, tolerance, path)
+            os.replace(tmp_path, path)
+        exported.append(ExportedFile(file_format, path, seconds, max_diff))
+        _log_export(exported[-1], batch_sizes, tolerance)
+    return exported
+
+
+@contextlib.contextmanager
+def _temporary_sibling(path: Path) -> Iterator[Path]:
+    """Yield a hidden temporary path beside `path` and remove it afterwards if it is still there."""
+    tmp_path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp_path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_path)
+
+
+def _random_images(batch: int, imgsz: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """(batch, 3, H, W) uniform [0, 1) images, the same for every call with the same shape."""
+    generator = torch.Generator().manual_seed(batch)
+    return torch.rand(batch, 3, *imgsz, generator=generator).to(like.device, like.dtype)
+
+
+def _log_export(item: ExportedFile, batch_sizes: list[int], tolerance: Tolerance) -> None:
+    """Log one line per file: path, size, time, and the parity result."""
+    size_mb = item.path.stat().st_size / 1e6
+    if item.max_abs_diff is None:
+        parity = "onnx.checker passed; not compared with PyTorch (see above)"
+    else:
+        sizes = ", ".join(map(str, batch_sizes))
+        parity = (
+            f"max abs diff vs PyTorch {item.max_abs_diff:.2e} at batch {sizes} "
+            f"(tolerance {tolerance.atol:g} + {tolerance.rtol:g} * |value|)"
+        )
+    LOGGER.info(f"{item.file_format}: {item.path} ({size_mb:.1f} MB) in {item.export_seconds:.1f} s; {parity}")
+
+
+# A runner takes images and returns the exported file's outputs as numpy arrays, in ExportWrapper's order.
+Runner = Callable[[torch.Tensor], list[np.ndarray]]
+
+
+def check_parity(
+    wrapper: nn.Module, runner: Runner, inputs: list[torch.Tensor], tolerance: Tolerance, path: Path
+) -> float:
+    """Compare the exported file's outputs with PyTorch's on each input; return the largest absolute difference.
+
+    Raises ExportMismatchError naming `path` when a shape differs or any element is outside `tolerance`.
+    """
+    worst = 0.0
+    for images in inputs:
+        with torch.no_grad():
+            expected = wrapper(images)
+        expected_arrays = [t.float().cpu().numpy() for t in (expected if isinstance(expected, tuple) else (expected,))]
+        got_arrays = [np.asarray(array, dtype=np.float32) for array in runner(images)]
+        for want, got in zip(expected_arrays, got_arrays, strict=True):
+            if want.shape != got.shape:
+                raise ExportMismatchError(f"{path}: output shape {got.shape} differs from PyTorch's {want.shape}")
+            diff = float(np.abs(want - got).max()) if want.size else 0.0
+            worst = max(worst, diff)
+            if not np.allclose(got, want, rtol=tolerance.rtol, atol=tolerance.atol):
+                raise ExportMismatchError(
+                    f"{path}: outputs differ from PyTorch by up to {diff:.3g} at batch {len(images)}, beyond "
+                    f"{tolerance.atol:g} + {tolerance.rtol:g} * |value|; the file was not written"
+                )
+    return worst
+
+
+def export_torchscript(
+    wrapper: nn.Module, example: torch.Tensor, path: Path, metadata: ExportMetadata, cfg: ExportConfig
+) -> Runner:
+    """Trace `wrapper` on `example` (as YOLOv5 does) and save it to `path` with metadata as `config.txt`.
+
+    Tracing records tensor sizes as values of the graph, so DetectHead's grid cache (keyed by size)
+    misses and the grids are built in the graph from the input's size: the file runs at any batch
+    size and any multiple-of-32 image size. Returns a runner of the saved file.
+    """
+    with torch.no_grad(), _without_torchscript_deprecation():
+        # check_trace would trace a second time; check_parity compares the saved file's outputs instead.
+        traced = torch.jit.trace(wrapper, example, check_trace=False)
+        traced.save(str(path), _extra_files={"config.txt": json.dumps(metadata)})
+        loaded = torch.jit.load(str(path), map_location=example.device)
+
+    def run(images: torch.Tensor) -> list[np.ndarray]:
+        with torch.no_grad():
+            outputs = loaded(images)
+        return [t.float().cpu().numpy() for t in (outputs if isinstance(outputs, tuple) else (outputs,))]
+
+    return run
+
+
+@contextlib.contextmanager
+def _without_torchscript_deprecation() -> Iterator[None]:
+    """Silence torch's FutureWarnings that torch.jit is deprecated: TorchScript is the format asked for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning)
+        yield
+
+
+def export_onnx(
+    wrapper: nn.Module, example: torch.Tensor, path: Path, metadata: ExportMetadata, cfg: ExportConfig
+) -> Runner | None:
+    """Export `wrapper` to ONNX at `path` with YOLOv5's input/output names and metadata_props; check it.
+
+    Uses the TorchScript-based exporter (`dynamo=False`): it needs only the `onnx` package, writes the
+    graph YOLOv5 users expect, and is several times faster here than the dynamo exporter, which also
+    needs onnxscript. Returns an onnxruntime runner, or None when onnxruntime is not installed.
+    """
+    import onnx
+
+    output_names = ["output0", "output1"] if wrapper.with_protos else ["output0"]
+    dynamic_axes = None
+    if cfg.dynamic:
+        dynamic_axes = {"images": {0: "batch", 2: "height", 3: "width"}, "output0": {0: "batch", 1: "anchors"}}
+        if wrapper.with_protos:
+            dynamic_axes["output1"] = {0: "batch", 2: "mask_height", 3: "mask_width"}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export", category=DeprecationWarning)
+        torch.onnx.export(
+            wrapper,
+            (example,),
+            str(path),
+            dynamo=False,
+            opset_version=cfg.opset,
+            do_constant_folding=True,
+            input_names=["images"],
+            output_names=output_names,
+            dynamic_axes=dynamic_axes,
+        )
+    model_proto = onnx.load(str(path))
+    if cfg.simplify:
+        model_proto = _simplify(model_proto)
+    for key, value in metadata.items():
+        # str() of Python values: YOLOv5's and Ultralytics' readers parse them back with eval / literal_eval.
+        model_proto.metadata_props.add(key=key, value=str(value))
+    onnx.checker.check_model(model_proto)
+    onnx.save(model_proto, str(path))
+    return _onnxruntime_runner(path, example)
+
+
+def _simplify(model_proto: Any) -> Any:
+    """Return onnxsim's simplified graph, or the original when onnxsim cannot verify it."""
+    import onnxsim
+
+    simplified, is_valid = onnxsim.simplify(model_proto)
+    if not is_valid:
+        LOGGER.warning("onnxsim could not verify the simplified graph; keeping the original")
+        return model_proto
+    return simplified
+
+
+def _onnxruntime_runner(path: Path, example: torch.Tensor) -> Runner | None:
+    """Open `path` in onnxruntime (its CUDA provider for a CUDA example when present); None when it cannot run it."""
+    try:
+        import onnxruntime
+    except ImportError:
+        LOGGER.info("onnxruntime is not installed (pip install onnxruntime): parity not run, ONNX file checked only")
+        return None
+    providers = ["CPUExecutionProvider"]
+    if example.device.type == "cuda" and "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    elif example.dtype == torch.float16:  # the CPU provider lacks fp16 kernels for most operators
+        LOGGER.warning("onnxruntime has no CUDA provider here (onnxruntime-gpu): parity of the FP16 file not run")
+        return None
+    session = onnxruntime.InferenceSession(str(path), providers=providers)
+
+    def run(images: torch.Tensor) -> list[np.ndarray]:
+        return session.run(None, {"images": images.cpu().numpy()})
+
+    return run
+
+
+WRITERS: dict[str, Callable[..., Runner | None]] = {"torchscript": export_torchscript, "onnx": export_onnx}
+
+
+def read_metadata(path: Path) -> ExportMetadata:
+    """Read the metadata of an exported `.torchscript` or `.onnx` file (class ids back as int keys)."""
+    path = Path(path)
+    if path.suffix == ".onnx":
+        import onnx
+
+        props = {prop.key: prop.value for prop in onnx.load(str(path), load_external_data=False).metadata_props}
+        return ExportMetadata(**{key: _literal(value) for key, value in props.items()})  # type: ignore[typeddict-item]
+    extra_files = {"config.txt": ""}
+    with _without_torchscript_deprecation():
+        torch.jit.load(str(path), _extra_files=extra_files, map_location="cpu")
+    # JSON object keys are strings; class ids go back to int, as YOLOv5's loader does.
+    return json.loads(
+        extra_files["config.txt"], object_hook=lambda d: {int(k) if k.isdigit() else k: v for k, v in d.items()}
+    )
+
+
+def _literal(text: str) -> Any:
+    """Parse a Python literal written by str(); plain words (the task name) stay strings."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
