@@ -318,3 +318,13 @@ def test_checkpoint_of_another_task_is_refused_naming_the_right_script(stored, w
     with pytest.raises(ConfigError, match=f"w.pt is a {stored} checkpoint, not a {wanted} one; use {entry}"):
         check_checkpoint_task(ckpt, wanted, "w.pt", script)
     check_checkpoint_task(ckpt, stored, "w.pt", script)  # the same task passes
+
+
+def test_stale_temp_files_of_killed_saves_are_removed(tmp_path: Path) -> None:
+    from utils.train.checkpoint import remove_stale_temp_files
+
+    (tmp_path / ".last.pt.1234.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / "last.pt").write_bytes(b"kept")
+    removed = remove_stale_temp_files(tmp_path)
+    assert [p.name for p in removed] == [".last.pt.1234.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]

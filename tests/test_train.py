@@ -188,3 +188,48 @@ def test_val_refuses_mismatched_class_count(trained_run, tmp_path: Path) -> None
     other.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="trained on 6 classes"):
         val.main(["--weights", str(trained_run.best), "--data", str(other), "--device", "cpu", "--workers", "0"])
+
+
+def _copy_run(trained_run, tmp_path: Path) -> Path:
+    import shutil
+
+    copy = tmp_path / "e2e"
+    shutil.copytree(trained_run.run_dir, copy)
+    return copy
+
+
+def test_resume_refuses_options_it_would_ignore_and_applies_epochs(trained_run, tmp_path: Path) -> None:
+    from utils.config import train_config_from_argv
+    from utils.train.setup import resolve_resume
+
+    last = str(_copy_run(trained_run, tmp_path) / "weights" / "last.pt")
+    with pytest.raises(ConfigError, match="--imgsz cannot be changed"):
+        resolve_resume(train_config_from_argv(["--resume", last, "--imgsz", "128"]), DistContext())
+    cfg, checkpoint = resolve_resume(train_config_from_argv(["--resume", last, "--epochs", "5"]), DistContext())
+    assert cfg.epochs == 5 and cfg.imgsz == 64 and checkpoint["epoch"] == 1  # the run trained 2 of now 5 epochs
+    cfg, _ = resolve_resume(train_config_from_argv(["--resume", last]), DistContext())
+    assert (cfg.epochs, cfg.batch_size) == (2, 8)
+
+
+def test_resumed_batch_is_checked_against_the_new_world_size(trained_run, tmp_path: Path) -> None:
+    from utils.config import train_config_from_argv
+    from utils.train.setup import resolve_resume
+
+    last = str(_copy_run(trained_run, tmp_path) / "weights" / "last.pt")
+    three_ranks = DistContext(rank=0, world_size=3)  # no process group: collectives are local no-ops
+    with pytest.raises(ConfigError, match=r"the run's stored --batch-size 8 is not divisible by 3 processes; pass"):
+        resolve_resume(train_config_from_argv(["--resume", last]), three_ranks)
+    cfg, _ = resolve_resume(train_config_from_argv(["--resume", last, "--batch-size", "9"]), three_ranks)
+    assert cfg.batch_size == 9
+
+
+def test_a_damaged_last_pt_falls_back_to_the_newest_intact_checkpoint(trained_run, tmp_path: Path, caplog) -> None:
+    from utils.config import train_config_from_argv
+    from utils.train.setup import resolve_resume
+
+    weights = _copy_run(trained_run, tmp_path) / "weights"
+    data = (weights / "last.pt").read_bytes()
+    (weights / "last.pt").write_bytes(data[: len(data) // 2])  # e.g. a copy cut short
+    cfg, checkpoint = resolve_resume(train_config_from_argv(["--resume", str(weights / "last.pt")]), DistContext())
+    assert cfg.resume == str(weights / "epoch1.pt") and checkpoint["epoch"] == 0
+    assert "resuming from" in caplog.text and "epoch1.pt" in caplog.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import logging
 from dataclasses import dataclass, fields
@@ -159,11 +160,15 @@ class TrainConfig:
     mask_ratio: int = 4  # segmentation: masks at image size / mask_ratio (the prototype resolution)
     channels_last: bool = True  # NHWC weights and activations (models.yolo.memory_format)
     multi_label: bool = True  # validation NMS: a box once per class above conf (YOLOv5's mAP), else best class only
+    # Fields the user set on the command line (not defaults): what --resume may take from it. Not stored.
+    explicit: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         """Return the options as plain YAML/checkpoint-safe data (paths as strings, hyp nested)."""
         out: dict[str, Any] = {}
         for f in fields(self):
+            if f.name == "explicit":
+                continue
             value = getattr(self, f.name)
             if isinstance(value, Hyp):
                 value = value.to_dict()
@@ -281,6 +286,21 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     return parser
 
 
+def explicit_options(parser: argparse.ArgumentParser, argv: list[str] | None) -> frozenset[str]:
+    """Return the destinations of the flags `argv` sets explicitly (a default is not explicit, even if equal)."""
+    probe = copy.deepcopy(parser)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(probe.parse_args(argv)))
+
+
+def train_config_from_argv(argv: list[str] | None, task: str = "detect") -> TrainConfig:
+    """Parse train.py's command line into a TrainConfig that also records which options were given."""
+    parser = build_train_parser(task)
+    cfg = config_from_args(parser.parse_args(argv), task)
+    return dataclasses.replace(cfg, explicit=explicit_options(parser, argv))
+
+
 def config_from_args(args: argparse.Namespace, task: str = "detect") -> TrainConfig:
     """Build the frozen TrainConfig from parsed flags, reading the hyp YAML once."""
     overrides = {} if args.label_smoothing is None else {"label_smoothing": args.label_smoothing}
@@ -302,7 +322,8 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
 
     Every rank runs the same checks on the same options, so every rank raises together.
     """
-    per_rank_batch(cfg.batch_size, ctx)
+    if not cfg.resume or "batch_size" in cfg.explicit:  # a resumed run's own batch is checked once restored
+        per_rank_batch(cfg.batch_size, ctx)
     if cfg.imgsz < 32 or cfg.imgsz % 32:
         raise ConfigError(f"--imgsz {cfg.imgsz} must be a positive multiple of 32 (the largest model stride)")
     if cfg.epochs < 1:

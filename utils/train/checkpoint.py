@@ -331,6 +331,45 @@ def strip_optimizer(path: Path, ctx: DistContext) -> None:
     LOGGER.info("stripped optimizer from %s (%.1f MB)", path, path.stat().st_size / 1e6)
 
 
+def load_resume_checkpoint(path: Path) -> tuple[Path, Checkpoint]:
+    """Load `path` for --resume; when it is damaged, fall back to the newest intact checkpoint beside it.
+
+    A kill during a save cannot truncate `last.pt` (saves are atomic), but a disk error or a
+    copy can. The fallback candidates are the run's other resumable checkpoints in
+    `weights/` (epochN.pt, newest first by modification time); choosing one is a warning
+    naming both files. Raises the original error when none loads (and FileNotFoundError for
+    a missing `path`). Call it on one rank and broadcast the choice.
+    """
+    try:
+        return path, load_checkpoint(path, for_resume=True)
+    except ConfigError as error:
+        damaged = error
+    siblings = [p for p in path.parent.glob("*.pt") if p.name != path.name and not p.name.startswith(".")]
+    for candidate in sorted(siblings, key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            checkpoint = load_checkpoint(candidate, for_resume=True)
+        except ConfigError:
+            continue
+        LOGGER.warning(f"{damaged}; resuming from {candidate} (epoch {checkpoint['epoch'] + 1}) instead")
+        return candidate, checkpoint
+    raise damaged
+
+
+def remove_stale_temp_files(folder: Path) -> list[Path]:
+    """Delete the hidden temp files of saves that were killed midway (`.name.pid.tmp`); return what was removed.
+
+    Call on rank 0 at the start of a run, before any save of this run can be in flight.
+    """
+    removed = []
+    for tmp in folder.glob(".*.tmp"):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+            removed.append(tmp)
+    if removed:
+        LOGGER.info(f"removed {len(removed)} temp file(s) of interrupted saves in {folder}")
+    return removed
+
+
 def find_last_checkpoint(search_dir: Path | str) -> Path | None:
     """Return the most recently modified `last.pt` anywhere under `search_dir`, or None (for bare --resume)."""
     candidates = list(Path(search_dir).rglob("last.pt"))

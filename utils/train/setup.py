@@ -20,7 +20,7 @@ from utils.data.augment import AugmentParams
 from utils.data.data_config import DataConfig
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
 from utils.data.loader import build_train_loader, build_val_loader
-from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch
+from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch, run_on_main
 from utils.errors import ConfigError
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
@@ -48,31 +48,70 @@ class Datasets:
     per_rank_batch: int
 
 
-def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any] | None]:
-    """For --resume, load the checkpoint (on every rank) and return its stored options and contents.
+# Options --resume takes from the new command line when given there; all others come from the checkpoint.
+RESUME_OVERRIDES = ("epochs", "batch_size")  # change the remaining schedule / the global batch (README)
+MACHINE_OPTIONS = ("device", "workers", "resume")  # where and how this attempt runs
 
-    Machine-specific options (device, workers) come from the new command line; everything that
-    shapes the run (epochs, batch, hyp, data) comes from the checkpoint.
-    """
-    if not cfg.resume:
-        return cfg, None
+
+def _choose_resume_checkpoint(cfg: TrainConfig) -> str:
+    """Rank 0: the checkpoint --resume continues (newest last.pt, or the given path, or its intact fallback)."""
     path = ckpt_io.find_last_checkpoint(cfg.project) if cfg.resume == "last" else Path(cfg.resume)
     if path is None:
         raise ConfigError(f"--resume: no last.pt found under {cfg.project}; pass the checkpoint path")
+    chosen, _ = ckpt_io.load_resume_checkpoint(path)
+    return str(chosen)
+
+
+def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """For --resume, decide the checkpoint on rank 0, load it on every rank, and return the run's options.
+
+    The run's options come from the checkpoint; `device` and `workers` from the new command
+    line, and `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any other
+    option given with --resume is a one-line error rather than silently ignored. The restored
+    options are validated again for this world size.
+    """
+    if not cfg.resume:
+        return cfg, None
+    refused = sorted(cfg.explicit - set(RESUME_OVERRIDES) - set(MACHINE_OPTIONS))
+    if refused:
+        flag = "--" + {"model": "cfg", "hyp_path": "hyp"}.get(refused[0], refused[0]).replace("_", "-")
+        raise ConfigError(
+            f"--resume continues a run with its own options; {flag} cannot be changed "
+            "(allowed with --resume: --epochs, --batch-size, --device, --workers)"
+        )
+    chosen = run_on_main(lambda: _choose_resume_checkpoint(cfg), ctx, "choosing the checkpoint to resume")
+    path = Path(broadcast_object(chosen, ctx))
     checkpoint = ckpt_io.load_checkpoint(path, for_resume=True)
     stored = config_from_dict(checkpoint["train_config"])
     run_dir = path.resolve().parent.parent
-    cfg = dataclasses.replace(
+    overrides = {name: getattr(cfg, name) for name in RESUME_OVERRIDES if name in cfg.explicit}
+    resumed = dataclasses.replace(
         stored,
+        **overrides,
         resume=str(path),
         device=cfg.device,
         workers=cfg.workers,
         project=run_dir.parent,
         name=run_dir.name,
         exist_ok=True,
+        explicit=cfg.explicit,
     )
-    LOGGER.info(f"Resuming {run_dir} from epoch {checkpoint['epoch'] + 2}")
-    return cfg, checkpoint
+    _check_resumed_batch(resumed, stored, ctx)
+    changed = ", ".join(f"{name} {getattr(stored, name)} -> {value}" for name, value in overrides.items())
+    LOGGER.info(f"Resuming {run_dir} from epoch {checkpoint['epoch'] + 2}" + (f" ({changed})" if changed else ""))
+    return resumed, checkpoint
+
+
+def _check_resumed_batch(resumed: TrainConfig, stored: TrainConfig, ctx: DistContext) -> None:
+    """The restored global batch must still divide over this attempt's ranks (one line saying how to change it)."""
+    try:
+        per_rank_batch(resumed.batch_size, ctx)
+    except ConfigError:
+        source = "given" if resumed.batch_size != stored.batch_size else "the run's stored"
+        raise ConfigError(
+            f"--resume: {source} --batch-size {resumed.batch_size} is not divisible by {ctx.world_size} processes; "
+            f"pass --batch-size N (a multiple of {ctx.world_size}) with --resume to change the global batch"
+        ) from None
 
 
 def _transfer_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
