@@ -94,6 +94,19 @@ class SegmentationScorer(DetectionScorer):
                 score.masks_rle = original_rles(pred_masks, batch["shapes"][index])
         return scores
 
+    def predicted_batch(
+        self, batch: dict[str, Any], outputs: list[torch.Tensor], loss_input: Any, conf_thres: float
+    ) -> dict[str, Any]:
+        """The detection scorer's drawable batch plus `masks`: (N, H, W) uint8 per drawn detection, input size."""
+        drawn = super().predicted_batch(batch, outputs, loss_input, conf_thres)
+        protos, input_hw = loss_input[1], tuple(batch["images"].shape[2:])
+        masks = [torch.zeros((0, *input_hw), dtype=torch.bool)]
+        for index, pred in enumerate(outputs):
+            kept = pred[pred[:, 4] > conf_thres]  # the rows, in the order, of the detection scorer's targets
+            masks.append(process_masks(protos[index].float(), kept[:, 6:], kept[:, :4], input_hw).cpu())
+        drawn["masks"] = torch.cat(masks).to(torch.uint8)
+        return drawn
+
     @staticmethod
     def _true_masks(segments: list[np.ndarray], height: int, width: int, device: torch.device) -> torch.Tensor:
         """Rasterise an image's normalised polygons at the input size: (m, H, W) uint8."""

@@ -1,10 +1,11 @@
-"""Run-folder figures: labelled training batches, results.png, PR / F1 / P / R curves, the confusion matrix.
+"""Run-folder figures: labels.jpg, labelled train / val batches, results.png, PR / F1 / P / R curves, confusion matrix.
 
 Only rank 0 calls these. Batch images are drawn with OpenCV (fast enough to run inside the first
 training steps); the charts use matplotlib's non-interactive Agg backend, imported on first use
-so a run with `--noplots` never loads it. The hooks the engine calls (`batch_drawer`, `plot_run`)
-log a failure as a warning instead of raising: a figure is never worth a failed run, and the
-drawer runs on rank 0 alone between collectives, where raising would leave the others waiting.
+so a run with `--noplots` never loads it. The hooks the engine calls (`plot_start`, `batch_drawer`,
+`val_batch_drawer`, `plot_run`) log a failure as a warning instead of raising: a figure is never
+worth a failed run, and the drawers run on rank 0 alone between collectives, where raising would
+leave the others waiting.
 """
 
 from __future__ import annotations
@@ -22,34 +23,74 @@ import torch
 from utils.eval.metrics import RECALL_LEVELS, DetectionMetrics
 
 if TYPE_CHECKING:
-    from utils.eval.evaluate import EvalResult
+    from utils.eval.evaluate import EvalResult, PredictedBatch
     from utils.train.results import ResultsCSV
 
 LOGGER = logging.getLogger(__name__)
 TRAIN_BATCH_PLOTS = 3  # train_batch0.jpg ... of the first epoch, to check labels and augmentation by eye
+VAL_BATCH_PLOTS = 2  # val_batch0_labels.jpg / val_batch0_pred.jpg ... of the final validation
+PLOT_CONF = 0.25  # detections drawn on val_batch*_pred.jpg score above this (YOLOv5's plot_images threshold)
+OnSaved = Callable[[Path], None]  # told of each figure a drawer wrote (the TensorBoard logger adds it)
 
 
-def batch_drawer(run_dir: Path, names: Sequence[str]) -> Callable[[int, dict[str, Any]], None]:
+def plot_start(labels: np.ndarray, names: Sequence[str], run_dir: Path) -> list[Path]:
+    """At the start of a run: labels.jpg from the training split's labels (`plot_labels`); returns what was written."""
+    try:
+        return [plot_labels(labels, names, run_dir / "labels.jpg")]
+    except Exception as error:  # noqa: BLE001 - skipped with a warning (see the module docstring)
+        LOGGER.warning(f"labels.jpg not drawn: {type(error).__name__}: {error}")
+        return []
+
+
+def batch_drawer(run_dir: Path, names: Sequence[str], on_saved: OnSaved | None = None) -> Callable[..., None]:
     """Return a `train_one_epoch` `on_batch` hook saving the first TRAIN_BATCH_PLOTS batches with their labels."""
 
     def draw(i: int, batch: dict[str, Any]) -> None:
         if i < TRAIN_BATCH_PLOTS:
-            try:
-                plot_batch(batch, names, run_dir / f"train_batch{i}.jpg")
-            except Exception as error:  # noqa: BLE001 - skipped with a warning (see the module docstring)
-                LOGGER.warning(f"train_batch{i}.jpg not drawn: {type(error).__name__}: {error}")
+            _draw_safely(lambda: batch, names, run_dir / f"train_batch{i}.jpg", on_saved)
 
     return draw
 
 
-def plot_run(results: ResultsCSV, result: EvalResult, names: Sequence[str], run_dir: Path) -> None:
-    """At the end of a run: results.png and the final validation's figures (`plot_evaluation`)."""
+def val_batch_drawer(save_dir: Path, names: Sequence[str], on_saved: OnSaved | None = None) -> Callable[..., None]:
+    """Return an `EvalOptions.on_batch` hook drawing the first VAL_BATCH_PLOTS batches, labels and predictions.
+
+    Batch i gives val_batch{i}_labels.jpg (the ground truth) and val_batch{i}_pred.jpg (detections
+    above PLOT_CONF with class name and score, masks tinted for segmentation), as YOLOv5's val.py
+    draws them. Give it to rank 0's evaluation only: it sees that rank's first batches.
+    """
+
+    def draw(i: int, batch: dict[str, Any], predicted: PredictedBatch) -> None:
+        if i < VAL_BATCH_PLOTS:
+            _draw_safely(lambda: batch, names, save_dir / f"val_batch{i}_labels.jpg", on_saved)
+            _draw_safely(lambda: predicted(PLOT_CONF), names, save_dir / f"val_batch{i}_pred.jpg", on_saved)
+
+    return draw
+
+
+def _draw_safely(
+    make_batch: Callable[[], dict[str, Any]], names: Sequence[str], path: Path, on_saved: OnSaved | None
+) -> None:
+    """`plot_batch(make_batch(), names, path)`, then `on_saved(path)`; a failure is a warning naming the file."""
+    try:
+        plot_batch(make_batch(), names, path)
+    except Exception as error:  # noqa: BLE001 - skipped with a warning (see the module docstring)
+        LOGGER.warning(f"{path.name} not drawn: {type(error).__name__}: {error}")
+        return
+    if on_saved is not None:
+        on_saved(path)
+
+
+def plot_run(results: ResultsCSV, result: EvalResult, names: Sequence[str], run_dir: Path) -> list[Path]:
+    """At the end of a run: results.png and the final validation's figures (`plot_evaluation`); returns them."""
     try:
         written = [plot_results(results.read(), run_dir / "results.png"), *plot_evaluation(result, names, run_dir)]
     except Exception as error:  # noqa: BLE001 - the run's checkpoints are written; warn, do not fail it
         LOGGER.warning(f"plots not finished: {type(error).__name__}: {error}")
-        return
-    LOGGER.info(f"Plots: {', '.join(p.name for p in written if p is not None)} in {run_dir}")
+        return []
+    written = [path for path in written if path is not None]
+    LOGGER.info(f"Plots: {', '.join(p.name for p in written)} in {run_dir}")
+    return written
 
 
 def _palette(count: int) -> tuple[tuple[int, int, int], ...]:
@@ -69,12 +110,13 @@ def class_colour(class_id: int) -> tuple[int, int, int]:
 
 
 def plot_batch(batch: dict[str, Any], names: Sequence[str], path: Path, max_images: int = 16) -> Path:
-    """Draw up to `max_images` images of a collated training batch in a grid, with their labels; save as `path`.
+    """Draw up to `max_images` images of a collated batch in a grid, with their labels; save as `path`.
 
     `batch` is what the loader yields (uint8 RGB `images (B, 3, H, W)`, `targets (N, 6)` [image,
     class, cx, cy, w, h] normalised; with `masks`, per-instance uint8 `(N, h, w)` or int16
     overlap-index `(B, h, w)` masks are tinted in the class colour). Boxes are drawn in the class
-    colour with the class name above them. Returns `path`.
+    colour with the class name above them. Predictions (`PredictedBatch`) have `targets (N, 7)`,
+    the score in the last column, drawn after the name. Returns `path`.
     """
     images = batch["images"][:max_images].numpy()
     count, _, height, width = images.shape
@@ -118,14 +160,15 @@ def _tint_masks(tile: np.ndarray, masks: np.ndarray, classes: np.ndarray) -> Non
 
 
 def _draw_box(tile: np.ndarray, label: np.ndarray, names: Sequence[str]) -> None:
-    """Draw one normalised [class, cx, cy, w, h] label on a BGR tile, in place."""
+    """Draw one normalised [class, cx, cy, w, h] label (or prediction, with its score after h) on a BGR tile."""
     height, width = tile.shape[:2]
-    class_id, cx, cy, w, h = label.tolist()
+    class_id, cx, cy, w, h, *score = label.tolist()
     x1, y1 = round((cx - w / 2) * width), round((cy - h / 2) * height)
     x2, y2 = round((cx + w / 2) * width), round((cy + h / 2) * height)
     colour = class_colour(int(class_id))
     cv2.rectangle(tile, (x1, y1), (x2, y2), colour, 1)
     name = names[int(class_id)] if int(class_id) < len(names) else str(int(class_id))
+    name += f" {score[0]:.2f}" if score else ""
     cv2.putText(tile, name, (x1, max(y1 - 2, 8)), cv2.FONT_HERSHEY_SIMPLEX, 0.3, colour, 1, cv2.LINE_AA)
 
 
@@ -137,6 +180,44 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def plot_labels(labels: np.ndarray, names: Sequence[str], path: Path) -> Path:
+    """Draw a split's label statistics (YOLOv5's labels.jpg); save as `path` and return it.
+
+    `labels`: (M, 5) [class, cx, cy, w, h] normalised, every instance of the split
+    (`LoadImagesAndLabels.labels`: each rank holds all of them, only the image cache is sharded).
+    Three panels: instances per class (named up to MAX_LEGEND_CLASSES classes), a 2-D histogram
+    of box centres (x, y, image orientation: y grows downwards) and one of box sizes (w, h).
+    """
+    classes = labels[:, 0].astype(np.int64)
+    counts = np.bincount(classes, minlength=len(names))
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    colours = [tuple(v / 255 for v in class_colour(c)[::-1]) for c in range(len(counts))]  # BGR -> RGB in [0, 1]
+    axes[0].bar(range(len(counts)), counts, color=colours)
+    axes[0].set_ylabel("instances")
+    axes[0].set_title(f"{len(labels)} instances, {int((counts > 0).sum())} of {len(counts)} classes")
+    if len(counts) <= MAX_LEGEND_CLASSES:
+        tick_names = [names[c] if c < len(names) else str(c) for c in range(len(counts))]
+        axes[0].set_xticks(range(len(counts)), tick_names, rotation=90)
+    else:
+        axes[0].set_xlabel("class")
+    for axis, (first, second), title in ((axes[1], (1, 2), "box centres"), (axes[2], (3, 4), "box sizes")):
+        # Empty bins stay white (cmin); viridis starts dark, so a bin holding a single box is visible.
+        *_, mesh = axis.hist2d(labels[:, first], labels[:, second], bins=50, range=[[0, 1], [0, 1]], cmin=1)
+        figure.colorbar(mesh, ax=axis, fraction=0.046, label="boxes")
+        x_name, y_name = ("x", "y") if first == 1 else ("width", "height")
+        axis.set_xlabel(x_name)
+        axis.set_ylabel(y_name)
+        axis.set_title(f"{title} (normalised)")
+        axis.set_aspect("equal")
+    axes[1].invert_yaxis()  # as in the image: y = 0 is the top edge
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
 
 
 def plot_results(rows: list[dict[str, str]], path: Path) -> Path | None:

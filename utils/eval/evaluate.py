@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from utils.boxes import box_iou, non_max_suppression, scale_boxes, xywh_to_xyxy
+from utils.boxes import box_iou, non_max_suppression, scale_boxes, xywh_to_xyxy, xyxy_to_xywhn
 from utils.distributed import DistContext, all_gather_objects, all_reduce_sum
 from utils.eval.metrics import ConfusionMatrix, DetectionMetrics, iou_thresholds, match_predictions
 from utils.logs import tqdm_disabled
@@ -22,6 +22,10 @@ from utils.logs import tqdm_disabled
 LOGGER = logging.getLogger(__name__)
 # batch, device -> the loss's keyword inputs (targets, and masks for segmentation): Task.loss_inputs.
 LossInputs = Callable[[dict[str, Any], torch.device], dict[str, torch.Tensor]]
+# conf_thres -> one evaluated batch with its detections above conf_thres as labels (DetectionScorer.predicted_batch).
+PredictedBatch = Callable[[float], dict[str, Any]]
+# (batch index, batch as loaded, its predictions) -> None: EvalOptions.on_batch, e.g. utils.plots.val_batch_drawer.
+BatchHook = Callable[[int, dict[str, Any], PredictedBatch], None]
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class EvalOptions:
     collect_masks: bool = True  # with collect_predictions: also keep RLE masks (segmentation, COCO JSON)
     confusion: bool = False  # also count a box confusion matrix (conf > 0.25, IoU > 0.45), summed over ranks
     description: str = "val"
+    # Sees every batch after NMS (rank 0 draws val_batch*.jpg with it). May differ between ranks, so it
+    # must not run collectives; predictions are only built when it calls the PredictedBatch it gets.
+    on_batch: BatchHook | None = None
 
 
 @dataclass
@@ -113,6 +120,24 @@ class DetectionScorer:
             detections, correct = match_image_boxes(pred, labels, batch["shapes"][index], input_hw)
             scores.append(ImageScore(detections.cpu().numpy(), correct, labels[:, 0].cpu().numpy()))
         return scores
+
+    def predicted_batch(
+        self, batch: dict[str, Any], outputs: list[torch.Tensor], loss_input: Any, conf_thres: float
+    ) -> dict[str, Any]:
+        """Return `batch`'s images with its detections above `conf_thres` as labels, for drawing.
+
+        outputs: NMS rows per image (n, 6+) x1 y1 x2 y2 conf cls in input pixels. The result has
+        `images` and `targets (N, 7)` [image, cls, cx, cy, w, h, conf] normalised (on the CPU), the
+        layout `utils.plots.plot_batch` draws with scores.
+        """
+        height, width = batch["images"].shape[2:]
+        rows = []
+        for index, pred in enumerate(outputs):
+            kept = pred[pred[:, 4] > conf_thres, :6].float()
+            boxes = xyxy_to_xywhn(kept[:, :4], width, height, clip=True)
+            rows.append(torch.cat((kept.new_full((len(kept), 1), index), kept[:, 5:6], boxes, kept[:, 4:5]), 1))
+        targets = torch.cat(rows).cpu() if rows else torch.zeros((0, 7))
+        return {"images": batch["images"], "targets": targets}
 
 
 @dataclass
@@ -190,6 +215,7 @@ def evaluate(
     in a collective mid-loop. `scorer` holds the task-specific matching (DetectionScorer by
     default). With `loss_fn`, the mean validation loss is computed too, from the inputs
     `loss_inputs(batch, device)` gives (the same Task hook the training loop uses).
+    `options.on_batch`, when set, sees each batch after NMS (rank 0 draws the first ones).
     """
     scorer = scorer or DetectionScorer()
     device = next(model.parameters()).device
@@ -201,7 +227,8 @@ def evaluate(
     loss_sum = torch.zeros(len(getattr(loss_fn, "item_names", ())) or 3, device=device)
     seen = torch.zeros(2, device=device)  # images, batches with loss
     timings = np.zeros(3)
-    for batch in tqdm(batches, desc=options.description, disable=tqdm_disabled(ctx), leave=False):
+    progress = tqdm(batches, desc=options.description, disable=tqdm_disabled(ctx), leave=False)
+    for batch_index, batch in enumerate(progress):
         start = time.perf_counter()
         images = batch["images"].to(device, non_blocking=True).to(dtype) / 255
         targets = batch["targets"].to(device, copy=True)  # scaled in place below; never touch the batch
@@ -232,6 +259,9 @@ def evaluate(
                 orig_hw = tuple(int(v) for v in batch["shapes"][index][0])
                 predictions.append(ImagePredictions(batch["paths"][index], orig_hw, score.detections, score.masks_rle))
         seen[0] += len(outputs)
+        if options.on_batch is not None:
+            predicted = functools.partial(scorer.predicted_batch, batch, outputs, loss_input)
+            options.on_batch(batch_index, batch, predicted)
     model.train(was_training)
     result = _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, scorer.with_masks)
     if confusion is not None:  # options are the same on every rank, so all take part

@@ -32,7 +32,7 @@ from utils.errors import ConfigError
 from utils.eval.coco import check_coco_target, coco_evaluate
 from utils.eval.evaluate import EvalOptions, EvalResult
 from utils.logs import tqdm_disabled
-from utils.plots import batch_drawer, plot_run
+from utils.plots import batch_drawer, plot_run, plot_start, val_batch_drawer
 from utils.runs import create_run_dir
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
@@ -57,6 +57,7 @@ from utils.train.setup import (
     run_anchor_check,
     verify_identical_weights,
 )
+from utils.train.tensorboard import TensorBoardLogger
 
 LOGGER = logging.getLogger(__name__)
 
@@ -267,8 +268,9 @@ def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Ch
 def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     """Train `task` with options `cfg` on this rank; every rank of the job calls it.
 
-    Rank 0 writes the run folder, checkpoints and results.csv; decisions that end the loop are
-    taken on rank 0 and broadcast, so every rank leaves at the same epoch.
+    Rank 0 writes the run folder, checkpoints, results.csv, the plots and (when installed) the
+    TensorBoard events; decisions that end the loop are taken on rank 0 and broadcast, so every
+    rank leaves at the same epoch.
     """
     cfg, resume_ckpt = resolve_resume(cfg, ctx)
     seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
@@ -288,36 +290,46 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
         restore_state(state, resume_ckpt, cfg, len(datasets.train_loader))
         del resume_ckpt
     log_startup(cfg, bundle, datasets, state.accumulate, ctx)
-    results = ResultsCSV(run_dir / "results.csv", ctx)
-    stopper = EarlyStopper(cfg.patience)
-    epoch = state.start_epoch
-    for epoch in range(state.start_epoch, cfg.epochs):
-        summary = _run_epoch(run, state, epoch)
-        results.append(summary.as_row(task))
-        if not cfg.nosave or epoch + 1 == cfg.epochs:
-            _save(run, state, epoch, summary.fitness)
-        if broadcast_object(stopper.should_stop(epoch, summary.fitness) if ctx.is_main else False, ctx):
-            break
-    # best.pt is the deliverable: fp16 EMA weights, no optimizer (several times smaller). last.pt keeps
-    # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
-    # val.py on best.pt evaluates the same weights.
-    best = run.best
-    run_on_main(lambda: best.exists() and ckpt_io.strip_optimizer(best, ctx), ctx, "stripping best.pt")
-    validated, result = _final_validation(run)
-    if ctx.is_main and not cfg.noplots:  # after the last collective: nothing waits on rank 0 here
-        plot_run(results, result, bundle.names, run_dir)
+    plots = ctx.is_main and not cfg.noplots
+    with TensorBoardLogger(run_dir, ctx) as board:  # a no-op off rank 0 or without the package
+        if plots and state.start_epoch == 0:  # each rank's dataset holds every label (only images are sharded)
+            board.add_figures(plot_start(datasets.train.labels, bundle.names, run_dir))
+        results = ResultsCSV(run_dir / "results.csv", ctx)
+        stopper = EarlyStopper(cfg.patience)
+        epoch = state.start_epoch
+        for epoch in range(state.start_epoch, cfg.epochs):
+            summary = _run_epoch(run, state, epoch, board)
+            row = summary.as_row(task)
+            results.append(row)
+            board.log_epoch(row)
+            if not cfg.nosave or epoch + 1 == cfg.epochs:
+                _save(run, state, epoch, summary.fitness)
+            if broadcast_object(stopper.should_stop(epoch, summary.fitness) if ctx.is_main else False, ctx):
+                break
+        # best.pt is the deliverable: fp16 EMA weights, no optimizer (several times smaller). last.pt keeps
+        # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
+        # val.py on best.pt evaluates the same weights.
+        best = run.best
+        run_on_main(lambda: best.exists() and ckpt_io.strip_optimizer(best, ctx), ctx, "stripping best.pt")
+        validated, result = _final_validation(run, board)
+        if plots:  # after the last collective: nothing waits on rank 0 here
+            board.add_figures(plot_run(results, result, bundle.names, run_dir))
     metrics = {key: float(value) for key, value in result.as_dict().items()}
     return FitResult(run_dir, validated, run.last, metrics, epoch + 1 - state.start_epoch)
 
 
-def _run_epoch(run: TrainRun, state: TrainState, epoch: int) -> EpochSummary:
-    """Train one epoch, average BN statistics over ranks, validate (unless --noval), and summarise it."""
+def _run_epoch(run: TrainRun, state: TrainState, epoch: int, board: TensorBoardLogger) -> EpochSummary:
+    """Train one epoch, average BN statistics over ranks, validate (unless --noval), and summarise it.
+
+    The first epoch's first batches are drawn (train_batch*.jpg) and given to `board`.
+    """
     cfg, ctx, datasets = run.cfg, run.ctx, run.datasets
     start = time.time()
     datasets.train_loader.set_epoch(epoch)
     if epoch == datasets.train.options.close_mosaic_epoch and datasets.train.use_mosaic:
         LOGGER.info(f"Closing mosaic: the last {cfg.epochs - epoch} epoch(s) train on single letterboxed images")
-    draw = batch_drawer(run.run_dir, run.bundle.names) if ctx.is_main and not cfg.noplots and epoch == 0 else None
+    draws = ctx.is_main and not cfg.noplots and epoch == 0
+    draw = batch_drawer(run.run_dir, run.bundle.names, on_saved=board.add_figure) if draws else None
     train_loss = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx, on_batch=draw)
     lrs = [group["lr"] for group in state.optimizer.param_groups]
     state.scheduler.step()
@@ -356,11 +368,12 @@ def _save(run: TrainRun, state: TrainState, epoch: int, fitness: float) -> None:
         ckpt_io.save_checkpoint(checkpoint, run.run_dir / "weights" / f"epoch{epoch + 1}.pt", run.ctx)
 
 
-def _final_validation(run: TrainRun) -> tuple[Path, EvalResult]:
+def _final_validation(run: TrainRun, board: TensorBoardLogger) -> tuple[Path, EvalResult]:
     """Validate the EMA weights of best.pt (last.pt when --nosave never wrote a best) once more.
 
     Returns the checkpoint validated and its EvalResult (curves; a confusion matrix too unless
-    --noplots). When the dataset YAML names COCO annotations for the val split, predictions.json
+    --noplots, when rank 0 also draws val_batch*_labels.jpg / _pred.jpg and gives them to `board`).
+    When the dataset YAML names COCO annotations for the val split, predictions.json
     and coco_eval.json are written to the run folder and the mAPs come from pycocotools. Every
     rank takes part. Only rank 0 is sure to see the file (other nodes may not share the
     filesystem), so rank 0 reads the weights and broadcasts them.
@@ -374,12 +387,14 @@ def _final_validation(run: TrainRun) -> tuple[Path, EvalResult]:
     # Fused and laid out as val.py does (same batch size there gives the same numbers).
     model = model.fuse().to(memory_format=memory_format(cfg.channels_last))
     use_coco = run.data.annotations.get("val") is not None
+    draws = ctx.is_main and not cfg.noplots  # rank 0's first batches: enough to look at
     options = EvalOptions(
         num_classes=len(bundle.names),
         multi_label=cfg.multi_label,
         description="final val",
         collect_predictions=use_coco,
         confusion=not cfg.noplots,
+        on_batch=val_batch_drawer(run.run_dir, bundle.names, board.add_figure) if draws else None,
     )
     result = run.task.evaluate(model, run.datasets.val_loader, options, ctx)
     if use_coco:
