@@ -115,6 +115,7 @@ def test_save_json_reports_exactly_what_cocoeval_gives(dataset, weights: Path, t
     assert f"Metric source: pycocotools COCOeval on {annotations}" in caplog.text
     assert len(list((run_dir / "labels").glob("*.txt"))) == TINY.num_val  # --save-txt shares the run folder
     assert (run_dir / "PR_curve.png").is_file() and (run_dir / "F1_curve.png").is_file()  # --plots
+    assert (run_dir / "val_batch0_labels.jpg").is_file() and (run_dir / "val_batch0_pred.jpg").is_file()
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from utils.distributed import DistContext, all_gather_objects, per_rank_batch
 from utils.errors import ConfigError
 from utils.eval.coco import CocoTarget, check_coco_target, coco_evaluate
 from utils.eval.evaluate import EvalOptions, EvalResult, format_results
+from utils.plots import plot_evaluation, val_batch_drawer
 from utils.runs import create_run_dir
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
@@ -66,8 +67,8 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     validation scores each image once. With --save-json, predictions.json goes to the run folder
     (--project/--name, e.g. runs/val/exp, exp2, ...) and, when the YAML names the split's
     annotations, mAP50 and mAP50-95 come from pycocotools COCOeval; --save-txt writes labels/ there
-    and --plots the PR / F1 / P / R curves and the confusion matrix (rank 0, after the last
-    collective). Rank 0 logs the table and per-image timings.
+    and --plots the PR / F1 / P / R curves, the confusion matrix and val_batch{0,1}_labels/pred.jpg
+    (rank 0). Rank 0 logs the table and per-image timings.
     """
     if cfg.speed_only:
         LOGGER.info("--task speed: timing the val split at --conf-thres 0.25 --iou-thres 0.45, no JSON")
@@ -82,6 +83,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
         collect_predictions=cfg.save_json or cfg.save_txt,
         collect_masks=cfg.save_json,  # --save-txt writes boxes only
         confusion=cfg.plots,
+        on_batch=val_batch_drawer(setup.save_dir, setup.names) if cfg.plots and ctx.is_main else None,
     )
     result = task.evaluate(setup.model, setup.loader, eval_options, ctx)
     if cfg.save_json:
@@ -93,8 +95,6 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     if cfg.save_txt and setup.save_dir is not None:
         save_txt(result, setup.save_dir / "labels")
     if cfg.plots and setup.save_dir is not None and ctx.is_main:
-        from utils.plots import plot_evaluation
-
         plot_evaluation(result, setup.names, setup.save_dir)
     if setup.save_dir is not None and ctx.is_main:
         LOGGER.info(f"Results saved to {setup.save_dir}")
