@@ -9,6 +9,7 @@ from torch import nn
 
 from models.yolo import ModelSpec, build_model, segmentation_spec, spec_from_cfg
 from segment.evaluate import SegmentationScorer
+from segment.instance_masks import original_size_masks
 from segment.loss import build_segmentation_loss
 from utils.tasks import BOX_METRICS, Task, detection_loss_inputs
 
@@ -41,4 +42,5 @@ SEGMENT = Task(
     build_loss=build_segmentation_loss,
     loss_inputs=segmentation_loss_inputs,
     make_scorer=make_segmentation_scorer,
+    predict_masks=original_size_masks,
 )

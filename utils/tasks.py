@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -29,6 +30,8 @@ class Task:
     - loss_inputs(batch, device) -> the loss's keyword inputs taken from a batch; training and
       validation both get them here
     - make_scorer(model) -> the evaluation loop's task-specific matching (DetectionScorer or a subclass)
+    - predict_masks(head_extra, detections, input_hw, shape) -> (n, H0, W0) bool masks at the original
+      size, for prediction on new inputs (utils/predict); None for a task without masks
     """
 
     name: str
@@ -40,6 +43,7 @@ class Task:
     build_loss: Callable[[nn.Module, TrainConfig], Callable[..., Any]]
     loss_inputs: LossInputs
     make_scorer: Callable[[nn.Module], DetectionScorer]
+    predict_masks: Callable[..., np.ndarray] | None = None
 
     def evaluate(
         self,

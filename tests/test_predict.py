@@ -1,0 +1,331 @@
+"""Prediction on new inputs (utils/predict, detect.py, segment/predict.py): sources, outputs, filters, sharding."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+import detect
+from segment import predict as segment_predict
+from segment.task import SEGMENT
+from tests.dist_helpers import run_distributed
+from utils.data.synthetic import SHAPE_NAMES
+from utils.distributed import DistContext
+from utils.errors import ConfigError
+from utils.predict.config import PredictConfig, SaveOptions, build_predict_parser, predict_config_from_args
+from utils.predict.outputs import mask_polygon, txt_lines
+from utils.predict.prediction import Prediction
+from utils.predict.predictor import FramePredictor, PredictResult, describe, load_predictor_model, predict
+from utils.predict.sources import InputItem, UnreadableInputError, VideoReader, discover_inputs, shard_inputs
+from utils.tasks import DETECT, Task
+from utils.train.checkpoint import RunInfo, build_checkpoint, save_checkpoint
+
+IMGSZ = (64, 64)
+VIDEO_FRAMES = 5
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def untrained_checkpoint(path: Path, task: Task, cfg: str) -> Path:
+    """Save an untrained `cfg` model that finds small boxes everywhere: objectness biased to 0.88, classes
+    to 0.5 (scores ~0.44 > 0.25, the class being whichever logit the random weights raise). A
+    segmentation model's prototypes and coefficients are biased positive, so each mask fills its box."""
+    torch.manual_seed(0)
+    spec = task.spec_from_cfg(cfg, len(SHAPE_NAMES))
+    model = task.build_model(spec)
+    with torch.no_grad():
+        for conv in model.head.convs:
+            bias = conv.bias.view(model.head.num_anchors, model.head.num_outputs)
+            bias[:, 2:4] = -2.0  # boxes at ~6% of their anchor: no far-negative corners (see the --classes test)
+            bias[:, 4] = 2.0
+            bias[:, 5 : 5 + len(SHAPE_NAMES)] = 0.0
+            bias[:, 5 + len(SHAPE_NAMES) :] = 3.0
+        if hasattr(model.head, "proto"):
+            model.head.proto.project.bn.bias.fill_(5.0)
+    run = RunInfo(task=task.name, model_spec=spec.to_dict(), names=list(SHAPE_NAMES), train_config={}, hyp={})
+    checkpoint = build_checkpoint(run=run, model=model, ema=None, optimizer=None, scaler=None, epoch=0, best_fitness=0)
+    save_checkpoint(checkpoint, path, DistContext())
+    return path
+
+
+def write_image(path: Path, seed: int, hw: tuple[int, int] = (96, 128)) -> Path:
+    """A noisy image with a few filled shapes, so the random model's class logits vary."""
+    rng = np.random.default_rng(seed)
+    image = rng.integers(0, 255, (*hw, 3), dtype=np.uint8)
+    for _ in range(3):
+        centre = (int(rng.integers(10, hw[1] - 10)), int(rng.integers(10, hw[0] - 10)))
+        colour = tuple(int(c) for c in rng.integers(0, 255, 3))
+        cv2.circle(image, centre, int(rng.integers(5, 25)), colour, -1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    assert cv2.imwrite(str(path), image)
+    return path
+
+
+def write_video(path: Path, frames: int = VIDEO_FRAMES, fps: float = 10.0) -> Path:
+    """A tiny mp4v video (80x64) with a moving disc."""
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (80, 64))
+    for index in range(frames):
+        frame = np.full((64, 80, 3), 30 * index, np.uint8)
+        cv2.circle(frame, (20 + 8 * index, 32), 12, (0, 0, 255), -1)
+        writer.write(frame)
+    writer.release()
+    return path
+
+
+def video_frames(path: Path) -> tuple[int, float]:
+    """(frames, fps) of a written video, counted by reading it."""
+    capture = cv2.VideoCapture(str(path))
+    fps, frames = capture.get(cv2.CAP_PROP_FPS), 0
+    while capture.read()[0]:
+        frames += 1
+    capture.release()
+    return frames, fps
+
+
+def make_inputs(folder: Path, images: int = 3, corrupt: bool = True, video: bool = True) -> Path:
+    """A folder of `images` images, optionally a corrupt .jpg and a video, plus a file predict must ignore."""
+    for index in range(images):
+        write_image(folder / f"img{index}.jpg", seed=index)
+    if corrupt:
+        (folder / "broken.jpg").write_bytes(b"\xff\xd8 this is not a jpeg")
+    if video:
+        write_video(folder / "clip.mp4")
+    (folder / "notes.json").write_text("{}")
+    return folder
+
+
+def config(weights: Path, source: Path | str, project: Path, **changes: object) -> PredictConfig:
+    cfg = PredictConfig(weights=weights, source=str(source), imgsz=IMGSZ, device="cpu", project=project)
+    return replace(cfg, **changes)
+
+
+def read_labels(path: Path) -> list[list[float]]:
+    return [[float(v) for v in line.split()] for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def det_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return untrained_checkpoint(tmp_path_factory.mktemp("weights") / "det.pt", DETECT, "yolov5n")
+
+
+@pytest.fixture(scope="module")
+def seg_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return untrained_checkpoint(tmp_path_factory.mktemp("weights") / "seg.pt", SEGMENT, "yolov5n-seg")
+
+
+# ---- sources ----------------------------------------------------------------------------------------
+
+
+def test_discover_folder_glob_list_file_and_webcam(tmp_path: Path) -> None:
+    folder = make_inputs(tmp_path / "in")
+    write_image(folder / "nested" / "deep.jpg", seed=9)  # folders are not searched recursively (YOLOv5)
+    found = discover_inputs(str(folder))
+    assert [Path(i.path).name for i in found] == ["broken.jpg", "clip.mp4", "img0.jpg", "img1.jpg", "img2.jpg"]
+    assert [i.kind for i in found] == ["image", "video", "image", "image", "image"]
+    assert [i.index for i in found] == list(range(5))
+    assert [Path(i.path).name for i in discover_inputs(str(folder / "img*.jpg"))] == [
+        "img0.jpg",
+        "img1.jpg",
+        "img2.jpg",
+    ]
+    assert len(discover_inputs(str(folder / "**" / "*.jpg"))) == 5  # ** is recursive
+    listing = tmp_path / "list.txt"
+    listing.write_text("in/img1.jpg\n\nin/clip.mp4\nin/missing.jpg\n")
+    listed = discover_inputs(str(listing))  # entries are kept as given; the missing one is skipped later, counted
+    expected = [("img1.jpg", "image"), ("clip.mp4", "video"), ("missing.jpg", "image")]
+    assert [(Path(i.path).name, i.kind) for i in listed] == expected
+    assert Path(listed[0].path) == folder / "img1.jpg"  # relative to the list's folder
+    assert [(i.path, i.kind, i.stem) for i in discover_inputs("0")] == [("0", "webcam", "webcam0")]
+    assert discover_inputs(str(folder / "img0.jpg"))[0].kind == "image"
+
+
+@pytest.mark.parametrize("source", ["nowhere", "empty", "in/notes.json", "in/*.png"])
+def test_discover_refuses_bad_sources_in_one_line(tmp_path: Path, source: str) -> None:
+    make_inputs(tmp_path / "in")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="--source") as error:
+        discover_inputs(str(tmp_path / source))
+    assert "\n" not in str(error.value)
+
+
+def test_shard_inputs_partition_and_webcam_refused() -> None:
+    items = [InputItem(f"{i}.jpg", "image", i) for i in range(7)]
+    shards = [shard_inputs(items, DistContext(rank=r, world_size=3)) for r in range(3)]
+    assert sorted(i.index for shard in shards for i in shard) == list(range(7))  # disjoint and complete
+    assert [len(s) for s in shards] == [3, 2, 2]
+    webcam = [InputItem("0", "webcam", 0)]
+    assert shard_inputs(webcam, DistContext()) == webcam
+    with pytest.raises(ConfigError, match="webcam"):
+        shard_inputs(webcam, DistContext(rank=1, world_size=2))
+
+
+def test_video_reader_stride_keeps_first_frame(tmp_path: Path) -> None:
+    video = write_video(tmp_path / "v.mp4", frames=5)
+    with VideoReader(InputItem(str(video), "video", 0), vid_stride=2) as reader:
+        kept = [number for number, _ in reader]
+        assert reader.frame_count == 3 and reader.fps == pytest.approx(10.0)
+    assert kept == [1, 2, 3]  # frames 1, 3, 5 of the file, numbered as kept
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"\x00\x00\x00\x18ftypmp42 but nothing else")
+    with pytest.raises(UnreadableInputError, match="broken.mp4"):
+        VideoReader(InputItem(str(broken), "video", 0))
+    with pytest.raises(ConfigError, match="cannot open webcam 99"):  # the only input of a one-process run
+        VideoReader(InputItem("99", "webcam", 0))
+
+
+# ---- flags ------------------------------------------------------------------------------------------
+
+
+def test_flags_defaults_and_refusals() -> None:
+    cfg = predict_config_from_args(build_predict_parser("detect").parse_args(["--source", "x"]))
+    assert (cfg.imgsz, cfg.conf_thres, cfg.iou_thres, cfg.max_det) == ((640, 640), 0.25, 0.45, 1000)
+    assert cfg.project.parts[-2:] == ("runs", "detect") and cfg.save.save_images and cfg.classes is None
+    seg = predict_config_from_args(build_predict_parser("segment").parse_args(["--source", "x"]))
+    assert seg.project.name == "predict-seg" and seg.weights.parts[-4] == "train-seg"
+    argv = ["--source", "x", "--imgsz", "320", "480", "--classes", "0", "2", "--nosave", "--hide-conf"]
+    cfg = predict_config_from_args(build_predict_parser().parse_args(argv))
+    assert cfg.imgsz == (320, 480) and cfg.classes == (0, 2) and not cfg.save.save_images and cfg.style.hide_conf
+    for bad in (["--view-img"], ["--imgsz", "100"], ["--conf-thres", "2"], ["--vid-stride", "0"]):
+        with pytest.raises(ConfigError):
+            predict_config_from_args(build_predict_parser().parse_args(["--source", "x", *bad]))
+
+
+# ---- formats ----------------------------------------------------------------------------------------
+
+
+def test_txt_lines_boxes_and_polygons() -> None:
+    boxes = np.array([[10, 20, 50, 60]], np.float32)
+    prediction = Prediction(boxes, np.array([0.9], np.float32), np.array([2]))
+    assert txt_lines(prediction, (100, 200), with_conf=True) == ["2 0.150000 0.400000 0.200000 0.400000 0.90000"]
+    mask = np.zeros((1, 100, 200), bool)
+    mask[0, 20:60, 10:50] = True
+    polygon = mask_polygon(mask[0])
+    assert polygon.min(0).tolist() == [10, 20] and polygon.max(0).tolist() == [49, 59]
+    (line,) = txt_lines(replace(prediction, masks=mask), (100, 200), with_conf=False)
+    values = [float(v) for v in line.split()]
+    assert values[0] == 2 and len(values) % 2 == 1 and len(values) >= 7
+    empty = replace(prediction, masks=np.zeros((1, 100, 200), bool))  # an empty mask falls back to the box
+    corners = "0.050000 0.200000 0.250000 0.200000 0.250000 0.600000 0.050000 0.600000"
+    assert txt_lines(empty, (100, 200), False) == [f"2 {corners}"]
+    assert describe(replace(prediction, class_ids=np.array([2])), SHAPE_NAMES) == "1 square"
+
+
+# ---- the loop ---------------------------------------------------------------------------------------
+
+
+def test_predict_folder_writes_images_video_labels_crops_and_skips_bad(
+    tmp_path: Path, det_weights: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = make_inputs(tmp_path / "in")
+    save = SaveOptions(save_txt=True, save_conf=True, save_crop=True)
+    with caplog.at_level(logging.INFO):
+        result = predict(config(det_weights, source, tmp_path / "runs", save=save), DETECT, DistContext())
+    run = result.save_dir
+    assert run == tmp_path / "runs" / "exp"
+    assert (result.total.images, result.total.videos, result.total.frames) == (3, 1, 3 + VIDEO_FRAMES)
+    assert result.total.num_skipped == 1 and "broken.jpg" in result.total.skipped[0]
+    skipped = [r for r in caplog.records if r.levelno == logging.WARNING and "broken.jpg" in r.getMessage()]
+    assert len(skipped) == 2  # once when skipped, once in the summary
+    assert all((run / f"img{i}.jpg").is_file() for i in range(3)) and not (run / "broken.jpg").exists()
+    assert video_frames(run / "clip.mp4") == (VIDEO_FRAMES, pytest.approx(10.0))
+    labels = sorted(p.name for p in (run / "labels").iterdir())
+    assert labels == sorted([f"img{i}.txt" for i in range(3)] + [f"clip_{n}.txt" for n in range(1, 6)])
+    rows = [row for name in labels for row in read_labels(run / "labels" / name)]
+    assert len(rows) == result.total.detections > 0
+    assert all(len(row) == 6 and row[0] in range(len(SHAPE_NAMES)) for row in rows)
+    assert all(0 <= v <= 1 for row in rows for v in row[1:5]) and all(0.25 < row[5] <= 1 for row in rows)
+    crops = list((run / "crops").glob("*/*.jpg"))
+    assert len(crops) == len(rows) and {c.parent.name for c in crops} <= set(SHAPE_NAMES)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("image 3/5 ") and line.endswith("ms") for line in lines)
+    assert any(line.startswith("video 2/5 (frame 5/5) ") for line in lines)
+    assert any(line.startswith("Speed: ") and "per image at shape (1, 3, 64, 64)" in line for line in lines)
+
+
+def test_classes_filter_and_nosave(tmp_path: Path, det_weights: Path) -> None:
+    source = make_inputs(tmp_path / "in", images=2, corrupt=False, video=False)
+    save = SaveOptions(save_txt=True, save_images=False)
+    everything = predict(config(det_weights, source, tmp_path / "runs", save=save), DETECT, DistContext())
+    all_rows = [row for p in (everything.save_dir / "labels").glob("*.txt") for row in read_labels(p)]
+    classes = {int(row[0]) for row in all_rows}
+    assert len(classes) >= 2  # otherwise the filter below could not remove anything
+    keep = min(classes)
+    only = predict(config(det_weights, source, tmp_path / "runs", save=save, classes=(keep,)), DETECT, DistContext())
+    kept_rows = [row for p in (only.save_dir / "labels").glob("*.txt") for row in read_labels(p)]
+    # NMS is per class, so filtering leaves exactly the unfiltered run's boxes of that class. (torchvision's
+    # batched_nms separates classes by an offset of max coordinate + 1, which lets boxes of neighbouring
+    # classes meet when corners lie far below 0; the checkpoint's small boxes keep clear of that.)
+    assert sorted(map(tuple, kept_rows)) == sorted(tuple(row) for row in all_rows if row[0] == keep)
+    assert only.save_dir.name == "exp2" and not list(only.save_dir.glob("*.jpg"))  # --nosave: labels only
+    with pytest.raises(ConfigError, match="--classes 6"):
+        predict(config(det_weights, source, tmp_path / "runs", classes=(6,)), DETECT, DistContext())
+
+
+def test_segmentation_writes_polygons_and_tinted_images(tmp_path: Path, seg_weights: Path) -> None:
+    source = make_inputs(tmp_path / "in", images=2, corrupt=False, video=False)
+    save = SaveOptions(save_txt=True)
+    result = predict(config(seg_weights, source, tmp_path / "runs", max_det=5), SEGMENT, DistContext())
+    plain = result.save_dir
+    result = predict(config(seg_weights, source, tmp_path / "runs", max_det=5, save=save), SEGMENT, DistContext())
+    rows = [row for p in (result.save_dir / "labels").glob("*.txt") for row in read_labels(p)]
+    assert len(rows) == result.total.detections > 0
+    assert all(len(row) >= 7 and len(row) % 2 == 1 for row in rows)  # class + at least 3 x, y pairs
+    assert all(0 <= v <= 1 for row in rows for v in row[1:])
+    original, drawn = cv2.imread(str(source / "img0.jpg")), cv2.imread(str(plain / "img0.jpg"))
+    assert drawn.shape == original.shape and np.abs(drawn.astype(int) - original).mean() > 5  # masks and boxes
+    with pytest.raises(ConfigError, match="segment checkpoint"):
+        predict(config(seg_weights, source, tmp_path / "runs"), DETECT, DistContext())
+
+
+def test_segmentation_masks_lie_in_their_boxes_at_original_size(tmp_path: Path, seg_weights: Path) -> None:
+    cfg = config(seg_weights, "", tmp_path, max_det=20)
+    model, _ = load_predictor_model(cfg, SEGMENT, DistContext())
+    image = cv2.imread(str(write_image(tmp_path / "wide.jpg", seed=3, hw=(80, 150))))  # letterboxed 48x64 + pad
+    prediction, input_hw, _ = FramePredictor(model, SEGMENT, cfg)(image)
+    assert input_hw == (64, 64) and len(prediction) > 0 and prediction.masks.shape == (len(prediction), 80, 150)
+    filled = prediction.masks.any(axis=(1, 2))
+    assert filled.sum() >= len(prediction) / 2  # the biased prototypes fill boxes (but a ~2 px box may cover no pixel)
+    for mask, (x1, y1, x2, y2) in zip(prediction.masks[filled], prediction.boxes_xyxy[filled], strict=True):
+        rows, cols = np.nonzero(mask)  # within the box, up to the resize's one-pixel blur
+        assert cols.min() >= x1 - 1.5 and cols.max() <= x2 + 0.5 and rows.min() >= y1 - 1.5 and rows.max() <= y2 + 0.5
+
+
+# ---- ranks ------------------------------------------------------------------------------------------
+
+
+def _predict_on_rank(ctx: DistContext, weights: Path, source: Path, project: Path) -> tuple:
+    save = SaveOptions(save_txt=True)
+    result: PredictResult = predict(config(weights, source, project, save=save), DETECT, ctx)
+    return result.save_dir, result.mine.processed, result.total.images, result.total.num_skipped
+
+
+@pytest.mark.distributed
+def test_two_ranks_predict_each_input_once(tmp_path: Path, det_weights: Path) -> None:
+    source = make_inputs(tmp_path / "in", images=5, corrupt=True, video=False)
+    results = run_distributed(_predict_on_rank, 2, tmp_path / "dist", det_weights, source, tmp_path / "runs")
+    (dir0, mine0, images0, skipped0), (dir1, mine1, images1, skipped1) = results
+    assert dir0 == dir1 == tmp_path / "runs" / "exp"
+    assert not set(mine0) & set(mine1) and len(mine0) == 2 and len(mine1) == 3  # broken.jpg is rank 0's first item
+    assert sorted(mine0 + mine1) == sorted(str(source / f"img{i}.jpg") for i in range(5))
+    assert (images0, skipped0) == (images1, skipped1) == (5, 1)  # totals gathered from both ranks
+    assert sorted(p.name for p in dir0.glob("*.jpg")) == [f"img{i}.jpg" for i in range(5)]
+    assert len(list((dir0 / "labels").glob("*.txt"))) == 5
+
+
+# ---- entry points -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_detect_and_segment_predict_entry_points(tmp_path: Path, det_weights: Path, seg_weights: Path) -> None:
+    source = make_inputs(tmp_path / "in", images=2, corrupt=True, video=True)
+    argv = ["--source", str(source / "*.*"), "--imgsz", "64", "--device", "cpu", "--save-txt"]
+    result = detect.main(["--weights", str(det_weights), *argv, "--project", str(tmp_path / "det")])
+    assert (result.total.images, result.total.videos, result.total.num_skipped) == (2, 1, 1)
+    assert (result.save_dir / "clip.mp4").is_file() and len(list((result.save_dir / "labels").glob("*"))) == 7
+    result = segment_predict.main(["--weights", str(seg_weights), *argv, "--project", str(tmp_path / "seg")])
+    assert result.save_dir == tmp_path / "seg" / "exp" and result.total.frames == 2 + VIDEO_FRAMES

@@ -1,0 +1,26 @@
+"""Prediction: one image's detections in original-image pixels, the record the loop hands to drawing and saving."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Prediction:
+    """One image's detections in original-image pixels, highest score first."""
+
+    boxes_xyxy: np.ndarray  # (n, 4) float32, clipped to the image
+    scores: np.ndarray  # (n,) float32 in [0, 1]
+    class_ids: np.ndarray  # (n,) int64
+    masks: np.ndarray | None = None  # segmentation: (n, H0, W0) bool at the original size
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+
+def class_name(names: Sequence[str], class_id: int) -> str:
+    """The class's name, or its id as text when the checkpoint names fewer classes."""
+    return names[class_id] if 0 <= class_id < len(names) else str(class_id)

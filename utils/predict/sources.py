@@ -1,0 +1,154 @@
+"""Prediction inputs: find images and videos from --source, split them across ranks, read images and video frames."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from utils.data.labels import IMAGE_SUFFIXES
+from utils.distributed import DistContext
+from utils.errors import ConfigError
+
+VIDEO_SUFFIXES = frozenset({".asf", ".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".ts", ".wmv"})
+DEFAULT_FPS = 30.0  # when a video or webcam reports none
+
+
+class UnreadableInputError(ValueError):
+    """An input that cannot be read (missing, corrupt, not an image or video); the message names it."""
+
+
+@dataclass(frozen=True)
+class InputItem:
+    """One input of a prediction run, as found on rank 0 and shared with every rank."""
+
+    path: str  # file path; for a webcam its index ("0")
+    kind: str  # "image", "video" or "webcam"
+    index: int  # position in the whole run's list, for "image 3/10" lines on any rank
+
+    @property
+    def stem(self) -> str:
+        """The base name its outputs take: the file's stem, or 'webcam0' for webcam 0."""
+        return f"webcam{self.path}" if self.kind == "webcam" else Path(self.path).stem
+
+
+def kind_of(path: str | Path) -> str | None:
+    """Return "image" or "video" from the file suffix (case-insensitive), None for any other file."""
+    suffix = Path(path).suffix.lower()
+    return "image" if suffix in IMAGE_SUFFIXES else "video" if suffix in VIDEO_SUFFIXES else None
+
+
+def discover_inputs(source: str) -> list[InputItem]:
+    """Resolve `--source` into the run's ordered list of inputs.
+
+    A digit string is a webcam index. A folder gives its images and videos (not recursive, as
+    YOLOv5), a glob pattern ('dir/*.jpg', '**' recursive) its matching images and videos, both
+    sorted; other files there are ignored. A .txt file lists one path per line (relative paths
+    resolve against the .txt file's folder); its entries are kept whatever they are, so a missing
+    or unreadable entry is later skipped with a warning and counted rather than dropped silently.
+    Raises a one-line ConfigError for a source that does not exist or holds no image or video.
+    """
+    if source.strip().isdigit():
+        return [InputItem(source.strip(), "webcam", 0)]
+    path = Path(source)
+    if path.is_file() and path.suffix.lower() == ".txt":
+        files = _listed_files(path)
+    elif path.is_dir():
+        files = sorted(str(p) for p in path.iterdir() if p.is_file() and kind_of(p))
+    elif path.is_file():
+        if kind_of(path) is None:
+            raise ConfigError(f"--source {source}: not an image or video suffix (images: {_suffixes(IMAGE_SUFFIXES)})")
+        files = [str(path)]
+    elif glob.has_magic(source):
+        files = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p) and kind_of(p))
+    else:
+        raise ConfigError(f"--source {source} does not exist (give a file, folder, glob, .txt list or webcam index)")
+    if not files:
+        raise ConfigError(
+            f"--source {source}: no images ({_suffixes(IMAGE_SUFFIXES)}) or videos ({_suffixes(VIDEO_SUFFIXES)}) found"
+        )
+    return [InputItem(file, kind_of(file) or "image", index) for index, file in enumerate(files)]
+
+
+def _listed_files(list_file: Path) -> list[str]:
+    """The non-empty lines of a .txt list as paths, relative ones against the list's folder."""
+    lines = list_file.read_text(encoding="utf-8").splitlines()
+    return [os.path.normpath(list_file.parent / line.strip()) for line in lines if line.strip()]
+
+
+def _suffixes(suffixes: frozenset[str]) -> str:
+    return " ".join(sorted(suffixes))
+
+
+def shard_inputs(items: list[InputItem], ctx: DistContext) -> list[InputItem]:
+    """Return this rank's inputs: items rank, rank + world_size, ... (disjoint, together all of them).
+
+    Whole files are the unit, so a video's frames stay on one rank and its output is one file.
+    A webcam is read by one process only: with several ranks it is a one-line ConfigError, raised on
+    every rank alike (all hold the same list).
+    """
+    if ctx.world_size > 1 and any(item.kind == "webcam" for item in items):
+        raise ConfigError(f"--source {items[0].path} is a webcam, which one process reads; run without torchrun")
+    return items[ctx.rank :: ctx.world_size]
+
+
+def read_image(path: str) -> np.ndarray:
+    """Read an image file as (H, W, 3) uint8 BGR; raise UnreadableInputError naming the file and why."""
+    if not os.path.isfile(path):
+        raise UnreadableInputError(f"{path}: file not found")
+    try:
+        image = cv2.imread(path, cv2.IMREAD_COLOR)
+    except cv2.error as error:  # some truncated files make the decoder raise instead of returning None
+        raise UnreadableInputError(f"{path}: not a readable image ({str(error).strip()[:80]})") from error
+    if image is None:
+        raise UnreadableInputError(f"{path}: not a readable image (corrupt, empty or unsupported format)")
+    return image
+
+
+class VideoReader:
+    """Every `vid_stride`-th frame of a video file or webcam through cv2.VideoCapture; a context manager.
+
+    Opening raises UnreadableInputError when OpenCV cannot open a video file, and a one-line
+    ConfigError for a webcam. Iterating yields
+    (frame_number, (H, W, 3) uint8 BGR frame) for frames 1, 1 + vid_stride, ... with 1-based
+    numbers counting the frames kept, and stops at the first frame that cannot be read (end of
+    file or stream). `frame_count` is the number of frames kept, 0 when unknown (webcam).
+    """
+
+    def __init__(self, item: InputItem, vid_stride: int = 1) -> None:
+        self.vid_stride = vid_stride
+        self.capture = cv2.VideoCapture(int(item.path) if item.kind == "webcam" else item.path)
+        if not self.capture.isOpened():
+            self.capture.release()
+            if item.kind == "webcam":  # the run's only input (one process): a user error, not a skipped file
+                raise ConfigError(f"--source {item.path}: cannot open webcam {item.path}")
+            raise UnreadableInputError(f"{item.path}: not a readable video")
+        fps = self.capture.get(cv2.CAP_PROP_FPS)
+        self.fps = fps if math.isfinite(fps) and fps > 0 else DEFAULT_FPS
+        frames = self.capture.get(cv2.CAP_PROP_FRAME_COUNT)
+        # Webcams report 0 or -1 frames: "unknown".
+        self.frame_count = math.ceil(frames / vid_stride) if item.kind == "video" and frames > 0 else 0
+
+    def __enter__(self) -> VideoReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.capture.release()
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        frame_number = 0
+        while True:
+            ok, frame = self.capture.read()
+            if not ok or frame is None:
+                return
+            frame_number += 1
+            yield frame_number, frame
+            for _ in range(self.vid_stride - 1):  # skipped frames are only grabbed, not decoded
+                if not self.capture.grab():
+                    return
