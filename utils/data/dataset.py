@@ -28,7 +28,7 @@ from utils.data.augment import (
     transform_instances,
 )
 from utils.data.cache import CACHE_MODES, ImageCache, rank_shard, read_image, resize_long_side
-from utils.data.labels import LabelIndex, list_image_files, scan_labels
+from utils.data.labels import LabelIndex, check_same_image_files, list_image_files, scan_labels
 from utils.data.masks import polygons_to_masks, polygons_to_overlap_mask
 from utils.distributed import DistContext
 
@@ -36,6 +36,10 @@ if TYPE_CHECKING:
     from utils.data.loader import ShapeInfo
 
 LOGGER = logging.getLogger(__name__)
+# Unreadable images in a row after which a training item gives up: the files are gone, not just a few of them.
+MAX_UNREADABLE_IN_A_ROW = 16
+# What load_image returns: (BGR image resized to long side img_size, (h0, w0) original, (h, w) resized).
+LoadedImage = tuple[np.ndarray, tuple[int, int], tuple[int, int]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +133,11 @@ class LoadImagesAndLabels(Dataset):
     `(index, epoch)`; all randomness of an item comes from
     `np.random.default_rng([seed, rank, epoch, index])`, so augmentation repeats exactly for the
     same key, regardless of worker count, and differs between ranks and epochs.
+
+    An image that cannot be read any more (deleted, a network file system error since the label
+    scan) never ends a run: a training item uses another image of this rank's shard in its place,
+    an evaluation item comes back with `image` None and the collate leaves it out. Either way the
+    item's `unreadable` key lists the paths, which the loaders warn about and count.
     """
 
     def __init__(self, sources: str | Path | Sequence[str | Path], options: DatasetOptions, ctx: DistContext) -> None:
@@ -173,6 +182,14 @@ class LoadImagesAndLabels(Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
+    def check_same_on_every_rank(self, what: str) -> None:
+        """Raise a one-line ConfigError on every rank unless every rank built this dataset from the same files.
+
+        Every rank must call it (one small all-gather). Compares the image count and a digest of
+        the paths in dataset order; `what` names the set in the message ("train set").
+        """
+        check_same_image_files(self.im_files, what, self.ctx)
+
     @property
     def im_files(self) -> list[str]:
         """Image paths in dataset order (sorted by aspect ratio in rect mode)."""
@@ -207,15 +224,19 @@ class LoadImagesAndLabels(Dataset):
         per_label = np.repeat(scaled_wh, np.diff(self.index.label_offsets), axis=0)
         return (self.labels[:, 3:5] * per_label).astype(np.float32)
 
-    def load_image(self, index: int) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+    def load_image(self, index: int) -> LoadedImage:
         """Return (BGR image resized to long side img_size, (h0, w0) original, (h, w) resized).
 
         Served from the cache when it holds the item (copied, so callers may modify it),
-        otherwise decoded from disk (`read_image`: EXIF orientation applied, any file name).
+        otherwise decoded from disk (`read_image`: EXIF orientation applied, any file name); a
+        disk-cache file that vanished or broke since it was written is passed over for the image.
         Raises FileNotFoundError naming the file when it cannot be read.
         """
         width0, height0 = (int(v) for v in self.index.shapes[index])
-        cached = self.cache.get(index) if self.cache is not None else None
+        try:
+            cached = self.cache.get(index) if self.cache is not None else None
+        except (OSError, ValueError, EOFError):  # np.load of a deleted, truncated or foreign .npy
+            cached = None
         if cached is not None:
             image = cached.copy() if self.cache.mode == "ram" else cached
             return image, (height0, width0), image.shape[:2]
@@ -231,17 +252,44 @@ class LoadImagesAndLabels(Dataset):
         """Item `index`'s labels and polygons in pixels of an image of `width` x `height`."""
         return Instances.from_labels(self.labels_of(index), self.index.segments_of(index), width, height)
 
-    def _load_mosaic(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, Instances]:
-        """Mosaic of item `index` and 3 partners from this rank's shard, warped to img_size x img_size."""
+    def _load_mosaic(
+        self, index: int, rng: np.random.Generator, unreadable: list[str]
+    ) -> tuple[np.ndarray, Instances, int]:
+        """Mosaic of item `index` and 3 partners from this rank's shard, warped to img_size x img_size.
+
+        Returns the canvas, its instances and the index of the image in its first quadrant (`index`
+        unless that image was unreadable and replaced, see `_load_readable`).
+        """
         size = self.options.img_size
-        images, instances = [], []
+        images, instances, used = [], [], []
         for i in [index, *rng.choice(self.shard, size=3).tolist()]:
-            image, _, (height, width) = self.load_image(i)
+            loaded, (image, _, (height, width)) = self._load_readable(i, rng, unreadable)
             images.append(image)
-            instances.append(self._instances(i, width, height))
+            instances.append(self._instances(loaded, width, height))
+            used.append(loaded)
         image, inst = mosaic4(images, instances, size, rng)
         image, inst = copy_paste(image, inst, self.options.aug.copy_paste, rng)  # on the canvas, as YOLOv5
-        return self._perspective(image, inst, rng, border=(-size // 2, -size // 2))
+        return (*self._perspective(image, inst, rng, border=(-size // 2, -size // 2)), used[0])
+
+    def _load_readable(self, index: int, rng: np.random.Generator, unreadable: list[str]) -> tuple[int, LoadedImage]:
+        """Load training item `index`'s image, or another image of this rank's shard when it cannot be read.
+
+        Returns (index loaded, what `load_image` returned for it). The replacement is drawn
+        from the item's own `rng`, so a run repeats exactly while the same files are missing; each
+        unreadable path is appended to `unreadable`. Raises FileNotFoundError after
+        MAX_UNREADABLE_IN_A_ROW failures in a row (the dataset is gone, not a few files).
+        """
+        first_path = self.index.im_files[index]
+        for _ in range(MAX_UNREADABLE_IN_A_ROW):
+            try:
+                return index, self.load_image(index)
+            except FileNotFoundError:
+                unreadable.append(self.index.im_files[index])
+                index = int(rng.choice(self.shard))
+        raise FileNotFoundError(
+            f"{MAX_UNREADABLE_IN_A_ROW} images in a row could not be read, starting at {first_path}; "
+            "is the dataset folder still there?"
+        )
 
     def _perspective(
         self, image: np.ndarray, inst: Instances, rng: np.random.Generator, border: tuple[int, int] = (0, 0)
@@ -252,9 +300,9 @@ class LoadImagesAndLabels(Dataset):
             image, inst, rng, aug.degrees, aug.translate, aug.scale, aug.shear, aug.perspective, border
         )
 
-    def _load_letterboxed(self, index: int) -> tuple[np.ndarray, Instances, ShapeInfo]:
-        """Item `index` letterboxed to its rect batch shape (or img_size square), with its ShapeInfo."""
-        image, (height0, width0), (height, width) = self.load_image(index)
+    def _letterboxed(self, index: int, loaded: LoadedImage) -> tuple[np.ndarray, Instances, ShapeInfo]:
+        """Item `index`'s image (`loaded`, as load_image returns it) letterboxed to its rect batch shape or img_size."""
+        image, (height0, width0), (height, width) = loaded
         if self.batch_shapes is not None:
             target: int | tuple[int, int] = tuple(int(v) for v in self.batch_shapes[index // self.options.batch_size])
         else:
@@ -266,32 +314,52 @@ class LoadImagesAndLabels(Dataset):
         )
         inst = transform_instances(self._instances(index, width, height), (ratio_w, ratio_h), pad)
         # Overall scale from the original pixels to the returned image: load resize x letterbox resize.
-        shape = ((height0, width0), ((height / height0 * ratio_h, width / width0 * ratio_w), pad))
+        shape: ShapeInfo = ((height0, width0), ((height / height0 * ratio_h, width / width0 * ratio_w), pad))
         return image, inst, shape
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
-        """Return the item for `key` = index or (index, epoch); see docs/CONTRACTS.md for the dict."""
+        """Return the item for `key` = index or (index, epoch); see docs/CONTRACTS.md for the dict.
+
+        An unreadable image is replaced (training) or marked for the collate to leave out
+        (evaluation: `image` None); the item's `unreadable` then lists the paths.
+        """
         index, epoch = (key, 0) if isinstance(key, int | np.integer) else key
         index = int(index) % len(self)
+        if not self.options.augment:
+            return self._evaluation_item(index)
         aug = self.options.aug
         rng = np.random.default_rng([self.options.seed, self.ctx.rank, int(epoch), index])
+        unreadable: list[str] = []
         if self._mosaic_open(epoch) and rng.random() < aug.mosaic:
-            image, inst = self._load_mosaic(index, rng)
+            image, inst, index = self._load_mosaic(index, rng, unreadable)
             if rng.random() < aug.mixup:
-                image, inst = mixup(image, inst, *self._load_mosaic(int(rng.choice(self.shard)), rng), rng)
+                partner = self._load_mosaic(int(rng.choice(self.shard)), rng, unreadable)
+                image, inst = mixup(image, inst, *partner[:2], rng)
             size = image.shape[0]
             shape: ShapeInfo = ((size, size), ((1.0, 1.0), (0.0, 0.0)))  # no original-image geometry
         else:
-            image, inst, shape = self._load_letterboxed(index)
-            if self.options.augment:
-                image, inst = self._perspective(image, inst, rng)
-        if self.options.augment:
-            image = augment_hsv(image, rng, aug.hsv_h, aug.hsv_s, aug.hsv_v)
-            if rng.random() < aug.flipud:
-                image, inst = flip_ud(image, inst)
-            if rng.random() < aug.fliplr:
-                image, inst = flip_lr(image, inst)
-        return self._to_item(image, inst, self.index.im_files[index], shape)
+            index, loaded = self._load_readable(index, rng, unreadable)
+            image, inst, shape = self._letterboxed(index, loaded)
+            image, inst = self._perspective(image, inst, rng)
+        image = augment_hsv(image, rng, aug.hsv_h, aug.hsv_s, aug.hsv_v)
+        if rng.random() < aug.flipud:
+            image, inst = flip_ud(image, inst)
+        if rng.random() < aug.fliplr:
+            image, inst = flip_lr(image, inst)
+        item = self._to_item(image, inst, self.index.im_files[index], shape)
+        if unreadable:
+            item["unreadable"] = unreadable
+        return item
+
+    def _evaluation_item(self, index: int) -> dict[str, Any]:
+        """Item `index` letterboxed, not augmented; `image` None (and `unreadable`) when its file cannot be read."""
+        path = self.index.im_files[index]
+        try:
+            loaded = self.load_image(index)
+        except FileNotFoundError:  # deleted or failing since the label scan: skipped, so validation still finishes
+            return {"image": None, "path": path, "unreadable": [path]}
+        image, inst, shape = self._letterboxed(index, loaded)
+        return self._to_item(image, inst, path, shape)
 
     def _mosaic_open(self, epoch: int) -> bool:
         """Whether items of `epoch` may be mosaics (training, not rect, before `close_mosaic_epoch`)."""

@@ -35,10 +35,13 @@ class Batch(_BatchRequired, total=False):
     images: (B, 3, H, W) uint8 RGB; targets: (N, 6) float32 [batch_index, cls, cx, cy, w, h]
     normalised; paths/shapes: one entry per image. Optional: `segments`, per image the list of
     (k, 2) float32 normalised polygons; `masks`, the items' mask tensors concatenated on dim 0.
+    `unreadable` (always set by `collate_batch`): paths of images that could not be read while the
+    batch was built, replaced by other images (training) or left out of it (evaluation).
     """
 
     segments: list[list[np.ndarray]]
     masks: torch.Tensor
+    unreadable: list[str]
 
 
 def collate_batch(items: list[dict[str, Any]]) -> Batch:
@@ -51,9 +54,18 @@ def collate_batch(items: list[dict[str, Any]]) -> Batch:
     resolution to the largest mask. Masks are concatenated, so per-instance masks (n_i, h, w)
     become (N, h, w) aligned with `targets` rows and overlap masks (1, h, w) become (B, h, w).
     Raises ValueError when only some items carry masks/segments.
+
+    Items whose `image` is None (evaluation images that could not be read) are left out; their
+    paths, and those of images a training item replaced, go to the batch's `unreadable`. When
+    every item is left out the batch holds no image (`EvalLoader` drops such batches).
     """
     if not items:
         raise ValueError("collate_batch: got an empty batch")
+    unreadable = [str(path) for item in items for path in item.get("unreadable", ())]
+    items = [item for item in items if item["image"] is not None]
+    if not items:
+        no_image = torch.zeros((0, 3, 0, 0), dtype=torch.uint8)
+        return {"images": no_image, "targets": torch.zeros((0, 6)), "paths": [], "shapes": [], "unreadable": unreadable}
     paths = [str(item["path"]) for item in items]
     if len({tuple(item["image"].shape) for item in items}) > 1:
         image_hw = (max(i["image"].shape[1] for i in items), max(i["image"].shape[2] for i in items))
@@ -75,6 +87,7 @@ def collate_batch(items: list[dict[str, Any]]) -> Batch:
         "targets": torch.cat(targets, 0),
         "paths": paths,
         "shapes": [item["shape"] for item in items],
+        "unreadable": unreadable,
     }
     if _carried_by(items, "segments"):
         batch["segments"] = [list(item["segments"]) for item in items]
@@ -187,6 +200,40 @@ class EpochKeyBatchSampler(Sampler[list[tuple[int, int]]]):
         return len(self.batches)
 
 
+class UnreadableImages:
+    """What a loader's batches reported as unreadable on this rank: warned once per file, counted, summarised.
+
+    Lives in the process that iterates the loader (the training process), so the warnings and
+    counts cover every DataLoader worker: each worker only marks its items (`Batch.unreadable`).
+    `files` holds every unreadable path seen, `count` every image replaced or left out so far.
+    """
+
+    def __init__(self, consequence: str) -> None:
+        self.consequence = consequence  # what happened to such an image, for the messages
+        self.files: set[str] = set()
+        self.count = 0
+
+    def note(self, batch: Batch) -> int:
+        """Warn once about each new unreadable path in `batch`; count them all and return how many it had."""
+        paths = batch.get("unreadable", [])
+        for path in paths:
+            if path not in self.files:
+                self.files.add(path)
+                LOGGER.warning(
+                    f"cannot read image {path} (deleted or failing since the label scan); {self.consequence}"
+                )
+        self.count += len(paths)
+        return len(paths)
+
+    def summarise(self, count: int, during: str) -> None:
+        """Log one warning with the number of unreadable images met `during` a pass, if there were any."""
+        if count:
+            LOGGER.warning(
+                f"{count} unreadable image(s) during {during} ({len(self.files)} file(s) so far, named above); "
+                f"{self.consequence}"
+            )
+
+
 class TrainLoader:
     """This rank's training batches: a DataLoader over a `SmartDistributedSampler`, with `set_epoch`.
 
@@ -198,6 +245,7 @@ class TrainLoader:
     def __init__(self, loader: DataLoader, sampler: SmartDistributedSampler) -> None:
         self.loader = loader
         self.sampler = sampler
+        self.unreadable = UnreadableImages("another image of this rank's shard is used in its place")
 
     @property
     def dataset(self) -> Dataset:
@@ -209,15 +257,24 @@ class TrainLoader:
         """Worker processes actually used (after `resolve_num_workers`)."""
         return self.loader.num_workers
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose sample order and keys the next iteration uses. Every rank calls it."""
-        self.sampler.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Select the epoch whose sample order and keys the next iteration uses, from batch `start_batch` on.
+
+        Every rank calls it with the same values; `start_batch` > 0 continues an interrupted epoch
+        with exactly the batches the uninterrupted run would have had next.
+        """
+        self.sampler.set_epoch(epoch, start=start_batch * self.loader.batch_sampler.batches.batch_size)
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Batch]:
-        return iter(self.loader)
+        """Yield the epoch's batches; unreadable images they report are warned about once each and counted."""
+        count = 0
+        for batch in self.loader:
+            count += self.unreadable.note(batch)
+            yield batch
+        self.unreadable.summarise(count, f"training epoch {self.sampler.epoch + 1}")
 
 
 def build_train_loader(
@@ -264,20 +321,43 @@ def build_train_loader(
     return TrainLoader(loader, sampler)
 
 
-def build_val_loader(dataset: Any, per_rank_batch: int, num_workers: int, ctx: DistContext) -> DataLoader:
+class EvalLoader(DataLoader):
+    """A DataLoader for evaluation that leaves out batches with no readable image and reports unreadable ones.
+
+    Items of images that cannot be read are left out by `collate_batch`; a batch left with no image
+    is not yielded at all (a model and loss given zero images would not agree on what that means).
+    Each unreadable file is warned about once on this rank and the pass ends with a count.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unreadable = UnreadableImages("left out of validation")
+
+    def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]  # a generator over DataLoader's iterator
+        """Yield the pass's batches that hold an image; unreadable images are warned about once each and counted."""
+        count = 0
+        for batch in super().__iter__():
+            count += self.unreadable.note(batch)
+            if batch["paths"]:
+                yield batch
+        self.unreadable.summarise(count, "validation")
+
+
+def build_val_loader(dataset: Any, per_rank_batch: int, num_workers: int, ctx: DistContext) -> EvalLoader:
     """Build this rank's evaluation loader: contiguous whole batches, no padding, no shuffling.
 
     Distributed, each rank reads its `ShardedInferenceSampler` range; ranks may get different
     batch counts, so evaluation gathers results once at the end (never per step). In a single
     process all images are read in order. `per_rank_batch` must be the batch size the dataset
-    computed its rectangular shapes with. Items are fetched with plain int indices.
+    computed its rectangular shapes with. Items are fetched with plain int indices. Images that
+    cannot be read are left out and reported (`EvalLoader`).
     """
     if ctx.is_distributed:
         sampler: Sampler[int] = ShardedInferenceSampler(len(dataset), ctx, per_rank_batch)
     else:
         sampler = SequentialSampler(dataset)
     workers = resolve_num_workers(num_workers, ctx, per_rank_batch) if len(sampler) else 0
-    return DataLoader(
+    return EvalLoader(
         dataset,
         batch_size=per_rank_batch,
         sampler=sampler,

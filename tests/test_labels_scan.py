@@ -1,0 +1,204 @@
+"""Tests for utils/data/labels.py's scan across ranks: rounds, joining, one cache write, same files on every rank."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import cv2
+import numpy as np
+import pytest
+import torch
+import yaml
+
+import utils.data.labels as labels_module
+from tests.dist_helpers import run_distributed
+from utils.config import DEFAULT_HYP, TrainConfig, load_hyp
+from utils.data.data_config import load_data_config
+from utils.data.labels import (
+    LabelIndex,
+    build_index,
+    concatenate_indices,
+    differing_ranks_message,
+    image_to_label_path,
+    label_cache_path,
+    list_image_files,
+    load_label_cache,
+    scan_labels,
+    verify_image_label,
+)
+from utils.distributed import DistContext
+from utils.errors import ConfigError
+from utils.tasks import DETECT
+from utils.train.setup import build_datasets
+
+SIZES_WH = [(40, 30), (30, 40), (50, 20), (32, 32), (20, 45), (45, 35), (35, 20), (32, 24), (24, 40), (40, 24)]
+SIZES_WH += [(36, 36)]
+BOX, POLYGON, DUPLICATES = "0 0.5 0.5 0.4 0.2\n", "1 0.1 0.2 0.6 0.2 0.6 0.8 0.1 0.8\n", "0 0.5 0.5 0.2 0.2\n" * 2
+LABELS = [BOX, POLYGON, "", None, DUPLICATES]  # None: no label file (background)
+
+
+def _folder(root: Path, sizes: list[tuple[int, int]] = SIZES_WH) -> Path:
+    """Images of several aspect ratios; box, polygon, empty, missing and duplicate-row labels; one corrupt file."""
+    images = root / "images" / "train"
+    images.mkdir(parents=True)
+    for i, (width, height) in enumerate(sizes):
+        cv2.imwrite(str(images / f"{i:02d}.png"), np.full((height, width, 3), 20 * i, np.uint8))
+        label = LABELS[i % len(LABELS)]
+        if label is not None:
+            path = Path(image_to_label_path(images / f"{i:02d}.png"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(label)
+    (images / "99_corrupt.jpg").write_bytes(b"not an image")
+    return images
+
+
+def _assert_same_index(a: LabelIndex, b: LabelIndex) -> None:
+    assert a.im_files == b.im_files and a.counts == b.counts and a.messages == b.messages
+    assert a.num_degenerate == b.num_degenerate
+    for name in ("shapes", "labels", "label_offsets", "seg_points", "seg_offsets"):
+        first, second = getattr(a, name), getattr(b, name)
+        assert first.dtype == second.dtype, name
+        np.testing.assert_array_equal(first, second, err_msg=name)
+
+
+def _reference_index(files: list[str], num_classes: int = 2) -> LabelIndex:
+    """The index one build_index over every record gives: what every scan must reproduce."""
+    return build_index([verify_image_label(f, image_to_label_path(f), num_classes) for f in files])
+
+
+def test_joined_runs_equal_one_index_even_with_empty_runs(tmp_path: Path) -> None:
+    files = list_image_files(_folder(tmp_path))
+    records = [verify_image_label(f, image_to_label_path(f), 2) for f in files]
+    whole = build_index(records)
+    assert whole.counts["corrupt"] == 1 and whole.counts["missing"] > 0 and len(whole.seg_points) > 0
+    for cuts in ([0, 3, 3, 7, 12], [0, 12, 12], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]):
+        parts = [build_index(records[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        _assert_same_index(concatenate_indices(parts), whole)
+
+
+def test_scan_in_rounds_in_one_process_matches_one_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(labels_module, "SCAN_ROUND_FILES", 5)  # 12 files: rounds of 5, 5 and 2
+    files = list_image_files(_folder(tmp_path))
+    index = scan_labels(files, 2, DistContext(), num_workers=2)
+    _assert_same_index(index, _reference_index(files))
+    _assert_same_index(load_label_cache(label_cache_path(files), _digest(files)), index)
+
+
+def _digest(files: list[str]) -> str:
+    return labels_module.files_hash(files, [image_to_label_path(f) for f in files], 2)
+
+
+def test_differing_ranks_message_names_ranks_counts_and_digests() -> None:
+    same = [(10, "a" * 64)] * 3
+    assert differing_ranks_message("train set", same) is None
+    message = differing_ranks_message("train set", [(1000, "1a2b3c4d" + "0" * 56), (998, "5e6f7a8b" + "0" * 56)])
+    assert message == (
+        "train set differs across ranks: rank 0 has 1000 images (digest 1a2b3c4d), rank 1 has 998 (digest 5e6f7a8b); "
+        "every rank must see the same files (shared or identical copies)"
+    )
+    many = differing_ranks_message("val set", [(5, "a" * 64)] + [(6, "b" * 64)] * 5)
+    assert "\n" not in many and "rank 3 has 6" in many and "rank 4" not in many and "and 2 more rank(s)" in many
+
+
+# ------------------------------------------------------------------------------ two ranks, real gloo
+
+
+def _scan_on_rank(ctx: DistContext, folder: str) -> dict[str, Any]:
+    """Scan with no cache (rounds of 3 files), then again from the cache; record what this rank verified and wrote."""
+    labels_module.SCAN_ROUND_FILES = 3  # 12 files on 2 ranks: 2 rounds of 6, each rank 3 per round
+    verified: list[str] = []
+    writes: list[str] = []
+    verify, save = labels_module.verify_image_label, labels_module.save_label_cache
+
+    def recording_verify(image_path: str, label_path: str, num_classes: int) -> Any:
+        verified.append(image_path)
+        return verify(image_path, label_path, num_classes)
+
+    def recording_save(path: Path, index: LabelIndex, digest: str) -> bool:
+        writes.append(str(path))
+        return save(path, index, digest)
+
+    labels_module.verify_image_label = recording_verify
+    labels_module.save_label_cache = recording_save
+    files = list_image_files(folder)
+    scanned = scan_labels(files, 2, ctx, num_workers=2)
+    verified_when_scanning = list(verified)
+    cached = scan_labels(files, 2, ctx, num_workers=2)
+    return {
+        "scanned": scanned,
+        "cached": cached,
+        "verified": verified_when_scanning,
+        "verified_again": verified[len(verified_when_scanning) :],
+        "writes": writes,
+    }
+
+
+@pytest.mark.distributed
+def test_two_ranks_scan_their_blocks_build_one_index_and_write_the_cache_once(tmp_path: Path) -> None:
+    folder = _folder(tmp_path / "data")
+    rank0, rank1 = run_distributed(_scan_on_rank, 2, tmp_path / "dist", str(folder))
+    files = list_image_files(folder)
+    reference = _reference_index(files)
+    for rank in (rank0, rank1):
+        _assert_same_index(rank["scanned"], reference)  # file order, corrupt file counted and left out
+        _assert_same_index(rank["cached"], reference)
+        assert rank["verified_again"] == []  # the second call read the cache
+    # Each rank verified its own contiguous blocks of every round; together each file exactly once.
+    assert rank0["verified"] and rank1["verified"]
+    assert sorted(rank0["verified"] + rank1["verified"]) == sorted(files)
+    assert sorted(rank0["verified"]) == files[0:3] + files[6:9]
+    assert rank0["writes"] == [str(label_cache_path(files))] and rank1["writes"] == []  # local rank 0 alone
+    _assert_same_index(load_label_cache(label_cache_path(files), _digest(files)), reference)
+
+
+def _write_yaml(root: Path, name: str, train: str) -> Path:
+    path = root / name
+    path.write_text(yaml.safe_dump({"path": str(root), "train": train, "val": "images/train", "names": ["a", "b"]}))
+    return path
+
+
+def _build_on_rank(ctx: DistContext, root: str) -> dict[str, Any]:
+    """build_datasets twice: rank 1 lists one extra image, then rank 1 trains --rect (same files, other order)."""
+    outcome: dict[str, Any] = {}
+    hyp = load_hyp(DEFAULT_HYP)
+    bundle = SimpleNamespace(model=SimpleNamespace(stride=torch.tensor([8.0, 16.0, 32.0])))
+    cases = {
+        "extra_image": ("train.txt" if ctx.rank == 0 else "train_plus_one.txt", False),
+        "rect_on_rank_1": ("train.txt", ctx.rank == 1),
+    }
+    for case, (train_list, rect) in cases.items():
+        data = load_data_config(Path(root) / f"{train_list}.yaml", ctx)
+        cfg = TrainConfig(hyp=hyp, batch_size=4, imgsz=64, workers=0, cache="none", rect=rect, epochs=1)
+        start = time.monotonic()
+        try:
+            build_datasets(cfg, DETECT, data, bundle, ctx)  # type: ignore[arg-type]  # only model.stride is read
+            outcome[case] = ("built", time.monotonic() - start)
+        except ConfigError as error:
+            outcome[case] = (str(error), time.monotonic() - start)
+    return outcome
+
+
+@pytest.mark.distributed
+def test_ranks_with_different_datasets_fail_fast_with_one_line(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    images = _folder(root)
+    files = sorted(p.name for p in images.iterdir())
+    (root / "train.txt").write_text("".join(f"images/train/{name}\n" for name in files[:-2]))
+    (root / "train_plus_one.txt").write_text("".join(f"images/train/{name}\n" for name in files[:-1]))
+    for name in ("train.txt", "train_plus_one.txt"):
+        _write_yaml(root, f"{name}.yaml", name)
+    timeout_s = 30.0
+    rank0, rank1 = run_distributed(_build_on_rank, 2, tmp_path / "dist", str(root), timeout_s=timeout_s)
+    for rank in (rank0, rank1):
+        listing, seconds = rank["extra_image"]
+        assert "differs across ranks: rank 0 has 10 images" in listing and "rank 1 has 11 (digest" in listing
+        assert listing.endswith("every rank must see the same files (shared or identical copies)")
+        assert "\n" not in listing and seconds < timeout_s / 3  # failed at once, not by the collective's timeout
+        order, seconds = rank["rect_on_rank_1"]
+        # The same 10 files, in aspect-ratio order on rank 1: the listing agrees, build_datasets' own check does not.
+        assert order.startswith("train set differs across ranks: rank 0 has 10 images (digest "), order
+        assert "rank 1 has 10 (digest" in order and seconds < timeout_s / 3
+    assert rank0 == {case: (rank1[case][0], rank0[case][1]) for case in rank0}  # the same line on both ranks
