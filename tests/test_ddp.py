@@ -391,10 +391,12 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_the_weights_change(rank_
     assert torch.equal(first["weights"], second["weights"])
 
 
-def test_a_nan_loss_in_an_epoch_tail_stops_every_rank_at_the_epoch_end(rank_results) -> None:
-    # Warmup schedule: steps after micro-batches 0-3, none after 4 when the epoch ends there.
+def test_a_nan_loss_in_an_epochs_last_micro_batch_stops_every_rank_before_its_closing_step(rank_results) -> None:
+    # Warmup schedule: steps after micro-batches 0-3; micro-batch 4 ends the epoch, and an epoch always
+    # ends with a step (no gradient left pending in an epoch-end checkpoint), which is not taken.
     for seen in _parts(rank_results, "nonfinite_tail"):
-        assert seen["message"] is not None and "the end of epoch 1" in seen["message"], seen["message"]
+        message = seen["message"]
+        assert message is not None and f"the optimizer step at epoch 1 batch {POISONED_MICRO_BATCH + 1}" in message
         assert "on 1 of 2 ranks" in seen["message"]
         assert seen["micro_batches"] == POISONED_MICRO_BATCH + 1 and seen["steps"] == POISONED_MICRO_BATCH
         assert torch.isfinite(seen["weights"]).all()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from utils.config import build_val_parser, train_config_from_argv, val_config_from_args, validate
-from utils.distributed import DistContext, cleanup, init_distributed
+from utils.distributed import DEFAULT_TIMEOUT, DistContext, cleanup, init_distributed
 from utils.errors import ConfigError
 from utils.logs import setup_logging
 
@@ -23,13 +24,13 @@ T = TypeVar("T")
 LOGGER = logging.getLogger(__name__)
 
 
-def run_entry(device: str, body: Callable[[DistContext], T]) -> T:
+def run_entry(device: str, body: Callable[[DistContext], T], timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> T:
     """Initialise the process group for `device`, run `body(ctx)`, and always destroy the group.
 
     Raising inside `body` on any rank ends that rank; the others then fail at their next
-    collective within the process-group timeout instead of hanging forever.
+    collective within the process-group `timeout` (--dist-timeout) instead of hanging forever.
     """
-    ctx = init_distributed(device)
+    ctx = init_distributed(device, timeout)
     setup_logging(ctx)
     try:
         return body(ctx)
@@ -39,11 +40,16 @@ def run_entry(device: str, body: Callable[[DistContext], T]) -> T:
 
 def exit_on_user_error(main: Callable[[], object]) -> None:
     """Run an entry point's main(); a user mistake (bad flag, missing file) prints one line and exits 2."""
+    from utils.train.faults import REQUEUE_EXIT_CODE, Preempted
+
     try:
         main()
     except (ConfigError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except Preempted as stopped:  # the checkpoint is written: tell the job script to requeue
+        print(f"preempted: {stopped}", file=sys.stderr)
+        sys.exit(REQUEUE_EXIT_CODE)
 
 
 def train_main(argv: list[str] | None, task: Task) -> FitResult:
@@ -60,7 +66,7 @@ def train_main(argv: list[str] | None, task: Task) -> FitResult:
             print(f"Done: {result.epochs_run} epochs. Final {scores}. Best weights: {result.best}")
         return result
 
-    return run_entry(cfg.device, body)
+    return run_entry(cfg.device, body, datetime.timedelta(minutes=cfg.dist_timeout))
 
 
 def val_main(argv: list[str] | None, task: Task) -> EvalResult:
@@ -68,7 +74,8 @@ def val_main(argv: list[str] | None, task: Task) -> EvalResult:
     from utils.eval.checkpoint_val import validate_checkpoint
 
     cfg = val_config_from_args(build_val_parser(task.name).parse_args(argv))
-    return run_entry(cfg.device, lambda ctx: validate_checkpoint(cfg, task, ctx))
+    timeout = datetime.timedelta(minutes=cfg.dist_timeout)
+    return run_entry(cfg.device, lambda ctx: validate_checkpoint(cfg, task, ctx), timeout)
 
 
 def predict_main(argv: list[str] | None, task: Task) -> PredictResult:

@@ -6,6 +6,7 @@ import argparse
 import copy
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import yaml
 
 from utils.data.cache import CACHE_MODES
-from utils.distributed import DistContext, per_rank_batch
+from utils.distributed import DEFAULT_TIMEOUT_MINUTES, DistContext, per_rank_batch
 from utils.errors import ConfigError, read_yaml_mapping
 from utils.train.optim import OPTIMIZERS
 
@@ -151,6 +152,7 @@ class TrainConfig:
     nosave: bool = False
     noplots: bool = False
     save_period: int = -1
+    save_period_steps: int = 0  # also write last.pt every N optimizer steps inside an epoch (0: epoch ends only)
     rect: bool = False
     close_mosaic: int = QUICKSTART_CLOSE_MOSAIC
     single_cls: bool = False
@@ -160,6 +162,7 @@ class TrainConfig:
     mask_ratio: int = 4  # segmentation: masks at image size / mask_ratio (the prototype resolution)
     channels_last: bool = True  # NHWC weights and activations (models.yolo.memory_format)
     multi_label: bool = True  # validation NMS: a box once per class above conf (YOLOv5's mAP), else best class only
+    dist_timeout: float = DEFAULT_TIMEOUT_MINUTES  # minutes a collective may wait before the job fails
     # Fields the user set on the command line (not defaults): what --resume may take from it. Not stored.
     explicit: frozenset[str] = frozenset()
 
@@ -225,6 +228,19 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         help="keep conv weights and activations in NHWC (channels_last) layout, faster on CPU (oneDNN) and on "
         "CUDA tensor cores; --no-channels-last for NCHW",
     )
+    parser.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_MINUTES,
+        metavar="MINUTES",
+        help="how long a rank may wait for the others in a collective before the job fails (process-group timeout)",
+    )
+
+
+def check_dist_timeout(minutes: float) -> None:
+    """Refuse a --dist-timeout that is not a positive, finite number of minutes (one-line ConfigError)."""
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise ConfigError(f"--dist-timeout {minutes:g} must be a positive number of minutes (default 30)")
 
 
 def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
@@ -270,6 +286,12 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
         help="skip train_batch*.jpg, results.png, the PR/F1/P/R curves and the confusion matrix",
     )
     parser.add_argument("--save-period", type=int, default=-1, help="also save epoch<N>.pt every N epochs (-1: off)")
+    parser.add_argument(
+        "--save-period-steps",
+        type=int,
+        default=0,
+        help="also write last.pt every N optimizer steps within an epoch, to resume mid-epoch (0: off)",
+    )
     parser.add_argument("--rect", action="store_true", help="rectangular training batches (disables mosaic)")
     parser.add_argument(
         "--close-mosaic",
@@ -303,6 +325,7 @@ def train_config_from_argv(argv: list[str] | None, task: str = "detect") -> Trai
 
 def config_from_args(args: argparse.Namespace, task: str = "detect") -> TrainConfig:
     """Build the frozen TrainConfig from parsed flags, reading the hyp YAML once."""
+    check_dist_timeout(args.dist_timeout)  # here, not in validate(): the process group is made with it
     overrides = {} if args.label_smoothing is None else {"label_smoothing": args.label_smoothing}
     names = {f.name for f in fields(TrainConfig)}
     values: dict[str, Any] = {key: value for key, value in vars(args).items() if key in names}
@@ -336,6 +359,8 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
         raise ConfigError(f"--optimizer {cfg.optimizer} is not one of {', '.join(OPTIMIZERS)}")
     if cfg.workers < 0:
         raise ConfigError(f"--workers {cfg.workers} must be >= 0")
+    if cfg.save_period_steps < 0:
+        raise ConfigError(f"--save-period-steps {cfg.save_period_steps} must be >= 0 (0: save at epoch ends only)")
     if not 0 <= cfg.seed < 2**32:  # numpy seeds are unsigned 32-bit; -1 would fail only when shards are drawn
         raise ConfigError(f"--seed {cfg.seed} must be in [0, 2**32); every rank derives its randomness from it")
     if cfg.mask_ratio not in (1, 2, 4, 8):
@@ -373,6 +398,7 @@ class ValConfig:
     plots: bool = False
     channels_last: bool = True
     multi_label: bool = True  # see TrainConfig.multi_label
+    dist_timeout: float = DEFAULT_TIMEOUT_MINUTES  # see TrainConfig.dist_timeout
     project: Path = ROOT / "runs" / "val"
     name: str = "exp"
     exist_ok: bool = False
@@ -414,6 +440,7 @@ def val_config_from_args(args: argparse.Namespace) -> ValConfig:
         raise ConfigError(f"--imgsz {args.imgsz} must be a positive multiple of 32 (the largest model stride)")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")
+    check_dist_timeout(args.dist_timeout)
     names = {f.name for f in fields(ValConfig)}
     values = {key: value for key, value in vars(args).items() if key in names}
     if args.task == "speed":

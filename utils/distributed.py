@@ -22,8 +22,9 @@ from utils.errors import ConfigError
 LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Collectives that outlive this (rank died, rank stuck in user code) raise instead of hanging.
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+# Collectives that outlive this (rank died, rank stuck in user code) raise instead of hanging; --dist-timeout sets it.
+DEFAULT_TIMEOUT_MINUTES = 30.0
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class DistContext:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     local_world_size: int = 1
+    # torchrun's elastic agent: how many times it has restarted the workers, and the job's rendezvous id.
+    restart_count: int = 0
+    run_id: str = ""
 
     @property
     def is_main(self) -> bool:
@@ -103,8 +107,10 @@ def select_device(device_arg: str, local_rank: int = 0) -> torch.device:
 def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> DistContext:
     """Create this process's DistContext and, when launched with several processes, the process group.
 
-    Uses NCCL on CUDA and gloo on CPU. The group has `timeout`, so a rank that dies makes the
-    others fail with an error instead of waiting forever. Called once per entry point.
+    Uses NCCL on CUDA and gloo on CPU. The group has `timeout` (the entry points' --dist-timeout),
+    so a rank that dies makes the others fail with an error instead of waiting forever; work that
+    keeps one rank busy while others wait in a collective must stay well below it. Called once
+    per entry point.
     """
     rank, local_rank, world_size, local_world_size = read_launch_env()
     device = select_device(device_arg, local_rank)
@@ -115,10 +121,20 @@ def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is unset; launch with torchrun or set MASTER_ADDR/PORT")
         backend = "nccl" if device.type == "cuda" else "gloo"
         init_kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout, "rank": rank, "world_size": world_size}
+        restart = _env_int(("TORCHELASTIC_RESTART_COUNT",), 0)
+        if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's static rendezvous keeps one agent store across restarts, and the group's keys from
+            # the failed attempt (the dead ranks' addresses) are still in it: a fresh key prefix per attempt.
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+            )
+            init_kwargs["store"] = dist.PrefixStore(f"restart_{restart}", store)
         if device.type == "cuda":
             init_kwargs["device_id"] = device
         dist.init_process_group(**init_kwargs)
-    return DistContext(rank, local_rank, world_size, device, local_world_size)
+    restart_count = _env_int(("TORCHELASTIC_RESTART_COUNT",), 0)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return DistContext(rank, local_rank, world_size, device, local_world_size, restart_count, run_id)
 
 
 def cleanup() -> None:
@@ -163,8 +179,10 @@ def barrier(ctx: DistContext) -> None:
 def main_first(ctx: DistContext, local: bool = True) -> Iterator[None]:
     """Run the body on the (local) main rank first while the others wait, then on the others.
 
-    For once-only work whose result the others reuse: dataset generation, label caches.
-    Every rank must enter it, so the barrier count matches.
+    For short once-only work whose result the others reuse: generating the built-in dataset (seconds).
+    The others wait in a barrier bounded by the process-group timeout, so work that grows with the
+    data (the label scan) is split across ranks instead. Every rank must enter it, so the barrier
+    count matches.
     """
     is_first = ctx.is_local_main if local else ctx.is_main
     if not is_first:

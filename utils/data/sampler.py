@@ -61,14 +61,23 @@ class SmartDistributedSampler(Sampler[int]):
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
+        self.start = 0  # samples of this epoch already seen (mid-epoch resume)
         _check_shard(self.shard, dataset_len, ctx)
         self.num_samples = per_rank_length(dataset_len, ctx.world_size) if num_samples is None else num_samples
         if self.num_samples < 1:
             raise ValueError(f"SmartDistributedSampler: num_samples must be >= 1, got {self.num_samples}")
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration yields. Call it on every rank, same value."""
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch whose order the next iteration yields, from its `start`-th sample on.
+
+        Call it on every rank with the same values. `start` > 0 continues an epoch interrupted
+        after `start` samples (a mid-epoch resume): the order is the epoch's own, so the rest is
+        exactly what the uninterrupted run would have seen.
+        """
+        if not 0 <= start <= self.num_samples:
+            raise ValueError(f"start {start} is outside 0..{self.num_samples}")
         self.epoch = int(epoch)
+        self.start = int(start)
 
     def epoch_indices(self) -> np.ndarray:
         """Return this epoch's dataset indices, (num_samples,) int64, padded from the same permutation."""
@@ -82,10 +91,10 @@ class SmartDistributedSampler(Sampler[int]):
         return np.tile(order, repeats)[: self.num_samples]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.epoch_indices().tolist())
+        return iter(self.epoch_indices()[self.start :].tolist())
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.num_samples - self.start
 
 
 def _check_shard(shard: np.ndarray, dataset_len: int, ctx: DistContext) -> None:

@@ -61,6 +61,10 @@ class Checkpoint(_RequiredCheckpoint, total=False):
     """
 
     git_hash: str | None
+    # Mid-epoch checkpoints only: batches of epoch + 1 already trained, and per rank (index = rank)
+    # {"mean_loss": [...], "model_buffers": {...}, "ema_buffers": {...}} to continue exactly.
+    batches_done: int
+    rank_states: list[dict[str, Any]]
 
 
 REQUIRED_KEYS = tuple(sorted(Checkpoint.__required_keys__))

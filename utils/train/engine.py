@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 from models.yolo import memory_format
-from utils.config import TrainConfig, save_run_config
+from utils.config import TrainConfig
 from utils.data.data_config import DataConfig, load_data_config
 from utils.distributed import (
     DistContext,
@@ -28,7 +30,6 @@ from utils.distributed import (
     seed_everything,
     smart_ddp,
 )
-from utils.errors import ConfigError
 from utils.eval.coco import check_coco_target, coco_evaluate
 from utils.eval.evaluate import EvalOptions, EvalResult
 from utils.logs import tqdm_disabled
@@ -37,6 +38,7 @@ from utils.runs import create_run_dir
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
 from utils.train.ema import ModelEMA
+from utils.train.faults import Preempted, StopSignals
 from utils.train.optim import (
     Warmup,
     accumulate_steps,
@@ -47,6 +49,7 @@ from utils.train.optim import (
     warmup_iterations,
 )
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV
+from utils.train.saving import prepare_run_dir, restore_state, save_epoch, save_mid_epoch
 from utils.train.setup import (
     Datasets,
     ModelBundle,
@@ -81,7 +84,11 @@ class TrainState:
     last_opt_step: int = -1
     best_fitness: float = 0.0
     start_epoch: int = 0
+    start_batch: int = 0  # batches of start_epoch done before a mid-epoch resume
+    resumed_mean_loss: np.ndarray | None = None  # this rank's running mean loss at start_batch
     nonfinite_losses: int = 0  # this rank's NaN/inf losses since the last optimizer step
+    steps_since_save: int = 0  # optimizer steps since the last mid-epoch checkpoint
+    stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM / SIGUSR1 received (fit() installs it)
 
 
 @dataclass
@@ -102,11 +109,17 @@ def train_one_epoch(
     cfg: TrainConfig,
     ctx: DistContext,
     on_batch: Callable[[int, dict[str, Any]], None] | None = None,
+    save_mid_epoch: Callable[[int, np.ndarray], Path] | None = None,
 ) -> np.ndarray:
     """Train one epoch; return the mean loss items over all ranks' batches.
 
     `on_batch(i, batch)`, when given, sees each batch as the loader yields it, before training
-    on it (fit() draws the first ones); it must not run collectives.
+    on it (fit() draws the first ones); it must not run collectives. `save_mid_epoch(batches_done,
+    mean_loss)`, called on every rank right after an optimizer step every --save-period-steps
+    steps and when a stop signal was agreed, writes last.pt; after a stop it raises Preempted.
+    A resumed epoch (`state.start_batch` > 0) starts at that batch with the saved running mean.
+    The epoch's last batch always ends in an optimizer step, so no gradient is left pending in
+    a checkpoint taken at the epoch's end.
 
     One optimiser step per `accumulate` micro-batches. Micro-batches that do not end an
     accumulation run under DDP's no_sync(), so gradients are all-reduced once per step, and the
@@ -116,19 +129,23 @@ def train_one_epoch(
     iteration number, so ranks agree.
     """
     state.model.train()
-    num_batches = len(loader)
+    skip = state.start_batch if epoch == state.start_epoch else 0
+    num_batches = len(loader) + skip  # the loader yields only the batches after `skip`
     # Every rank runs the same number of steps, so the loss may all-reduce its match counts.
     reduce_counts = (lambda counts: all_reduce_sum(counts, ctx) / ctx.world_size) if ctx.is_distributed else None
     mean_loss = np.zeros(len(state.loss_fn.item_names))
-    progress = tqdm(loader, total=num_batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=tqdm_disabled(ctx))
-    for i, batch in enumerate(progress):
+    if skip and state.resumed_mean_loss is not None:
+        mean_loss = state.resumed_mean_loss.copy()
+    description = f"epoch {epoch + 1}/{cfg.epochs}"
+    progress = tqdm(loader, total=num_batches, initial=skip, desc=description, disable=tqdm_disabled(ctx))
+    for i, batch in enumerate(progress, start=skip):
         if on_batch is not None:
             on_batch(i, batch)
         iteration = i + num_batches * epoch
         images = batch["images"].to(ctx.device, non_blocking=True).float() / 255
         accumulate = _accumulate_now(state, iteration, cfg)
         state.warmup.apply(state.optimizer, iteration, state.lr_fn(epoch))
-        is_step = iteration - state.last_opt_step >= accumulate
+        is_step = iteration - state.last_opt_step >= accumulate or i == num_batches - 1
         sync_context = state.ddp.no_sync() if ctx.is_distributed and not is_step else contextlib.nullcontext()
         with sync_context:
             with torch.autocast(ctx.device.type, dtype=torch.float16, enabled=state.use_amp):
@@ -136,42 +153,48 @@ def train_one_epoch(
                 loss, items = state.loss_fn(preds, reduce_counts=reduce_counts, **state.loss_inputs(batch, ctx.device))
             state.scaler.scale(loss * ctx.world_size).backward()
         state.nonfinite_losses += not math.isfinite(float(loss.detach()))
+        stop = False
         if is_step:
             # Before the weights change. A bad micro-batch on any rank has already reached every rank's
-            # gradients through DDP's all-reduce, so every rank checks (one 2-number all-reduce per
-            # optimizer step) and stops here together; a rank stopping alone would leave the others
-            # waiting in the next step's all-reduce until the process-group timeout.
-            _stop_if_nonfinite(state, ctx, f"the optimizer step at epoch {epoch + 1} batch {i + 1}")
+            # gradients through DDP's all-reduce, so every rank checks (one 3-number all-reduce per
+            # optimizer step, which also carries stop signals) and stops here together; a rank stopping
+            # alone would leave the others waiting in the next step's all-reduce until the timeout.
+            stop = _agree_before_step(state, ctx, f"the optimizer step at epoch {epoch + 1} batch {i + 1}")
             _optimizer_step(state)
             state.last_opt_step = iteration
+            state.steps_since_save += 1
         mean_loss = (mean_loss * i + items.cpu().numpy()) / (i + 1)
         if not tqdm_disabled(ctx):
             progress.set_postfix_str(" ".join(f"{v:.4f}" for v in mean_loss) + f" inst={len(batch['targets'])}")
-    # Micro-batches after the epoch's last step: stop now, before BN averaging, validation and saving.
-    _stop_if_nonfinite(state, ctx, f"the end of epoch {epoch + 1}")
+        due = is_step and 0 < cfg.save_period_steps <= state.steps_since_save and i + 1 < num_batches
+        if save_mid_epoch is not None and (stop or due):
+            saved = save_mid_epoch(i + 1, mean_loss)
+            if stop:
+                raise Preempted(state.stop.received or "a stop signal on another rank", saved)
     if ctx.is_distributed:  # results.csv reports every rank's batches (ranks run equally many)
         summed = all_reduce_sum(torch.tensor(mean_loss, dtype=torch.float64, device=ctx.device), ctx)
         mean_loss = summed.cpu().numpy() / ctx.world_size
     return mean_loss
 
 
-def _stop_if_nonfinite(state: TrainState, ctx: DistContext, where: str) -> None:
-    """Raise FloatingPointError on every rank when any rank had a NaN/inf loss since the last step.
+def _agree_before_step(state: TrainState, ctx: DistContext, where: str) -> bool:
+    """Before an optimizer step: raise on every rank after a NaN/inf loss on any rank; return whether to stop.
 
-    Every rank must call it at the same point (each optimizer step, and the end of each epoch).
-    The pending step is not taken, so the weights, the EMA and the checkpoints saved so far (at
-    the end of earlier epochs) stay finite.
+    Every rank must call it at each optimizer step. After a bad loss the pending step is not
+    taken, so the weights, the EMA and the checkpoints saved so far stay finite. The return value
+    is True on every rank when any rank received a stop signal (SIGTERM / SIGUSR1).
     """
-    counts = [state.nonfinite_losses, int(state.nonfinite_losses > 0)]
+    counts = [state.nonfinite_losses, int(state.nonfinite_losses > 0), int(state.stop.received is not None)]
     if ctx.is_distributed:
         counts = all_reduce_sum(torch.tensor(counts, device=ctx.device), ctx).tolist()
-    bad_batches, bad_ranks = counts
+    bad_batches, bad_ranks, stopping_ranks = counts
     if bad_batches:
         ranks = f" on {bad_ranks} of {ctx.world_size} ranks" if ctx.is_distributed else ""
         raise FloatingPointError(
             f"loss is NaN or inf in {bad_batches} batch(es){ranks} before {where}; stopped without applying "
-            "them (checkpoints saved so far are from earlier epochs); lower lr0 or check the labels"
+            "them (checkpoints saved so far are from earlier steps); lower lr0 or check the labels"
         )
+    return stopping_ranks > 0
 
 
 def _accumulate_now(state: TrainState, iteration: int, cfg: TrainConfig) -> int:
@@ -212,21 +235,6 @@ def build_train_state(bundle: ModelBundle, cfg: TrainConfig, task: Task, ctx: Di
     )
 
 
-def restore_state(state: TrainState, checkpoint: dict[str, Any], cfg: TrainConfig, batches: int) -> None:
-    """Load model, optimizer, scaler, EMA, epoch and best fitness from a checkpoint into `state` (every rank).
-
-    The LR schedule is rebuilt at the resumed epoch, so it continues where it stopped.
-    """
-    state.start_epoch = ckpt_io.restore_training_state(
-        checkpoint, state.model, state.optimizer, state.scaler, state.ema
-    )
-    if state.start_epoch >= cfg.epochs:
-        raise ConfigError(f"--resume: the run already finished all {cfg.epochs} epochs; nothing to resume")
-    state.scheduler = build_scheduler(state.optimizer, state.lr_fn, state.start_epoch)
-    state.best_fitness = float(checkpoint.get("best_fitness", 0.0))
-    state.last_opt_step = state.start_epoch * batches - 1
-
-
 @dataclass(frozen=True)
 class TrainRun:
     """What stays fixed for one fit(): the options, the task, this process, the data, model and loaders, the folder."""
@@ -250,21 +258,6 @@ class TrainRun:
         return self.run_dir / "weights" / "best.pt"
 
 
-def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Checkpoint:
-    """Return the checkpoint for the end of `epoch`: plain data and state dicts only."""
-    cfg, bundle = run.cfg, run.bundle
-    info = ckpt_io.RunInfo(run.task.name, bundle.spec.to_dict(), list(bundle.names), cfg.to_dict(), cfg.hyp.to_dict())
-    return ckpt_io.build_checkpoint(
-        run=info,
-        model=state.model,
-        ema=state.ema,
-        optimizer=state.optimizer,
-        scaler=state.scaler,
-        epoch=epoch,
-        best_fitness=state.best_fitness,
-    )
-
-
 def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     """Train `task` with options `cfg` on this rank; every rank of the job calls it.
 
@@ -275,7 +268,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     cfg, resume_ckpt = resolve_resume(cfg, ctx)
     seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
     run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resume_ckpt is not None, ctx, subdirs=("weights",))
-    save_run_config(cfg, run_dir, ctx)
+    run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx), ctx, f"writing the run folder {run_dir}")
     data = load_data_config(cfg.data, ctx)
     # A bad annotations file fails now, not after training; the parsed file is not kept (it can be large).
     check_coco_target(data, "val", ctx, cfg.single_cls)
@@ -287,7 +280,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     state = build_train_state(bundle, cfg, task, ctx, len(datasets.train_loader))
     verify_identical_weights(state.model, ctx)
     if resume_ckpt is not None:
-        restore_state(state, resume_ckpt, cfg, len(datasets.train_loader))
+        restore_state(state, resume_ckpt, cfg, len(datasets.train_loader), ctx)
         del resume_ckpt
     log_startup(cfg, bundle, datasets, state.accumulate, ctx)
     plots = ctx.is_main and not cfg.noplots
@@ -295,17 +288,20 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
         if plots and state.start_epoch == 0:  # each rank's dataset holds every label (only images are sharded)
             board.add_figures(plot_start(datasets.train.labels, bundle.names, run_dir))
         results = ResultsCSV(run_dir / "results.csv", ctx)
+        # Rows of epochs after the checkpoint (written before a crash) would be repeated: drop them.
+        run_on_main(lambda: results.keep_epochs(state.start_epoch), ctx, "trimming results.csv")
         stopper = EarlyStopper(cfg.patience)
         epoch = state.start_epoch
-        for epoch in range(state.start_epoch, cfg.epochs):
-            summary = _run_epoch(run, state, epoch, board)
-            row = summary.as_row(task)
-            results.append(row)
-            board.log_epoch(row)
-            if not cfg.nosave or epoch + 1 == cfg.epochs:
-                _save(run, state, epoch, summary.fitness)
-            if broadcast_object(stopper.should_stop(epoch, summary.fitness) if ctx.is_main else False, ctx):
-                break
+        with state.stop:
+            for epoch in range(state.start_epoch, cfg.epochs):
+                summary = _run_epoch(run, state, epoch, board)
+                row = summary.as_row(task)
+                run_on_main(lambda row=row: results.append(row), ctx, "writing results.csv")
+                board.log_epoch(row)
+                if not cfg.nosave or epoch + 1 == cfg.epochs:
+                    save_epoch(run, state, epoch, summary.fitness)
+                if broadcast_object(stopper.should_stop(epoch, summary.fitness) if ctx.is_main else False, ctx):
+                    break
         # best.pt is the deliverable: fp16 EMA weights, no optimizer (several times smaller). last.pt keeps
         # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
         # val.py on best.pt evaluates the same weights.
@@ -325,14 +321,20 @@ def _run_epoch(run: TrainRun, state: TrainState, epoch: int, board: TensorBoardL
     """
     cfg, ctx, datasets = run.cfg, run.ctx, run.datasets
     start = time.time()
-    datasets.train_loader.set_epoch(epoch)
+    datasets.train_loader.set_epoch(epoch, state.start_batch if epoch == state.start_epoch else 0)
     if epoch == datasets.train.options.close_mosaic_epoch and datasets.train.use_mosaic:
         LOGGER.info(f"Closing mosaic: the last {cfg.epochs - epoch} epoch(s) train on single letterboxed images")
-    draws = ctx.is_main and not cfg.noplots and epoch == 0
+    draws = ctx.is_main and not cfg.noplots and epoch == 0 and state.start_batch == 0
     draw = batch_drawer(run.run_dir, run.bundle.names, on_saved=board.add_figure) if draws else None
-    train_loss = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx, on_batch=draw)
+
+    def save_now(batches_done: int, mean_loss: np.ndarray) -> Path:
+        return save_mid_epoch(run, state, epoch, batches_done, mean_loss)
+
+    train_loss = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx, draw, save_now)
     lrs = [group["lr"] for group in state.optimizer.param_groups]
-    state.scheduler.step()
+    with warnings.catch_warnings():  # a resumed epoch with no batch left has no optimizer step before this
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
+        state.scheduler.step()
     # Per-rank BN (CPU, or no --sync-bn): every rank averages statistics before eval and save.
     average_bn_stats(state.model, ctx)
     average_bn_stats(state.ema.ema, ctx)
@@ -354,18 +356,6 @@ def _scores_line(metrics: dict[str, float]) -> str:
         f"mAP50 {metrics[prefix + 'mAP50']:.3f} mAP50-95 {metrics[prefix + 'mAP50-95']:.3f}"
         for title, prefix in groups
     )
-
-
-def _save(run: TrainRun, state: TrainState, epoch: int, fitness: float) -> None:
-    """Write last.pt, best.pt when `fitness` is the best so far, and periodic epoch<N>.pt; rank 0 only."""
-    if not run.ctx.is_main:
-        return
-    checkpoint = checkpoint_state(run, state, epoch)
-    ckpt_io.save_checkpoint(checkpoint, run.last, run.ctx)
-    if fitness >= state.best_fitness:
-        ckpt_io.save_checkpoint(checkpoint, run.best, run.ctx)
-    if run.cfg.save_period > 0 and (epoch + 1) % run.cfg.save_period == 0:
-        ckpt_io.save_checkpoint(checkpoint, run.run_dir / "weights" / f"epoch{epoch + 1}.pt", run.ctx)
 
 
 def _final_validation(run: TrainRun, board: TensorBoardLogger) -> tuple[Path, EvalResult]:

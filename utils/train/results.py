@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,26 @@ class ResultsCSV:
             if is_new:
                 writer.writerow(list(row))
             writer.writerow([f"{v:.6g}" if isinstance(v, float) else v for v in row.values()])
+
+    def keep_epochs(self, num_epochs: int) -> None:
+        """Drop the rows of epochs after the first `num_epochs` (rank 0; a resume's restored epoch count).
+
+        A run killed between writing an epoch's row and its checkpoint repeats that epoch when it
+        resumes; without this, results.csv would hold the epoch twice. Rewritten atomically.
+        """
+        if not self.is_writer or not self.path.exists():
+            return
+        with self.path.open(newline="", encoding="utf-8") as file:
+            rows = list(csv.reader(file))
+        if not rows:
+            return
+        kept = [rows[0]] + [row for row in rows[1:] if row and int(row[0]) <= num_epochs]
+        if len(kept) == len(rows):
+            return
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with tmp.open("w", newline="", encoding="utf-8") as file:
+            csv.writer(file).writerows(kept if len(kept) > 1 else [])
+        os.replace(tmp, self.path)
 
     def read(self) -> list[dict[str, str]]:
         """Return the rows written so far (for plots and tests)."""

@@ -24,6 +24,7 @@ from utils.distributed import DistContext, all_gather_objects, broadcast_object,
 from utils.errors import ConfigError
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
+from utils.train.faults import find_restarted_run
 
 LOGGER = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class Datasets:
 
 # Options --resume takes from the new command line when given there; all others come from the checkpoint.
 RESUME_OVERRIDES = ("epochs", "batch_size")  # change the remaining schedule / the global batch (README)
-MACHINE_OPTIONS = ("device", "workers", "resume")  # where and how this attempt runs
+MACHINE_OPTIONS = ("device", "workers", "resume", "dist_timeout")  # where and how this attempt runs
 
 
 def _choose_resume_checkpoint(cfg: TrainConfig) -> str:
@@ -65,24 +66,79 @@ def _choose_resume_checkpoint(cfg: TrainConfig) -> str:
 def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any] | None]:
     """For --resume, decide the checkpoint on rank 0, load it on every rank, and return the run's options.
 
-    The run's options come from the checkpoint; `device` and `workers` from the new command
-    line, and `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any other
-    option given with --resume is a one-line error rather than silently ignored. The restored
+    The run's options come from the checkpoint; `device`, `workers` and `dist_timeout` from the
+    new command line, and `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any
+    other option given with --resume with another value than the run's is a one-line error
+    rather than silently ignored. The restored
     options are validated again for this world size.
     """
+    if ctx.restart_count > 0 and not cfg.resume:
+        return _resume_after_restart(cfg, ctx)
     if not cfg.resume:
         return cfg, None
-    refused = sorted(cfg.explicit - set(RESUME_OVERRIDES) - set(MACHINE_OPTIONS))
-    if refused:
-        flag = "--" + {"model": "cfg", "hyp_path": "hyp"}.get(refused[0], refused[0]).replace("_", "-")
+    chosen = run_on_main(lambda: _choose_resume_checkpoint(cfg), ctx, "choosing the checkpoint to resume")
+    return _load_resumed(cfg, Path(broadcast_object(chosen, ctx)), ctx)
+
+
+def _restart_target(cfg: TrainConfig, ctx: DistContext) -> tuple[str | None, str | None]:
+    """Rank 0 after a torchrun restart: (this job's run folder, its newest intact checkpoint), either may be None."""
+    run_dir = find_restarted_run(cfg.project, ctx.run_id)
+    if run_dir is None:
+        return None, None
+    try:
+        chosen, _ = ckpt_io.load_resume_checkpoint(run_dir / "weights" / "last.pt")
+    except (FileNotFoundError, ConfigError):
+        return str(run_dir), None
+    return str(run_dir), str(chosen)
+
+
+def _resume_after_restart(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """torchrun restarted the workers: continue the run folder of the first attempt from its newest checkpoint.
+
+    Without a checkpoint yet, the same folder starts again from scratch (no exp2); without a
+    folder of this job (it died before creating one), a new run starts.
+    """
+    target = run_on_main(lambda: _restart_target(cfg, ctx), ctx, "finding the restarted job's run folder")
+    run_dir, checkpoint = broadcast_object(target, ctx)
+    attempt = f"torchrun restart {ctx.restart_count}"
+    if run_dir is None:
+        LOGGER.warning(f"{attempt}: no run folder of job {ctx.run_id!r} under {cfg.project}; starting a new run")
+        return cfg, None
+    if checkpoint is None:
+        LOGGER.warning(f"{attempt}: {run_dir} has no checkpoint yet; training it again from the start")
+        return dataclasses.replace(cfg, project=Path(run_dir).parent, name=Path(run_dir).name, exist_ok=True), None
+    LOGGER.warning(f"{attempt}: resuming {run_dir} from {checkpoint}")
+    return _load_resumed(dataclasses.replace(cfg, resume=checkpoint), Path(checkpoint), ctx)
+
+
+def _same(given: Any, stored: Any) -> bool:
+    """Whether an option given with --resume equals the run's (paths compared resolved)."""
+    if isinstance(given, Path) and isinstance(stored, Path):
+        return given.resolve() == stored.resolve()
+    return given == stored
+
+
+def _refuse_changed_options(cfg: TrainConfig, stored: TrainConfig) -> None:
+    """One-line error for an option given with --resume that differs from the run's and would be ignored."""
+    changed = [
+        name
+        for name in sorted(cfg.explicit - set(RESUME_OVERRIDES) - set(MACHINE_OPTIONS))
+        if not _same(getattr(cfg, name), getattr(stored, name))
+    ]
+    if changed:
+        flag = "--" + {"model": "cfg", "hyp_path": "hyp"}.get(changed[0], changed[0]).replace("_", "-")
         raise ConfigError(
             f"--resume continues a run with its own options; {flag} cannot be changed "
-            "(allowed with --resume: --epochs, --batch-size, --device, --workers)"
+            "(allowed with --resume: --epochs, --batch-size, --device, --workers, --dist-timeout)"
         )
-    chosen = run_on_main(lambda: _choose_resume_checkpoint(cfg), ctx, "choosing the checkpoint to resume")
-    path = Path(broadcast_object(chosen, ctx))
+
+
+def _load_resumed(cfg: TrainConfig, path: Path, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any]]:
+    """Load checkpoint `path` on every rank and rebuild the run's options from it (see resolve_resume)."""
     checkpoint = ckpt_io.load_checkpoint(path, for_resume=True)
     stored = config_from_dict(checkpoint["train_config"])
+    if ctx.restart_count == 0:  # a torchrun restart repeats the first command line, which set up this run
+        _refuse_changed_options(cfg, stored)
     run_dir = path.resolve().parent.parent
     overrides = {name: getattr(cfg, name) for name in RESUME_OVERRIDES if name in cfg.explicit}
     resumed = dataclasses.replace(
@@ -91,14 +147,19 @@ def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dic
         resume=str(path),
         device=cfg.device,
         workers=cfg.workers,
+        dist_timeout=cfg.dist_timeout,
         project=run_dir.parent,
         name=run_dir.name,
         exist_ok=True,
         explicit=cfg.explicit,
     )
     _check_resumed_batch(resumed, stored, ctx)
-    changed = ", ".join(f"{name} {getattr(stored, name)} -> {value}" for name, value in overrides.items())
-    LOGGER.info(f"Resuming {run_dir} from epoch {checkpoint['epoch'] + 2}" + (f" ({changed})" if changed else ""))
+    differ = {name: value for name, value in overrides.items() if value != getattr(stored, name)}
+    changed = ", ".join(f"{name} {getattr(stored, name)} -> {value}" for name, value in differ.items())
+    where = f"epoch {checkpoint['epoch'] + 2}" + (
+        f" batch {checkpoint['batches_done'] + 1}" if checkpoint.get("batches_done") else ""
+    )
+    LOGGER.info(f"Resuming {run_dir} from {where}" + (f" ({changed})" if changed else ""))
     return resumed, checkpoint
 
 
@@ -183,6 +244,7 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
     `cfg.batch_size` is global; each rank loads `batch_size // world_size` images per step.
     Validation is sharded across ranks without padding (ShardedInferenceSampler) and its
     statistics gathered, so each val image is scored exactly once and no rank idles.
+    Raises a one-line ConfigError on every rank when ranks built different train or val sets.
     """
     per_rank = per_rank_batch(cfg.batch_size, ctx)
     stride = int(bundle.model.stride.max())
@@ -209,6 +271,9 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
     train = LoadImagesAndLabels(data.split("train"), train_options, ctx)
     val_options = DatasetOptions.for_evaluation(batch_size=per_rank * 2, **common)
     val = LoadImagesAndLabels(data.split("val"), val_options, ctx)
+    # Shards and sharded validation assume one dataset: nodes with differing copies fail here, not later.
+    train.check_same_on_every_rank("train set")
+    val.check_same_on_every_rank("val set")
     train_loader = build_train_loader(train, per_rank, cfg.workers, ctx, cfg.seed, shuffle=not cfg.rect)
     val_loader = build_val_loader(val, per_rank * 2, cfg.workers, ctx)
     return Datasets(train, val, train_loader, val_loader, per_rank)
@@ -217,8 +282,11 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
 def run_anchor_check(bundle: ModelBundle, train: LoadImagesAndLabels, cfg: TrainConfig, ctx: DistContext) -> None:
     """Check (and if poor, recompute) anchors on rank 0 and give every rank rank 0's anchors."""
     head = bundle.model.head
-    if ctx.is_main:
-        check_anchors(train.label_wh_at(cfg.imgsz), bundle.model, threshold=cfg.hyp.anchor_t, imgsz=cfg.imgsz)
+    labels_wh = train.label_wh_at(cfg.imgsz)
+    # run_on_main: a failure on rank 0 reaches every rank instead of leaving them in the broadcast below.
+    run_on_main(
+        lambda: check_anchors(labels_wh, bundle.model, threshold=cfg.hyp.anchor_t, imgsz=cfg.imgsz), ctx, "AutoAnchor"
+    )
     anchors = broadcast_object(head.anchors.detach().cpu(), ctx)
     head.anchors.copy_(anchors.to(head.anchors.device))
 

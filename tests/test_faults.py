@@ -1,0 +1,109 @@
+"""Surviving interruptions: a SIGTERM mid-epoch saves and exits for requeue, and the resumed run ends bit-identical."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from tests.conftest import make_tiny_dataset
+from utils.data.synthetic import SyntheticSpec
+from utils.train import engine
+from utils.train.faults import Preempted, StopSignals, find_restarted_run, mark_run
+
+TINY = SyntheticSpec(num_train=16, num_val=4, max_objects=3, min_object_frac=0.15)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_dataset(tmp_path_factory.mktemp("faults"), TINY)
+
+
+def _args(data: Path, project: Path, name: str, workers: int) -> list[str]:
+    return [
+        "--data", str(data), "--imgsz", "64", "--batch-size", "4", "--epochs", "2", "--workers", str(workers),
+        "--device", "cpu", "--project", str(project), "--name", name, "--seed", "5", "--deterministic",
+        "--noplots", "--save-period", "1",
+    ]  # fmt: skip
+
+
+def _weights(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    return {"model": checkpoint["model"], "ema": checkpoint["ema"]}
+
+
+def _assert_identical(a: Path, b: Path) -> None:
+    first, second = _weights(a), _weights(b)
+    for part in ("model", "ema"):
+        assert first[part].keys() == second[part].keys()
+        for key, tensor in first[part].items():
+            assert torch.equal(tensor, second[part][key]), f"{part}.{key} differs"
+
+
+def _epochs(run_dir: Path) -> list[str]:
+    with (run_dir / "results.csv").open(newline="") as file:
+        return [row["epoch"] for row in csv.DictReader(file)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("workers", "signal_after", "batches_done"),
+    [(2, 2, 3), (0, 3, 4)],  # stop inside epoch 1; stop at its last batch (the resumed epoch has no batch left)
+)
+def test_sigterm_mid_epoch_then_resume_is_bit_identical(
+    tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, signal_after: int, batches_done: int
+) -> None:
+    uninterrupted = train.main(_args(tiny_data, tmp_path, "whole", workers))
+    # The second run gets a real SIGTERM from itself after an optimizer step (one step per batch in warmup);
+    # every rank agrees on it at the next step, which is then saved.
+    steps = {"count": 0}
+    real_step = engine._optimizer_step
+
+    def step_then_signal(state: engine.TrainState) -> None:
+        real_step(state)
+        steps["count"] += 1
+        if steps["count"] == signal_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(engine, "_optimizer_step", step_then_signal)
+    with pytest.raises(Preempted) as stopped:
+        train.main(_args(tiny_data, tmp_path, "cut", workers))
+    monkeypatch.setattr(engine, "_optimizer_step", real_step)
+    checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
+    assert (checkpoint["epoch"], checkpoint["batches_done"]) == (-1, batches_done)  # of epoch 1's 4 batches
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the run
+    resumed = train.main(["--resume", str(stopped.value.checkpoint), "--device", "cpu", "--workers", str(workers)])
+    assert resumed.run_dir == stopped.value.checkpoint.parent.parent
+    assert _epochs(resumed.run_dir) == ["1", "2"]
+    _assert_identical(uninterrupted.last, resumed.last)
+    # And from the end of epoch 1 (epoch1.pt of the uninterrupted run), in a copy of its folder.
+    copy = tmp_path / "from-epoch1"
+    shutil.copytree(uninterrupted.run_dir, copy)
+    again = train.main(["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", str(workers)])
+    assert _epochs(again.run_dir) == ["1", "2"]  # the row of epoch 2 was dropped and written again
+    _assert_identical(uninterrupted.last, again.last)
+
+
+def test_stop_signals_set_a_flag_and_restore_the_handlers() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    with StopSignals() as stop:
+        assert stop.received is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.received == "SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_restarted_job_finds_its_own_newest_run_folder(tmp_path: Path) -> None:
+    for name, run_id in (("exp", "job-a"), ("exp2", "job-b"), ("exp3", "job-a")):
+        (tmp_path / name).mkdir()
+        mark_run(tmp_path / name, run_id)
+    os.utime(tmp_path / "exp" / ".torchelastic_run_id", (1, 1))
+    assert find_restarted_run(tmp_path, "job-a") == tmp_path / "exp3"
+    assert find_restarted_run(tmp_path, "job-c") is None
+    assert find_restarted_run(tmp_path, "") is None

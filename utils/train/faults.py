@@ -1,0 +1,118 @@
+"""Stopping and restarting without losing work: preemption signals, and finding a restarted job's run folder.
+
+SLURM and Kubernetes announce the end of a job with SIGTERM (SLURM also with SIGUSR1 when
+`--signal=USR1@N` asks for a warning). `StopSignals` turns either into a request that the
+training loop agrees on across ranks at the next optimizer step; rank 0 then writes a mid-epoch
+checkpoint and every rank raises `Preempted`, which the entry point turns into exit status
+REQUEUE_EXIT_CODE. torchrun restarts its workers after a failure (`--max-restarts`) with the
+same command line; `mark_run` / `find_restarted_run` let the restarted attempt continue in the
+run folder the first attempt created instead of starting `exp2` from scratch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from types import FrameType, TracebackType
+
+LOGGER = logging.getLogger(__name__)
+
+# sysexits.h EX_TEMPFAIL ("temporary failure, try again"): a job script requeues on it, e.g.
+#   python3 train.py ...; [ $? -eq 75 ] && scontrol requeue "$SLURM_JOB_ID"
+REQUEUE_EXIT_CODE = 75
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+RUN_ID_FILE = ".torchelastic_run_id"  # in the run folder: the torchrun job that created it
+
+
+STOP_GRACE_S = 60.0  # after a stop signal the process ends within this many seconds, saved or not
+
+
+def _exit_after_grace(name: str) -> None:
+    """Watchdog body: the stop after `name` did not finish in time; leave without running more Python."""
+    LOGGER.error(f"still running {STOP_GRACE_S:.0f} s after {name} (a peer rank gone?); exiting now")
+    os._exit(REQUEUE_EXIT_CODE)
+
+
+class Preempted(Exception):
+    """Raised on every rank once the checkpoint after a stop signal is saved; the run can be resumed."""
+
+    def __init__(self, signal_name: str, checkpoint: Path) -> None:
+        super().__init__(f"stopped by {signal_name}; saved {checkpoint}; resume with --resume {checkpoint}")
+        self.checkpoint = checkpoint
+
+
+class StopSignals:
+    """While entered, SIGTERM and SIGUSR1 set `received` (the signal's name) instead of ending the process.
+
+    Handlers can only be installed from the main thread; elsewhere (a test running fit in a
+    thread) entering does nothing and `received` stays None. The previous handlers come back on
+    exit. `request()` sets the flag directly (what a handler does), for tests and callers.
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+        self._watchdog: threading.Timer | None = None
+
+    def request(self, name: str) -> None:
+        """Ask the loop to stop at its next optimizer step, as signal `name` would.
+
+        A watchdog then ends the process after STOP_GRACE_S in any case: a rank whose peer died
+        can sit in a collective that never returns, and a launcher that sent the signal may be
+        waiting for exactly this process to go.
+        """
+        if self.received is None:
+            LOGGER.warning(f"{name} received: saving a checkpoint at the next optimizer step, then exiting")
+            self._watchdog = threading.Timer(STOP_GRACE_S, _exit_after_grace, args=(name,))
+            self._watchdog.daemon = True
+            self._watchdog.start()
+        self.received = name
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.request(signal.Signals(signum).name)
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for name in STOP_SIGNALS:
+                number = getattr(signal, name, None)
+                if number is not None:
+                    self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+        if self._watchdog is not None:  # the loop has left: the stop went through
+            self._watchdog.cancel()
+
+
+def mark_run(run_dir: Path, run_id: str) -> None:
+    """Record in `run_dir` which torchrun job created it (rank 0; nothing outside torchrun)."""
+    if run_id:
+        (run_dir / RUN_ID_FILE).write_text(run_id, encoding="utf-8")
+
+
+def find_restarted_run(project: Path, run_id: str) -> Path | None:
+    """Return the newest run folder under `project` created by torchrun job `run_id`, or None.
+
+    torchrun's default rendezvous id is "none" for every job that does not set --rdzv-id; the
+    newest folder marked so is then taken, which is the restarted attempt's own folder unless
+    two unnamed jobs share one --project at the same time (give them --rdzv-id or --name).
+    """
+    if not run_id or not project.is_dir():
+        return None
+    marked = []
+    for folder in project.iterdir():
+        marker = folder / RUN_ID_FILE
+        try:
+            if marker.is_file() and marker.read_text(encoding="utf-8").strip() == run_id:
+                marked.append(folder)
+        except OSError:
+            continue
+    return max(marked, key=lambda folder: (folder / RUN_ID_FILE).stat().st_mtime) if marked else None

@@ -1,0 +1,114 @@
+"""Checkpoints of a running fit(): epoch-end and mid-epoch saves (rank 0 writes, every rank learns of a failure)
+and restoring them, including the exact mid-epoch position."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from utils.config import TrainConfig, save_run_config
+from utils.distributed import DistContext, all_gather_objects, run_on_main
+from utils.errors import ConfigError
+from utils.train import checkpoint as ckpt_io
+from utils.train.faults import mark_run
+from utils.train.optim import build_scheduler
+
+if TYPE_CHECKING:
+    from utils.train.engine import TrainRun, TrainState
+
+LOGGER = logging.getLogger(__name__)
+
+
+def restore_state(
+    state: TrainState, checkpoint: dict[str, Any], cfg: TrainConfig, batches: int, ctx: DistContext
+) -> None:
+    """Load model, optimizer, scaler, EMA, epoch and best fitness from a checkpoint into `state` (every rank).
+
+    The LR schedule is rebuilt at the resumed epoch, so it continues where it stopped. A mid-epoch
+    checkpoint also gives the batch to continue at and, per rank, the running mean loss and the
+    buffers (BatchNorm statistics differ per rank without SyncBatchNorm), so the resumed run
+    continues exactly where the interrupted one stopped.
+    """
+    state.start_epoch = ckpt_io.restore_training_state(
+        checkpoint, state.model, state.optimizer, state.scaler, state.ema
+    )
+    if state.start_epoch >= cfg.epochs:
+        raise ConfigError(f"--resume: the run already finished all {cfg.epochs} epochs; nothing to resume")
+    state.scheduler = build_scheduler(state.optimizer, state.lr_fn, state.start_epoch)
+    state.best_fitness = float(checkpoint.get("best_fitness", 0.0))
+    state.start_batch = int(checkpoint.get("batches_done", 0))
+    if state.start_batch:  # a mid-epoch checkpoint: this rank's own running mean and buffers, when the size matches
+        per_rank = checkpoint.get("rank_states") or []
+        own = per_rank[ctx.rank] if len(per_rank) == ctx.world_size else None
+        if own is not None:
+            state.resumed_mean_loss = np.asarray(own["mean_loss"], dtype=np.float64)
+            state.model.load_state_dict(own["model_buffers"], strict=False)
+            state.ema.ema.load_state_dict(own["ema_buffers"], strict=False)
+    state.last_opt_step = state.start_epoch * batches + state.start_batch - 1
+
+
+def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Checkpoint:
+    """Return the checkpoint for the end of `epoch`: plain data and state dicts only."""
+    cfg, bundle = run.cfg, run.bundle
+    info = ckpt_io.RunInfo(run.task.name, bundle.spec.to_dict(), list(bundle.names), cfg.to_dict(), cfg.hyp.to_dict())
+    return ckpt_io.build_checkpoint(
+        run=info,
+        model=state.model,
+        ema=state.ema,
+        optimizer=state.optimizer,
+        scaler=state.scaler,
+        epoch=epoch,
+        best_fitness=state.best_fitness,
+    )
+
+
+def save_epoch(run: TrainRun, state: TrainState, epoch: int, fitness: float) -> None:
+    """Write last.pt, best.pt when `fitness` is the best so far, and periodic epoch<N>.pt; every rank calls it.
+
+    Rank 0 writes; a failure there (disk full, no permission) is raised on every rank at once.
+    """
+
+    def write() -> None:
+        checkpoint = checkpoint_state(run, state, epoch)
+        ckpt_io.save_checkpoint(checkpoint, run.last, run.ctx)
+        if fitness >= state.best_fitness:
+            ckpt_io.save_checkpoint(checkpoint, run.best, run.ctx)
+        if run.cfg.save_period > 0 and (epoch + 1) % run.cfg.save_period == 0:
+            ckpt_io.save_checkpoint(checkpoint, run.run_dir / "weights" / f"epoch{epoch + 1}.pt", run.ctx)
+
+    run_on_main(write, run.ctx, "saving checkpoints")
+    state.steps_since_save = 0
+
+
+def save_mid_epoch(run: TrainRun, state: TrainState, epoch: int, batches_done: int, mean_loss: np.ndarray) -> Path:
+    """Write last.pt after `batches_done` batches of `epoch` (right after an optimizer step); every rank calls it.
+
+    The checkpoint is the end of epoch - 1 plus `batches_done` and, per rank (gathered), the running
+    mean loss and the model's and EMA's buffers, which restore_state gives back to each rank.
+    """
+    own = {
+        "mean_loss": mean_loss.tolist(),
+        "model_buffers": {name: buf.detach().cpu().clone() for name, buf in state.model.named_buffers()},
+        "ema_buffers": {name: buf.detach().cpu().clone() for name, buf in state.ema.ema.named_buffers()},
+    }
+    rank_states = all_gather_objects(own, run.ctx)
+
+    def write() -> None:
+        checkpoint = checkpoint_state(run, state, epoch - 1)
+        checkpoint.update(batches_done=batches_done, rank_states=rank_states)
+        ckpt_io.save_checkpoint(checkpoint, run.last, run.ctx)
+
+    run_on_main(write, run.ctx, "saving the mid-epoch checkpoint")
+    state.steps_since_save = 0
+    LOGGER.info(f"Saved {run.last} at epoch {epoch + 1} batch {batches_done}")
+    return run.last
+
+
+def prepare_run_dir(cfg: TrainConfig, run_dir: Path, ctx: DistContext) -> None:
+    """Rank 0: opt.yaml and hyp.yaml, the torchrun job marker, and no temp files of killed saves."""
+    save_run_config(cfg, run_dir, ctx)
+    mark_run(run_dir, ctx.run_id)
+    ckpt_io.remove_stale_temp_files(run_dir / "weights")
