@@ -265,3 +265,17 @@ def test_clip_boxes_in_place(as_array) -> None:
     result = clip_boxes(boxes, (50, 60))
     assert result is boxes
     assert np.allclose(np.asarray(boxes), [[0, 3, 60, 50], [10, 0, 20, 5]])
+
+
+def test_nms_never_suppresses_across_classes_even_with_negative_corners() -> None:
+    # Class 1's box lies at negative coordinates exactly where a shift by (max coordinate + 1) would
+    # move it onto class 0's box; a per-class NMS must keep both.
+    pred = torch.zeros(1, 2, 5 + 2)
+    pred[0, 0, :5] = torch.tensor([50.0, 50.0, 100.0, 100.0, 1.0])  # class 0, x1y1x2y2 (0, 0, 100, 100)
+    pred[0, 0, 5:] = torch.tensor([0.9, 0.0])
+    pred[0, 1, :5] = torch.tensor([-51.0, -51.0, 100.0, 100.0, 1.0])  # class 1, (-101, -101, -1, -1)
+    pred[0, 1, 5:] = torch.tensor([0.0, 0.8])
+    [kept] = non_max_suppression(pred, conf_thres=0.25, iou_thres=0.45)
+    assert sorted(kept[:, 5].tolist()) == [0.0, 1.0]
+    [agnostic] = non_max_suppression(pred, conf_thres=0.25, iou_thres=0.45, agnostic=True)
+    assert len(agnostic) == 2  # they do not overlap at all

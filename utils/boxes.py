@@ -215,7 +215,7 @@ def non_max_suppression(
     `pred`: `(B, N, 5 + nc + nm)` rows [cx, cy, w, h (pixels), obj, class probs..., mask coeffs...]
     as given by the model in eval mode. Confidence is obj * class prob and must exceed `conf_thres`.
     With `multi_label` a box may appear once per class above threshold, otherwise only with its
-    best class. NMS is per class (torchvision `batched_nms`) unless `agnostic`. At most `max_nms`
+    best class. NMS is per class (classes shifted apart by the coordinate span) unless `agnostic`. At most `max_nms`
     highest-confidence candidates enter NMS and `max_det` leave it.
 
     Returns B tensors `(n, 6 + nm)` [x1, y1, x2, y2, conf, cls, coeffs...] sorted by conf descending.
@@ -230,9 +230,13 @@ def non_max_suppression(
     for x in pred:
         det = _image_candidates(x, num_classes, conf_thres, classes, multi_label)
         det = det[det[:, 4].argsort(descending=True)[:max_nms]]
-        if agnostic:
-            keep = torchvision.ops.nms(det[:, :4], det[:, 4], iou_thres)
-        else:
-            keep = torchvision.ops.batched_nms(det[:, :4], det[:, 4], det[:, 5].long(), iou_thres)
+        dtype = torch.float32 if det.dtype in (torch.float16, torch.bfloat16) else det.dtype  # offsets overflow fp16
+        boxes = det[:, :4].to(dtype)
+        if not agnostic and len(det):
+            # Per-class NMS in one call: shift each class by the whole coordinate span, so boxes of two classes
+            # can never overlap. torchvision's batched_nms shifts by max + 1 only, which lets boxes with
+            # negative corners (decoded boxes are not clipped) reach the next class and suppress it.
+            boxes = boxes + det[:, 5:6].to(dtype) * (boxes.max() - boxes.min() + 1)
+        keep = torchvision.ops.nms(boxes, det[:, 4].to(dtype), iou_thres)
         output.append(det[keep[:max_det]])  # torchvision returns keep sorted by score, descending
     return output
