@@ -69,11 +69,13 @@ def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dic
     The run's options come from the checkpoint; `device`, `workers` and `dist_timeout` from the
     new command line, and `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any
     other option given with --resume with another value than the run's is a one-line error
-    rather than silently ignored. The restored
-    options are validated again for this world size.
+    rather than silently ignored. The restored options are validated again for this world size.
+    After a torchrun restart (on any rank: an agent whose workers did not fail may not count it)
+    every rank takes the restart path, so they run the same collectives.
     """
-    if ctx.restart_count > 0 and not cfg.resume:
-        return _resume_after_restart(cfg, ctx)
+    restart = max(all_gather_objects(ctx.restart_count, ctx))
+    if restart > 0 and not cfg.resume:
+        return _resume_after_restart(cfg, ctx, restart)
     if not cfg.resume:
         return cfg, None
     chosen = run_on_main(lambda: _choose_resume_checkpoint(cfg), ctx, "choosing the checkpoint to resume")
@@ -92,7 +94,9 @@ def _restart_target(cfg: TrainConfig, ctx: DistContext) -> tuple[str | None, str
     return str(run_dir), str(chosen)
 
 
-def _resume_after_restart(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any] | None]:
+def _resume_after_restart(
+    cfg: TrainConfig, ctx: DistContext, restart: int
+) -> tuple[TrainConfig, dict[str, Any] | None]:
     """torchrun restarted the workers: continue the run folder of the first attempt from its newest checkpoint.
 
     Without a checkpoint yet, the same folder starts again from scratch (no exp2); without a
@@ -100,7 +104,7 @@ def _resume_after_restart(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConf
     """
     target = run_on_main(lambda: _restart_target(cfg, ctx), ctx, "finding the restarted job's run folder")
     run_dir, checkpoint = broadcast_object(target, ctx)
-    attempt = f"torchrun restart {ctx.restart_count}"
+    attempt = f"torchrun restart {restart}"
     if run_dir is None:
         LOGGER.warning(f"{attempt}: no run folder of job {ctx.run_id!r} under {cfg.project}; starting a new run")
         return cfg, None
@@ -108,7 +112,7 @@ def _resume_after_restart(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConf
         LOGGER.warning(f"{attempt}: {run_dir} has no checkpoint yet; training it again from the start")
         return dataclasses.replace(cfg, project=Path(run_dir).parent, name=Path(run_dir).name, exist_ok=True), None
     LOGGER.warning(f"{attempt}: resuming {run_dir} from {checkpoint}")
-    return _load_resumed(dataclasses.replace(cfg, resume=checkpoint), Path(checkpoint), ctx)
+    return _load_resumed(dataclasses.replace(cfg, resume=checkpoint), Path(checkpoint), ctx, is_restart=True)
 
 
 def _same(given: Any, stored: Any) -> bool:
@@ -133,11 +137,13 @@ def _refuse_changed_options(cfg: TrainConfig, stored: TrainConfig) -> None:
         )
 
 
-def _load_resumed(cfg: TrainConfig, path: Path, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any]]:
+def _load_resumed(
+    cfg: TrainConfig, path: Path, ctx: DistContext, is_restart: bool = False
+) -> tuple[TrainConfig, dict[str, Any]]:
     """Load checkpoint `path` on every rank and rebuild the run's options from it (see resolve_resume)."""
     checkpoint = ckpt_io.load_checkpoint(path, for_resume=True)
     stored = config_from_dict(checkpoint["train_config"])
-    if ctx.restart_count == 0:  # a torchrun restart repeats the first command line, which set up this run
+    if not is_restart:  # a torchrun restart repeats the first command line, which set up this run
         _refuse_changed_options(cfg, stored)
     run_dir = path.resolve().parent.parent
     overrides = {name: getattr(cfg, name) for name in RESUME_OVERRIDES if name in cfg.explicit}
