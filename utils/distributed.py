@@ -122,9 +122,12 @@ def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT
         backend = "nccl" if device.type == "cuda" else "gloo"
         init_kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout, "rank": rank, "world_size": world_size}
         restart = _env_int(("TORCHELASTIC_RESTART_COUNT",), 0)
-        if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        single_agent = local_world_size == world_size  # one torchrun agent: every rank has the same restart count
+        if restart > 0 and single_agent and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's static rendezvous keeps one agent store across restarts, and the group's keys from
             # the failed attempt (the dead ranks' addresses) are still in it: a fresh key prefix per attempt.
+            # Several agents may count restarts differently (one whose workers did not fail does not), so
+            # there the prefixes could differ; the c10d rendezvous gives each round a new store anyway.
             store = dist.TCPStore(
                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
             )
