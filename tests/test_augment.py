@@ -12,7 +12,6 @@ from utils.data.augment import (
     AugmentParams,
     Instances,
     augment_hsv,
-    clip_polygon,
     flip_lr,
     flip_ud,
     instances_to_labels,
@@ -22,6 +21,7 @@ from utils.data.augment import (
     random_perspective,
     transform_instances,
 )
+from utils.data.polygons import clip_polygon
 
 GREY = 114
 # Corners of the RGB cube: far from the grey background and from every grey/colour blend of another.

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import utils.data.labels as labels_module
+import utils.data.scan as scan_module
 from utils.data.labels import (
     image_to_label_path,
     label_cache_path,
     list_image_files,
-    scan_labels,
     verify_image_label,
 )
+from utils.data.scan import scan_labels
 from utils.distributed import DistContext
 
 CTX = DistContext()
@@ -103,7 +103,7 @@ def test_scan_skips_bad_repairs_fixable_and_reports_each(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bad, good = _bad_folder(tmp_path)
-    monkeypatch.setattr(labels_module, "MAX_LOGGED_MESSAGES", 100)
+    monkeypatch.setattr(scan_module, "MAX_LOGGED_MESSAGES", 100)
     caplog.set_level(logging.INFO)
     index = scan_labels(list_image_files(tmp_path / "images"), 3, CTX, num_workers=4)
     assert set(index.im_files) == good
@@ -187,7 +187,7 @@ def test_label_cache_reused_then_invalidated(tmp_path: Path, monkeypatch: pytest
     def must_not_verify(*args: object) -> None:
         raise AssertionError("verified again although the cache is valid")
 
-    monkeypatch.setattr(labels_module, "verify_image_label", must_not_verify)
+    monkeypatch.setattr(scan_module, "verify_image_label", must_not_verify)
     second = scan_labels(files, 3, CTX)
     np.testing.assert_array_equal(second.labels, first.labels)
     assert second.counts == first.counts and second.im_files == first.im_files

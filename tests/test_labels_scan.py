@@ -1,4 +1,4 @@
-"""Tests for utils/data/labels.py's scan across ranks: rounds, joining, one cache write, same files on every rank."""
+"""Tests for utils/data/scan.py, the scan across ranks: rounds, joining, one cache write, same files on every rank."""
 
 from __future__ import annotations
 
@@ -13,22 +13,21 @@ import pytest
 import torch
 import yaml
 
-import utils.data.labels as labels_module
+import utils.data.scan as scan_module
 from tests.dist_helpers import run_distributed
 from utils.config import DEFAULT_HYP, TrainConfig, load_hyp
 from utils.data.data_config import load_data_config
 from utils.data.labels import (
     LabelIndex,
     build_index,
-    concatenate_indices,
-    differing_ranks_message,
+    files_hash,
     image_to_label_path,
     label_cache_path,
     list_image_files,
     load_label_cache,
-    scan_labels,
     verify_image_label,
 )
+from utils.data.scan import concatenate_indices, differing_ranks_message, scan_labels
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.tasks import DETECT
@@ -80,7 +79,7 @@ def test_joined_runs_equal_one_index_even_with_empty_runs(tmp_path: Path) -> Non
 
 
 def test_scan_in_rounds_in_one_process_matches_one_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(labels_module, "SCAN_ROUND_FILES", 5)  # 12 files: rounds of 5, 5 and 2
+    monkeypatch.setattr(scan_module, "SCAN_ROUND_FILES", 5)  # 12 files: rounds of 5, 5 and 2
     files = list_image_files(_folder(tmp_path))
     index = scan_labels(files, 2, DistContext(), num_workers=2)
     _assert_same_index(index, _reference_index(files))
@@ -88,7 +87,7 @@ def test_scan_in_rounds_in_one_process_matches_one_index(tmp_path: Path, monkeyp
 
 
 def _digest(files: list[str]) -> str:
-    return labels_module.files_hash(files, [image_to_label_path(f) for f in files], 2)
+    return files_hash(files, [image_to_label_path(f) for f in files], 2)
 
 
 def test_differing_ranks_message_names_ranks_counts_and_digests() -> None:
@@ -108,10 +107,10 @@ def test_differing_ranks_message_names_ranks_counts_and_digests() -> None:
 
 def _scan_on_rank(ctx: DistContext, folder: str) -> dict[str, Any]:
     """Scan with no cache (rounds of 3 files), then again from the cache; record what this rank verified and wrote."""
-    labels_module.SCAN_ROUND_FILES = 3  # 12 files on 2 ranks: 2 rounds of 6, each rank 3 per round
+    scan_module.SCAN_ROUND_FILES = 3  # 12 files on 2 ranks: 2 rounds of 6, each rank 3 per round
     verified: list[str] = []
     writes: list[str] = []
-    verify, save = labels_module.verify_image_label, labels_module.save_label_cache
+    verify, save = scan_module.verify_image_label, scan_module.save_label_cache
 
     def recording_verify(image_path: str, label_path: str, num_classes: int) -> Any:
         verified.append(image_path)
@@ -121,8 +120,8 @@ def _scan_on_rank(ctx: DistContext, folder: str) -> dict[str, Any]:
         writes.append(str(path))
         return save(path, index, digest)
 
-    labels_module.verify_image_label = recording_verify
-    labels_module.save_label_cache = recording_save
+    scan_module.verify_image_label = recording_verify  # patched where the scan looks them up
+    scan_module.save_label_cache = recording_save
     files = list_image_files(folder)
     scanned = scan_labels(files, 2, ctx, num_workers=2)
     verified_when_scanning = list(verified)

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny_dataset
-from utils.data.augment import AugmentParams, clip_polygon
+from utils.data.augment import AugmentParams
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
 from utils.data.loader import collate_batch
 from utils.data.masks import polygon_areas, polygons_to_mask, polygons_to_masks, polygons_to_overlap_mask
+from utils.data.polygons import clip_polygon
 from utils.data.synthetic import SyntheticSpec
 from utils.distributed import DistContext
 

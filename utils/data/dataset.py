@@ -28,8 +28,9 @@ from utils.data.augment import (
     transform_instances,
 )
 from utils.data.cache import CACHE_MODES, ImageCache, rank_shard, read_image, resize_long_side
-from utils.data.labels import LabelIndex, check_same_image_files, list_image_files, scan_labels
+from utils.data.labels import LabelIndex, list_image_files
 from utils.data.masks import polygons_to_masks, polygons_to_overlap_mask
+from utils.data.scan import check_same_image_files, scan_labels
 from utils.distributed import DistContext
 
 if TYPE_CHECKING:
