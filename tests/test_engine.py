@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from models.yolo import build_model, spec_from_cfg
 from utils.config import DEFAULT_HYP, load_hyp
@@ -64,3 +65,12 @@ def test_epoch_summary_row_names_every_column_and_fills_unvalidated_epochs_with_
     assert list(rows[0]) == list(row) and rows[1]["metrics/mAP50"] == "0.7" and rows[1]["val/box_loss"] == "1"
     ResultsCSV(tmp_path / "other.csv", DistContext(rank=1, world_size=2)).append(row)
     assert not (tmp_path / "other.csv").exists()  # only rank 0 writes
+
+
+def test_amp_modes_map_to_autocast_dtypes() -> None:
+    from utils.train.engine import autocast_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert autocast_dtype("auto", cpu) is None and autocast_dtype("auto", cuda) is torch.float16
+    assert autocast_dtype("bf16", cpu) is torch.bfloat16 and autocast_dtype("fp16", cpu) is torch.float16
+    assert autocast_dtype("off", cuda) is None

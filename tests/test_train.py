@@ -236,3 +236,12 @@ def test_a_damaged_last_pt_falls_back_to_the_newest_intact_checkpoint(trained_ru
     cfg, checkpoint = resolve_resume(train_config_from_argv(["--resume", str(weights / "last.pt")]), DistContext())
     assert cfg.resume == str(weights / "epoch1.pt") and checkpoint["epoch"] == 0
     assert "resuming from" in caplog.text and "epoch1.pt" in caplog.text
+
+
+def test_bf16_autocast_trains_with_finite_losses(tiny_data: Path, tmp_path: Path) -> None:
+    result = train.main(_train_args(tiny_data, tmp_path, "bf16", "--epochs", "1", "--amp", "bf16", "--noplots"))
+    [row] = _read_rows(result.run_dir / "results.csv")
+    assert all(math.isfinite(float(row[key])) for key in row if key.startswith("train/"))
+    checkpoint = torch.load(result.last, weights_only=True)
+    assert checkpoint["scaler"] is None  # bf16 needs no loss scaling
+    assert checkpoint["train_config"]["amp"] == "bf16"

@@ -31,6 +31,7 @@ QUICKSTART_BATCH = 16
 QUICKSTART_OPTIMIZER = "AdamW"
 QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)
 LOGGER = logging.getLogger(__name__)
+AMP_MODES = ("auto", "fp16", "bf16", "off")
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class TrainConfig:
     nosave: bool = False
     noplots: bool = False
     save_period: int = -1
+    amp: str = "auto"  # autocast: auto (fp16 on CUDA, off on CPU) | fp16 | bf16 | off
     save_period_steps: int = 0  # also write last.pt every N optimizer steps inside an epoch (0: epoch ends only)
     rect: bool = False
     close_mosaic: int = QUICKSTART_CLOSE_MOSAIC
@@ -286,6 +288,13 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
         help="skip train_batch*.jpg, results.png, the PR/F1/P/R curves and the confusion matrix",
     )
     parser.add_argument("--save-period", type=int, default=-1, help="also save epoch<N>.pt every N epochs (-1: off)")
+    parser.add_argument(
+        "--amp",
+        choices=AMP_MODES,
+        default="auto",
+        help="mixed precision: auto (fp16 with loss scaling on CUDA, as YOLOv5; fp32 on CPU), fp16, bf16 (no loss "
+        "scaling; Ampere and newer GPUs), off",
+    )
     parser.add_argument(
         "--save-period-steps",
         type=int,

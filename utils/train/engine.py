@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import re
 import time
 import warnings
@@ -80,13 +79,14 @@ class TrainState:
     accumulate: int
     warmup: Warmup
     lr_fn: Callable[[int], float]
-    use_amp: bool
+    amp_dtype: torch.dtype | None  # autocast dtype (fp16 with a GradScaler, bf16 without), None: fp32
     last_opt_step: int = -1
     best_fitness: float = 0.0
     start_epoch: int = 0
     start_batch: int = 0  # batches of start_epoch done before a mid-epoch resume
     resumed_mean_loss: np.ndarray | None = None  # this rank's running mean loss at start_batch
-    nonfinite_losses: int = 0  # this rank's NaN/inf losses since the last optimizer step
+    # This rank's NaN/inf losses since the last optimizer step: a device tensor (or 0), read once per step.
+    nonfinite_losses: torch.Tensor | int = 0
     steps_since_save: int = 0  # optimizer steps since the last mid-epoch checkpoint
     stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM / SIGUSR1 received (fit() installs it)
 
@@ -136,6 +136,9 @@ def train_one_epoch(
     mean_loss = np.zeros(len(state.loss_fn.item_names))
     if skip and state.resumed_mean_loss is not None:
         mean_loss = state.resumed_mean_loss.copy()
+    # Loss items are summed on the device and read on the host once per optimizer step, not per micro-batch:
+    # a read waits for the GPU, and per micro-batch that stalls the pipeline every few milliseconds.
+    loss_sum = torch.tensor(mean_loss * skip, dtype=torch.float64, device=ctx.device)
     description = f"epoch {epoch + 1}/{cfg.epochs}"
     progress = tqdm(loader, total=num_batches, initial=skip, desc=description, disable=tqdm_disabled(ctx))
     for i, batch in enumerate(progress, start=skip):
@@ -148,11 +151,12 @@ def train_one_epoch(
         is_step = iteration - state.last_opt_step >= accumulate or i == num_batches - 1
         sync_context = state.ddp.no_sync() if ctx.is_distributed and not is_step else contextlib.nullcontext()
         with sync_context:
-            with torch.autocast(ctx.device.type, dtype=torch.float16, enabled=state.use_amp):
+            with torch.autocast(ctx.device.type, dtype=state.amp_dtype, enabled=state.amp_dtype is not None):
                 preds = state.ddp(images)
                 loss, items = state.loss_fn(preds, reduce_counts=reduce_counts, **state.loss_inputs(batch, ctx.device))
             state.scaler.scale(loss * ctx.world_size).backward()
-        state.nonfinite_losses += not math.isfinite(float(loss.detach()))
+        state.nonfinite_losses = state.nonfinite_losses + (~torch.isfinite(loss.detach())).sum()
+        loss_sum += items.detach().to(torch.float64)
         stop = False
         if is_step:
             # Before the weights change. A bad micro-batch on any rank has already reached every rank's
@@ -163,7 +167,9 @@ def train_one_epoch(
             _optimizer_step(state)
             state.last_opt_step = iteration
             state.steps_since_save += 1
-        mean_loss = (mean_loss * i + items.cpu().numpy()) / (i + 1)
+        if not is_step:
+            continue
+        mean_loss = loss_sum.cpu().numpy() / (i + 1)  # the one host read of this step
         if not tqdm_disabled(ctx):
             progress.set_postfix_str(" ".join(f"{v:.4f}" for v in mean_loss) + f" inst={len(batch['targets'])}")
         due = is_step and 0 < cfg.save_period_steps <= state.steps_since_save and i + 1 < num_batches
@@ -184,10 +190,13 @@ def _agree_before_step(state: TrainState, ctx: DistContext, where: str) -> bool:
     taken, so the weights, the EMA and the checkpoints saved so far stay finite. The return value
     is True on every rank when any rank received a stop signal (SIGTERM / SIGUSR1).
     """
-    counts = [state.nonfinite_losses, int(state.nonfinite_losses > 0), int(state.stop.received is not None)]
+    bad = torch.as_tensor(state.nonfinite_losses, device=ctx.device).to(torch.int64)
+    stopping = torch.tensor(int(state.stop.received is not None), device=ctx.device)
+    counts = torch.stack((bad, (bad > 0).to(torch.int64), stopping))
     if ctx.is_distributed:
-        counts = all_reduce_sum(torch.tensor(counts, device=ctx.device), ctx).tolist()
-    bad_batches, bad_ranks, stopping_ranks = counts
+        counts = all_reduce_sum(counts, ctx)
+    bad_batches, bad_ranks, stopping_ranks = counts.tolist()
+    state.nonfinite_losses = 0
     if bad_batches:
         ranks = f" on {bad_ranks} of {ctx.world_size} ranks" if ctx.is_distributed else ""
         raise FloatingPointError(
@@ -225,14 +234,22 @@ def build_train_state(bundle: ModelBundle, cfg: TrainConfig, task: Task, ctx: Di
     optimizer = build_optimizer(model, cfg.optimizer, cfg.hyp.lr0, cfg.hyp.momentum, weight_decay)
     lr_fn = lr_lambda(cfg.epochs, cfg.hyp.lrf, cfg.cos_lr)
     scheduler = build_scheduler(optimizer, lr_fn)
-    use_amp = ctx.device.type == "cuda"
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=use_amp)
+    amp_dtype = autocast_dtype(cfg.amp, ctx.device)
+    # bf16 has fp32's exponent range: no loss scaling needed. fp16 needs the GradScaler.
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
     ema = ModelEMA(model)
     loss_fn = task.build_loss(model, cfg)
     warmup = Warmup.from_hyp(cfg.hyp, warmup_iterations(cfg.hyp.warmup_epochs, batches))
     return TrainState(
-        model, ddp, optimizer, scheduler, scaler, ema, loss_fn, task.loss_inputs, accumulate, warmup, lr_fn, use_amp
+        model, ddp, optimizer, scheduler, scaler, ema, loss_fn, task.loss_inputs, accumulate, warmup, lr_fn, amp_dtype
     )
+
+
+def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    """--amp as an autocast dtype: auto is fp16 on CUDA (YOLOv5's AMP) and fp32 (None) elsewhere."""
+    if amp == "auto":
+        return torch.float16 if device.type == "cuda" else None
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ class Datasets:
 
 # Options --resume takes from the new command line when given there; all others come from the checkpoint.
 RESUME_OVERRIDES = ("epochs", "batch_size")  # change the remaining schedule / the global batch (README)
-MACHINE_OPTIONS = ("device", "workers", "resume", "dist_timeout")  # where and how this attempt runs
+MACHINE_OPTIONS = ("device", "workers", "resume", "dist_timeout", "amp")  # where and how this attempt runs
 
 
 def _choose_resume_checkpoint(cfg: TrainConfig) -> str:
@@ -133,7 +133,7 @@ def _refuse_changed_options(cfg: TrainConfig, stored: TrainConfig) -> None:
         flag = "--" + {"model": "cfg", "hyp_path": "hyp"}.get(changed[0], changed[0]).replace("_", "-")
         raise ConfigError(
             f"--resume continues a run with its own options; {flag} cannot be changed "
-            "(allowed with --resume: --epochs, --batch-size, --device, --workers, --dist-timeout)"
+            "(allowed with --resume: --epochs, --batch-size, --device, --workers, --dist-timeout, --amp)"
         )
 
 
@@ -154,6 +154,7 @@ def _load_resumed(
         device=cfg.device,
         workers=cfg.workers,
         dist_timeout=cfg.dist_timeout,
+        amp=cfg.amp,
         project=run_dir.parent,
         name=run_dir.name,
         exist_ok=True,
