@@ -2,14 +2,15 @@
 
 Usage (from the repository root):
 
-    python benchmarks/data_pipeline.py                       # imgsz 640, 2 workers, RAM cache
-    python benchmarks/data_pipeline.py --imgsz 320 --workers 4 --batches 40 --cache none
+    python benchmarks/data_pipeline.py                       # imgsz 640, loader with 0, 1, 2 workers, RAM cache
+    python benchmarks/data_pipeline.py --imgsz 320 --workers 0 4 --batches 40 --cache none
 
 Builds the training dataset as `train.py` does on one rank (augment on, strengths from `--hyp`,
 by default YOLOv5's hyp.scratch-low.yaml rather than the quick start's; the chosen cache mode),
-then measures (a) `__getitem__` called in this process and (b) batches drawn through
-`utils.data.loader.build_train_loader` with worker processes, each after a warm-up that is not
-timed. Prints images/s and ms/image for both.
+then measures (a) `__getitem__` called in this process, the floor of one mosaic sample (one
+cv2.warpAffine of the 2x canvas) and (b) batches drawn through `utils.data.loader.build_train_loader`
+with each `--workers` count, each after a warm-up that is not timed. Prints images/s and ms/image,
+then the ratios issue 14 targets: __getitem__ / warp floor, and loader W workers / 0 workers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import cv2
 import numpy as np
 import torch
 
@@ -46,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="dataset YAML (default: built-in synthetic)")
     parser.add_argument("--hyp", type=Path, default=DEFAULT_HYP, help="hyp YAML with the augmentation strengths")
     parser.add_argument("--imgsz", type=int, default=640, help="training image size (pixels)")
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes for part (b)")
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader worker counts timed in part (b)"
+    )
     parser.add_argument("--batches", type=int, default=20, help="timed batches in part (b)")
     parser.add_argument("--batch-size", type=int, default=16, help="images per batch (one rank's batch)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches before timing (a) and (b)")
@@ -68,7 +72,7 @@ def build_dataset(args: argparse.Namespace, ctx: DistContext) -> LoadImagesAndLa
         cache_mode=args.cache,
         num_classes=len(data.names),
         seed=args.seed,
-        workers=max(1, args.workers),
+        workers=max(1, max(args.workers)),
     )
     return LoadImagesAndLabels(data.split("train"), options, ctx)
 
@@ -88,13 +92,30 @@ def time_getitem(dataset: LoadImagesAndLabels, num_items: int, num_warmup: int, 
     return (time.perf_counter() - start) / num_items
 
 
-def time_loader(dataset: LoadImagesAndLabels, args: argparse.Namespace, ctx: DistContext) -> tuple[float, int, int]:
+def time_warp_floor(img_size: int, repeats: int = 50) -> float:
+    """Seconds of one cv2.warpAffine of a (2 imgsz)^2 x 3 mosaic canvas to imgsz^2: the floor of a mosaic sample.
+
+    Every mosaic item does this warp (random_perspective); the rest of __getitem__ is overhead
+    to compare against it.
+    """
+    canvas = np.random.default_rng(0).integers(0, 256, (2 * img_size, 2 * img_size, 3), dtype=np.uint8)
+    matrix = np.array([[0.9, 0.05, -img_size / 2], [-0.04, 0.95, -img_size / 2]], dtype=np.float64)
+    cv2.warpAffine(canvas, matrix, (img_size, img_size), borderValue=(114, 114, 114))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        cv2.warpAffine(canvas, matrix, (img_size, img_size), borderValue=(114, 114, 114))
+    return (time.perf_counter() - start) / repeats
+
+
+def time_loader(
+    dataset: LoadImagesAndLabels, args: argparse.Namespace, ctx: DistContext, num_workers: int
+) -> tuple[float, int, int]:
     """Return (seconds per image, images timed, workers used) for batches drawn through the train loader.
 
     Worker start-up and the first `args.warmup` batches are not timed. When an epoch has fewer
     batches than needed the loader moves on to the next epoch (workers are persistent).
     """
-    loader = build_train_loader(dataset, args.batch_size, args.workers, ctx, args.seed)
+    loader = build_train_loader(dataset, args.batch_size, num_workers, ctx, args.seed)
     epoch, images, start = 0, 0, 0.0
     batches_seen = 0
     while batches_seen < args.warmup + args.batches:
@@ -136,8 +157,18 @@ def main(argv: list[str] | None = None) -> None:
     num_items = args.batches * args.batch_size
     per_item = time_getitem(dataset, num_items, args.warmup * args.batch_size, args.seed)
     report("(a) __getitem__, one process", per_item, f"{num_items} items")
-    per_image, images, workers = time_loader(dataset, args, ctx)
-    report(f"(b) train loader, {workers} worker(s)", per_image, f"{images} images, batch {args.batch_size}")
+    floor = time_warp_floor(args.imgsz)
+    report(f"warpAffine {2 * args.imgsz}^2 -> {args.imgsz}^2 floor", floor, "one per mosaic sample")
+    rates = {}
+    for count in args.workers:
+        per_image, images, workers = time_loader(dataset, args, ctx, count)
+        rates[workers] = 1 / per_image
+        report(f"(b) train loader, {workers} worker(s)", per_image, f"{images} images, batch {args.batch_size}")
+    print(f"ratios: __getitem__ / warp floor {per_item / floor:.2f}", end="")
+    if 0 in rates:
+        print("".join(f" | loader {w} workers / 0 workers {rate / rates[0]:.2f}x" for w, rate in rates.items() if w))
+    else:
+        print()
 
 
 if __name__ == "__main__":
