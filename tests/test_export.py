@@ -257,3 +257,13 @@ def test_export_py_missing_onnx_prints_one_line_and_exits_2(
         exit_on_user_error(lambda: export.main(argv))
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: ONNX export needs the 'onnx' package: pip install onnx\n"
+
+
+def test_a_yolov5_segmentation_file_exports_as_segmentation(tmp_path: Path) -> None:
+    # The task comes from the loaded (here: converted) checkpoint, so a YOLOv5 -seg file is not taken for a detector.
+    from tests import yolov5_fakes as v5
+
+    weights = tmp_path / "yolov5n-seg.pt"
+    v5.save_yolov5_checkpoint(v5.randomise(v5.SegmentationModel(0.33, 0.25, nc=2)), str(weights))
+    (result,) = export_checkpoint(_config(weights, "torchscript"), TASKS, DistContext())
+    assert read_metadata(result.path)["task"] == "segment"

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from utils.convert import load_weights
 from utils.distributed import DistContext
 from utils.errors import ConfigError
-from utils.eval.checkpoint_val import load_model_for_eval
+from utils.eval.checkpoint_val import model_from_checkpoint
 from utils.tasks import Task
-from utils.train import checkpoint as ckpt_io
 
 LOGGER = logging.getLogger(__name__)
 
@@ -178,18 +178,6 @@ def _require_package(name: str, message: str) -> None:
         raise ConfigError(message) from error
 
 
-def checkpoint_task_name(path: Path) -> str:
-    """Return the task ("detect" or "segment") stored in checkpoint `path`.
-
-    A file that is not one of our checkpoints is handed to the loader as a detection model, so the
-    loader's own one-line error (or a format it learns to read) decides.
-    """
-    try:
-        return ckpt_io.load_checkpoint(path)["task"]
-    except ConfigError:
-        return "detect"
-
-
 def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistContext) -> list[ExportedFile]:
     """Write `cfg.weights` in each format of `cfg.include` next to it and check each against PyTorch.
 
@@ -204,8 +192,9 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
     if ctx.is_distributed:
         LOGGER.info(f"Exporting on rank 0 only; ranks 1-{ctx.world_size - 1} do nothing")
     check_export_dependencies(cfg, ctx)
-    task = tasks[checkpoint_task_name(cfg.weights)]
-    model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, half=cfg.half, channels_last=False)
+    checkpoint = load_weights(cfg.weights)  # read once; a YOLOv5 file is converted, its task included
+    task = tasks[checkpoint["task"]]
+    model = model_from_checkpoint(checkpoint, task, ctx, half=cfg.half, channels_last=False)
     wrapper = ExportWrapper(model).eval()  # eval: exporters restore the wrapper's mode, and with it the model's
     metadata = ExportMetadata(
         stride=int(model.stride.max()),

@@ -40,12 +40,19 @@ def load_model_for_eval(
     """
     checkpoint = load_weights(path)
     ckpt_io.check_checkpoint_task(checkpoint, task.name, path, "val")
+    return model_from_checkpoint(checkpoint, task, ctx, half, channels_last), checkpoint
+
+
+def model_from_checkpoint(
+    checkpoint: dict, task: Task, ctx: DistContext, half: bool = False, channels_last: bool = True
+) -> nn.Module:
+    """The eval model of an already loaded checkpoint (see load_model_for_eval), for callers that read it first."""
     model = task.build_model(ModelSpec.from_dict(checkpoint["model_spec"]))
     model.load_state_dict(checkpoint.get("ema") or checkpoint["model"])
     model = model.fuse().eval().to(ctx.device, memory_format=memory_format(channels_last))
     if half and ctx.device.type == "cuda":
         model = model.half()
-    return model, checkpoint
+    return model
 
 
 @dataclass
