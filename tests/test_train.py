@@ -205,6 +205,9 @@ def test_resume_refuses_options_it_would_ignore_and_applies_epochs(trained_run, 
     last = str(_copy_run(trained_run, tmp_path) / "weights" / "last.pt")
     with pytest.raises(ConfigError, match="--imgsz cannot be changed"):
         resolve_resume(train_config_from_argv(["--resume", last, "--imgsz", "128"]), DistContext())
+    with pytest.raises(ConfigError, match="--label-smoothing cannot be changed"):  # a hyp value, not a field
+        resolve_resume(train_config_from_argv(["--resume", last, "--label-smoothing", "0.1"]), DistContext())
+    resolve_resume(train_config_from_argv(["--resume", last, "--imgsz", "64"]), DistContext())  # the run's own value
     cfg, checkpoint = resolve_resume(train_config_from_argv(["--resume", last, "--epochs", "5"]), DistContext())
     assert cfg.epochs == 5 and cfg.imgsz == 64 and checkpoint["epoch"] == 1  # the run trained 2 of now 5 epochs
     cfg, _ = resolve_resume(train_config_from_argv(["--resume", last]), DistContext())

@@ -122,15 +122,20 @@ def _same(given: Any, stored: Any) -> bool:
     return given == stored
 
 
+def _option(cfg: TrainConfig, name: str) -> Any:
+    """The value a flag's destination `name` set: a TrainConfig field, or a hyp value (--label-smoothing)."""
+    return getattr(cfg, name) if hasattr(cfg, name) else getattr(cfg.hyp, name)
+
+
 def _refuse_changed_options(cfg: TrainConfig, stored: TrainConfig) -> None:
     """One-line error for an option given with --resume that differs from the run's and would be ignored."""
     changed = [
         name
         for name in sorted(cfg.explicit - set(RESUME_OVERRIDES) - set(MACHINE_OPTIONS))
-        if not _same(getattr(cfg, name), getattr(stored, name))
+        if not _same(_option(cfg, name), _option(stored, name))
     ]
     if changed:
-        flag = "--" + {"model": "cfg", "hyp_path": "hyp"}.get(changed[0], changed[0]).replace("_", "-")
+        flag = "--" + {"model": "cfg"}.get(changed[0], changed[0]).replace("_", "-")
         raise ConfigError(
             f"--resume continues a run with its own options; {flag} cannot be changed "
             "(allowed with --resume: --epochs, --batch-size, --device, --workers, --dist-timeout, --amp)"
