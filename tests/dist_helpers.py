@@ -1,9 +1,10 @@
-"""Test helper: run a function on N real gloo processes and return what each rank returned."""
+"""Test helpers for real processes: run a function on N gloo ranks and collect the results; a free port."""
 
 from __future__ import annotations
 
 import datetime
 import pickle
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from utils.distributed import DistContext, cleanup
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a subprocess's --master_port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _result_path(tmp_path: Path, rank: int) -> Path:

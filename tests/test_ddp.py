@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -25,7 +24,7 @@ from torch import nn
 
 from models.yolo import build_model, spec_from_cfg
 from tests.conftest import make_tiny_dataset
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import free_port, run_distributed
 from utils.config import DEFAULT_HYP, TrainConfig, build_train_parser, config_from_args, load_hyp
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext, average_bn_stats
@@ -428,17 +427,11 @@ finally:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_rank_that_raises_ends_the_run_instead_of_hanging(tmp_path: Path) -> None:
     timeout_s = 60.0  # the process-group timeout; gloo must notice the dead peer long before it
     script = tmp_path / "failing_rank.py"
     script.write_text(FAILING_RANK_SCRIPT)
-    port, repo = _free_port(), Path(__file__).resolve().parents[1]
+    port, repo = free_port(), Path(__file__).resolve().parents[1]
     processes = []
     for rank in range(WORLD_SIZE):
         env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}

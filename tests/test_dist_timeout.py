@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 
 import utils.cli
+from tests.dist_helpers import free_port
 from utils.config import build_train_parser, build_val_parser, config_from_args, val_config_from_args
 from utils.errors import ConfigError
 from utils.tasks import DETECT
@@ -70,19 +70,13 @@ finally:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_run_entry_gives_the_process_group_its_timeout(tmp_path: Path) -> None:
     timeout_s, late_s = 2.0, 20.0
     script = tmp_path / "late_rank.py"
     script.write_text(LATE_RANK_SCRIPT)
-    port, repo = _free_port(), Path(__file__).resolve().parents[1]
+    port, repo = free_port(), Path(__file__).resolve().parents[1]
     processes = []
     for rank in range(2):
         env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny_dataset
-from tests.test_torchrun import _free_port
+from tests.dist_helpers import free_port
 from utils.data.synthetic import SyntheticSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def _launch(project: Path, data: Path, *extra: str, restarts: int = 0) -> subpro
     """Start torchrun; its output goes to a file (a pipe nobody reads fills up and blocks the launcher)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", str(restarts),
-        "--master_port", str(_free_port()), "train.py", "--device", "cpu", "--workers", "0", "--data", str(data),
+        "--master_port", str(free_port()), "train.py", "--device", "cpu", "--workers", "0", "--data", str(data),
         "--imgsz", "64", "--batch-size", "4", "--project", str(project), "--seed", "3", "--noplots", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny_dataset
+from tests.dist_helpers import free_port
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,16 +41,10 @@ class Launch:
     rank_stderr: list[str]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _torchrun(log_dir: Path, *train_args: str, script: str = "train.py") -> Launch:
     """Run `torchrun --nproc_per_node 2 <script> --device cpu --workers 0 <train_args>` and collect its output."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC),
-               "--master_port", str(_free_port()), "--log-dir", str(log_dir), "--redirects", "3",
+               "--master_port", str(free_port()), "--log-dir", str(log_dir), "--redirects", "3",
                script, "--device", "cpu", "--workers", "0", *train_args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     start = time.monotonic()
