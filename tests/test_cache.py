@@ -113,7 +113,8 @@ def test_ram_cache_skipped_when_node_memory_is_short(
     needed = sum(np.prod(resized_hw(h, w, 32)) * 3 for w, h in shapes)
     monkeypatch.setattr(cache_module, "available_memory_bytes", lambda: int(needed * 1.5))
     one_rank = ImageCache(paths, shapes, np.arange(6), 32, "ram", CTX, num_threads=2)
-    assert len(one_rank) == 6 and not caplog.records
+    # No warning (an entry point run earlier in the session may have left INFO records switched on).
+    assert len(one_rank) == 6 and not [r for r in caplog.records if r.levelno >= logging.WARNING]
     two_ranks = DistContext(rank=0, world_size=2, local_world_size=2)  # both ranks of the node cache at once
     skipped = ImageCache(paths, shapes, np.arange(6), 32, "ram", two_ranks, num_threads=2)
     assert len(skipped) == 0 and skipped.nbytes == 0 and skipped.get(0) is None

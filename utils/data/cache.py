@@ -68,9 +68,9 @@ def read_image(path: str) -> np.ndarray | None:
     """
     try:
         data = np.fromfile(path, dtype=np.uint8)
-    except (OSError, ValueError):
+        return cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
+    except (OSError, ValueError, cv2.error):  # some truncated files make the decoder raise instead of return None
         return None
-    return cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
 
 
 def read_resized(path: str, img_size: int, augment: bool = False) -> np.ndarray | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from utils.data.cache import read_image as decode_image
 from utils.data.labels import IMAGE_SUFFIXES
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -102,10 +103,7 @@ def read_image(path: str) -> np.ndarray:
     """Read an image file as (H, W, 3) uint8 BGR; raise UnreadableInputError naming the file and why."""
     if not os.path.isfile(path):
         raise UnreadableInputError(f"{path}: file not found")
-    try:
-        image = cv2.imread(path, cv2.IMREAD_COLOR)
-    except cv2.error as error:  # some truncated files make the decoder raise instead of returning None
-        raise UnreadableInputError(f"{path}: not a readable image ({str(error).strip()[:80]})") from error
+    image = decode_image(path)  # any file name (cv2.imread crashes on names that are not UTF-8)
     if image is None:
         raise UnreadableInputError(f"{path}: not a readable image (corrupt, empty or unsupported format)")
     return image

@@ -11,6 +11,7 @@ from typing import Any
 
 import cv2
 
+from utils.data.cache import read_image
 from utils.distributed import DistContext
 
 LOGGER = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class TensorBoardLogger:
         """
         if self.writer is None:
             return
-        image = cv2.imread(str(path))
+        image = read_image(str(path))
         if image is None:
             LOGGER.warning(f"TensorBoard: could not read {path}; not logged")
             return
