@@ -31,11 +31,17 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_dataset(tmp_path_factory.mktemp("elastic"), TINY)
 
 
-def _launch(project: Path, data: Path, *extra: str, restarts: int = 0) -> subprocess.Popen:
-    """Start torchrun; its output goes to a file (a pipe nobody reads fills up and blocks the launcher)."""
+def _launch(
+    project: Path, data: Path, *extra: str, restarts: int = 0, launcher: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """Start torchrun; its output goes to a file (a pipe nobody reads fills up and blocks the launcher).
+
+    `launcher`: torchrun's own flags; by default one agent with 2 processes on a free port.
+    """
+    launcher = launcher or ("--nproc_per_node", "2", "--master_port", str(free_port()))
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", str(restarts),
-        "--master_port", str(free_port()), "train.py", "--device", "cpu", "--workers", "0", "--data", str(data),
+        sys.executable, "-m", "torch.distributed.run", *launcher, "--max-restarts", str(restarts),
+        "train.py", "--device", "cpu", "--workers", "0", "--data", str(data),
         "--imgsz", "64", "--batch-size", "4", "--project", str(project), "--seed", "3", "--noplots", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -100,6 +106,36 @@ def test_a_killed_rank_is_restarted_and_the_run_continues_in_its_folder(tiny_dat
     assert sorted(p.name for p in project.iterdir()) == ["job"]  # no job2
     assert _rows(run_dir) == ["1", "2", "3"]
     assert torch.load(run_dir / "weights" / "last.pt", weights_only=True)["epoch"] == 2
+
+
+def test_two_agents_restart_together_after_a_rank_of_one_is_killed(tiny_data: Path, tmp_path: Path) -> None:
+    """`--nnodes 1:2` on loopback: the agent whose worker was killed counts a restart, the other does not.
+
+    Both restarted workers must still meet in a key space of the agent store that the failed attempt
+    never wrote to (utils/rendezvous.py); in a store keyed by restart count they waited for each other
+    in the process group's set-up until the timeout, about 1 run in 4.
+    """
+    project = tmp_path / "runs"
+    project.mkdir()
+    launcher = (
+        "--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"two-agents-{os.getpid()}",
+    )  # fmt: skip
+    extra = ("--epochs", "3", "--name", "job", "--dist-timeout", "2")
+    agents = [_launch(project, tiny_data, *extra, restarts=2, launcher=launcher) for _ in range(2)]
+    run_dir = project / "job"
+    _wait_for(lambda: len(_rows(run_dir)) >= 1, agents[1], "epoch 1 was written")
+    victim = next(
+        child
+        for child in psutil.Process(agents[1].pid).children(recursive=True)
+        if "train.py" in " ".join(child.cmdline())
+    )
+    victim.send_signal(signal.SIGKILL)
+    outputs = [_finish(agent) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)
+    assert re.search(r"torchrun restart \d: resuming .*job from .*last\.pt", "".join(outputs)), outputs
+    assert sorted(p.name for p in project.iterdir()) == ["job"]
+    assert _rows(run_dir) == ["1", "2", "3"]
 
 
 def test_sigterm_to_the_job_saves_mid_epoch_and_a_new_start_resumes_there(tiny_data: Path, tmp_path: Path) -> None:

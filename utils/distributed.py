@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from utils.errors import ConfigError
+from utils.rendezvous import join_generation
 
 LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +44,8 @@ class DistContext:
     # torchrun's elastic agent: how many times it has restarted the workers, and the job's rendezvous id.
     restart_count: int = 0
     run_id: str = ""
+    # Which start of the workers this is within the torchrun job (0: the first), the same on every rank.
+    generation: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -104,32 +107,19 @@ def select_device(device_arg: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", visible[local_rank])
 
 
-def _store_for_restart(restart_count: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """The agent's store under a fresh key prefix for restart `restart_count` of a single torchrun agent.
-
-    torchrun's static rendezvous keeps one agent store across restarts, and the failed attempt's
-    group keys (the dead ranks' addresses) are still in it: read again, gloo hangs or is refused.
-    Only under one agent, where every rank has the same restart count; agents of a multi-node job
-    count restarts differently (one whose workers did not fail does not), so their prefixes could
-    differ. None (the default env:// store) when torchrun does not offer its agent store.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"restart_{restart_count}", store)
-
-
 def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> DistContext:
     """Create this process's DistContext and, when launched with several processes, the process group.
 
     Uses NCCL on CUDA and gloo on CPU. The group has `timeout` (the entry points' --dist-timeout),
     so a rank that dies makes the others fail with an error instead of waiting forever; work that
-    keeps one rank busy while others wait in a collective must stay well below it. Called once
-    per entry point.
+    keeps one rank busy while others wait in a collective must stay well below it. Under
+    torchrun's agent store the group's keys live in a space all ranks of this start agreed on
+    (utils/rendezvous.py), never in one an earlier, failed start left behind. Called once per
+    entry point.
     """
     rank, local_rank, world_size, local_world_size = read_launch_env()
     restart_count = _env_int(("TORCHELASTIC_RESTART_COUNT",), 0)
+    generation = 0
     device = select_device(device_arg, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -138,13 +128,16 @@ def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is unset; launch with torchrun or set MASTER_ADDR/PORT")
         backend = "nccl" if device.type == "cuda" else "gloo"
         init_kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout, "rank": rank, "world_size": world_size}
-        if restart_count > 0 and local_world_size == world_size:
-            init_kwargs["store"] = _store_for_restart(restart_count, world_size, timeout)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            agent_store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+            )
+            init_kwargs["store"], generation = join_generation(agent_store, rank, world_size, timeout)
         if device.type == "cuda":
             init_kwargs["device_id"] = device
         dist.init_process_group(**init_kwargs)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return DistContext(rank, local_rank, world_size, device, local_world_size, restart_count, run_id)
+    return DistContext(rank, local_rank, world_size, device, local_world_size, restart_count, run_id, generation)
 
 
 def cleanup() -> None:

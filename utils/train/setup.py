@@ -70,10 +70,12 @@ def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dic
     new command line, and `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any
     other option given with --resume with another value than the run's is a one-line error
     rather than silently ignored. The restored options are validated again for this world size.
-    After a torchrun restart (on any rank: an agent whose workers did not fail may not count it)
-    every rank takes the restart path, so they run the same collectives.
+    After a torchrun restart every rank takes the restart path, so they run the same collectives:
+    the start's number within the job is the same on every rank, and a restart counted by any
+    agent counts too (one whose workers did not fail does not count it; an agent store started
+    afresh by a new rank-0 agent numbers starts from 0 again).
     """
-    restart = max(all_gather_objects(ctx.restart_count, ctx))
+    restart = max(ctx.generation, *all_gather_objects(ctx.restart_count, ctx))
     if restart > 0 and not cfg.resume:
         return _resume_after_restart(cfg, ctx, restart)
     if not cfg.resume:
