@@ -247,7 +247,8 @@ def _mosaic_inputs(rng: np.random.Generator, size: int, polygons: bool) -> tuple
 def test_mosaic4_moves_pixels_with_instances(seed: int) -> None:
     rng = np.random.default_rng(seed)
     images, instances = _mosaic_inputs(rng, 96, polygons=False)
-    image, inst = mosaic4(images, instances, 96, rng)
+    canvas, inst = mosaic4(images, instances, 96, rng)
+    image = canvas.draw()
     assert image.shape == (192, 192, 3)
     _assert_consistent(image, inst)
     _assert_pixels_follow_boxes(image, inst, atol=0.0)  # pure translation and crop: exact
@@ -285,15 +286,37 @@ def test_random_perspective_moves_pixels_with_boxes(seed: int, perspective: floa
 def test_mosaic_then_perspective_on_random_polygons(seed: int) -> None:
     rng = np.random.default_rng(100 + seed)
     images, instances = _mosaic_inputs(rng, 96, polygons=True)
-    image, inst = mosaic4(images, instances, 96, rng)
-    _assert_consistent(image, inst)
+    canvas, inst = mosaic4(images, instances, 96, rng)
+    _assert_consistent(canvas.draw(), inst)
     out, moved = random_perspective(
-        image, inst, rng, degrees=20, translate=0.1, scale=0.5, shear=5, perspective=0.0008, border=(-48, -48)
+        canvas, inst, rng, degrees=20, translate=0.1, scale=0.5, shear=5, perspective=0.0008, border=(-48, -48)
     )
     assert out.shape == (96, 96, 3)
     _assert_consistent(out, moved)
     _assert_centres_coloured(out, moved)
     assert set(moved.classes.tolist()) <= set(inst.classes.tolist())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_an_undrawn_mosaic_warps_as_the_drawn_canvas_does(seed: int) -> None:
+    """random_perspective draws only the window of the canvas its affine warp reads; the pixels are the same."""
+    images, instances = _mosaic_inputs(np.random.default_rng(seed), 96, polygons=True)
+    canvas, inst = mosaic4(images, instances, 96, np.random.default_rng(seed))
+    # Strong zoom and translation (seed-dependent) move the window anywhere, partly off the canvas too.
+    params = {"degrees": 30, "translate": 0.4, "scale": 0.9, "shear": 10, "border": (-48, -48)}
+    windowed, windowed_inst = random_perspective(canvas, inst, np.random.default_rng(seed), **params)
+    whole, whole_inst = random_perspective(canvas.draw(), inst, np.random.default_rng(seed), **params)
+    np.testing.assert_array_equal(windowed, whole)
+    np.testing.assert_array_equal(windowed_inst.boxes_xyxy, whole_inst.boxes_xyxy)
+
+
+def test_a_mosaic_window_is_that_part_of_the_whole_canvas() -> None:
+    images, instances = _mosaic_inputs(np.random.default_rng(3), 96, polygons=False)
+    canvas, _ = mosaic4(images, instances, 96, np.random.default_rng(3))
+    whole = canvas.draw()
+    for window in [(0, 0, 192, 192), (10, 50, 150, 60), (100, 0, 192, 30), (5, 5, 6, 6)]:
+        top, left, bottom, right = window
+        np.testing.assert_array_equal(canvas.draw(window), whole[top:bottom, left:right])
 
 
 def test_random_perspective_with_no_instances() -> None:

@@ -9,7 +9,8 @@ import cv2
 import numpy as np
 import pytest
 
-from utils.data.augment import COPY_PASTE_MAX_OVERLAP, AugmentParams, Instances, copy_paste, is_box_outline
+from utils.data.augment import AugmentParams, Instances
+from utils.data.copy_paste import COPY_PASTE_MAX_OVERLAP, copy_paste, is_box_outline
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
 from utils.data.masks import polygons_to_mask
 from utils.distributed import DistContext

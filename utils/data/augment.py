@@ -1,4 +1,7 @@
-"""Pure image augmentations (letterbox, mosaic, copy-paste, perspective, mixup, HSV, flips) moving labels along."""
+"""Pure image augmentations (letterbox, mosaic, perspective, mixup, HSV, flips) moving labels along.
+
+YOLOv5's segment copy-paste is in utils/data/copy_paste.py.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +11,12 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from utils.data.masks import polygons_to_mask
 from utils.data.polygons import box_corners, clip_segments, polygon_bounds
 
 PAD_VALUE = 114  # grey used for letterbox padding, mosaic canvas and warp borders (YOLOv5 convention)
 _PAD_COLOR = (PAD_VALUE, PAD_VALUE, PAD_VALUE)
 _EPS = 1e-9
 _MIN_BOX_PX = 1.0  # a box thinner than this after a crop is degenerate
-COPY_PASTE_MAX_OVERLAP = 0.30  # a pasted copy may hide at most this share of any existing box (YOLOv5)
 
 
 @dataclass(frozen=True)
@@ -167,93 +168,59 @@ def _mosaic_span(centre: int, length: int, before: bool, limit: int) -> tuple[in
     return a0, a1, 0, a1 - a0
 
 
+@dataclass(frozen=True)
+class MosaicCanvas:
+    """A square mosaic canvas kept as its tiles: grey PAD_VALUE except where a tile is placed.
+
+    Drawing the whole canvas (2 imgsz per side: 4.9 MB at 640) costs about as much as the warp
+    that follows, which reads only part of it (at the zoom of 1.5 about a ninth). `draw()` draws
+    the whole canvas or a window of it; `random_perspective` draws only the window its affine
+    warp reads, and the result equals warping the whole canvas.
+    """
+
+    side: int
+    tiles: tuple[tuple[np.ndarray, int, int], ...]  # (the part of an image on the canvas, its top, its left)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.side, self.side, 3
+
+    def draw(self, window: tuple[int, int, int, int] | None = None) -> np.ndarray:
+        """Draw rows top..bottom, columns left..right of the canvas; window (top, left, bottom, right), None: all."""
+        top, left, bottom, right = window or (0, 0, self.side, self.side)
+        out = np.full((bottom - top, right - left, 3), PAD_VALUE, np.uint8)
+        for pixels, tile_top, tile_left in self.tiles:
+            y0, y1 = max(tile_top, top), min(tile_top + pixels.shape[0], bottom)
+            x0, x1 = max(tile_left, left), min(tile_left + pixels.shape[1], right)
+            if y0 < y1 and x0 < x1:
+                out[y0 - top : y1 - top, x0 - left : x1 - left] = pixels[
+                    y0 - tile_top : y1 - tile_top, x0 - tile_left : x1 - tile_left
+                ]
+        return out
+
+
 def mosaic4(
     images: list[np.ndarray], instances: list[Instances], size: int, rng: np.random.Generator
-) -> tuple[np.ndarray, Instances]:
-    """Tile 4 images around a random centre on a (2*size, 2*size, 3) canvas filled with grey 114.
+) -> tuple[MosaicCanvas, Instances]:
+    """Tile 4 images around a random centre on a (2*size, 2*size, 3) canvas of grey 114.
 
     Images must already have their long side == size. Tiles are cut by the canvas edge; their
-    polygons are clipped to the canvas and boxes re-derived. Follow with random_perspective
-    using border=(-size // 2, -size // 2) to get a size x size training image.
+    polygons are clipped to the canvas and boxes re-derived. The canvas is returned undrawn
+    (`MosaicCanvas.draw()` gives the array); follow with random_perspective using
+    border=(-size // 2, -size // 2) to get a size x size training image.
     """
     if len(images) != 4 or len(instances) != 4:
         raise ValueError(f"mosaic4: needs 4 images and 4 Instances, got {len(images)} and {len(instances)}")
     limit = 2 * size
     centre_x, centre_y = (int(rng.uniform(size * 0.5, size * 1.5)) for _ in range(2))
-    canvas = np.full((limit, limit, 3), PAD_VALUE, np.uint8)
-    placed = []
+    tiles, placed = [], []
     for quadrant, (image, inst) in enumerate(zip(images, instances, strict=True)):
         height, width = image.shape[:2]
         xa0, xa1, xb0, xb1 = _mosaic_span(centre_x, width, quadrant in (0, 2), limit)
         ya0, ya1, yb0, yb1 = _mosaic_span(centre_y, height, quadrant in (0, 1), limit)
-        canvas[ya0:ya1, xa0:xa1] = image[yb0:yb1, xb0:xb1]
+        tiles.append((image[yb0:yb1, xb0:xb1], ya0, xa0))
         placed.append(transform_instances(inst, (1.0, 1.0), (xa0 - xb0, ya0 - yb0)))
-    return canvas, _clip_instances(Instances.concat(placed), limit, limit)
-
-
-def is_box_outline(corners: np.ndarray) -> np.ndarray:
-    """Which 4-point polygons (n, 4, 2) are axis-aligned rectangles: (n,) bool.
-
-    A box-only label reaches augmentation as its 4 box corners (utils/data/labels.py), so such a
-    polygon says nothing about the object's shape; a real outline with exactly these 4 corners is
-    indistinguishable and treated the same.
-    """
-    corners = np.asarray(corners).reshape(-1, 4, 2)
-    low, high = corners.min(axis=1, keepdims=True), corners.max(axis=1, keepdims=True)
-    return ((corners == low) | (corners == high)).all(axis=(1, 2))
-
-
-def _outlined(segments: list[np.ndarray]) -> np.ndarray:
-    """Indices of the instances whose polygon is a real outline (not a box-only label's 4 corners)."""
-    lengths = np.array([len(segment) for segment in segments], np.int64)
-    outlined = lengths >= 3
-    four = np.flatnonzero(lengths == 4)
-    if len(four):
-        outlined[four] = ~is_box_outline(np.stack([segments[i] for i in four]))
-    return np.flatnonzero(outlined)
-
-
-def _intersection_over_area(box_xyxy: np.ndarray, boxes_xyxy: np.ndarray) -> np.ndarray:
-    """(n,) share of each of `boxes_xyxy` (n, 4) that `box_xyxy` (4,) covers: intersection / that box's area."""
-    low = np.maximum(box_xyxy[:2], boxes_xyxy[:, :2])
-    high = np.minimum(box_xyxy[2:], boxes_xyxy[:, 2:])
-    intersection = (high - low).clip(min=0).prod(axis=1)
-    return intersection / ((boxes_xyxy[:, 2:] - boxes_xyxy[:, :2]).prod(axis=1) + _EPS)
-
-
-def copy_paste(
-    image: np.ndarray, inst: Instances, fraction: float, rng: np.random.Generator
-) -> tuple[np.ndarray, Instances]:
-    """YOLOv5's segment copy-paste: mirror some objects left-right and paste them where they hide little.
-
-    Of the n instances with a real polygon outline (box-only labels are skipped: pasting their
-    box would paste background), round(fraction * n) are drawn at random. Each is mirrored about
-    the image's vertical centre line (x -> W - x) and kept only when its mirrored box covers less
-    than COPY_PASTE_MAX_OVERLAP of every box already present, earlier pastes included. The image
-    then takes the left-right flipped image's pixels inside the kept mirrored polygons (pixel
-    centres inside, as utils/data/masks.py rasterises), and the mirrored instances are appended.
-    YOLOv5 applies it to the mosaic canvas before random_perspective. image: (H, W, 3) uint8;
-    `inst` in its pixels. Returns a new image, or the inputs themselves (no random numbers
-    drawn) when `fraction` is 0 or there is nothing to pick.
-    """
-    candidates = _outlined(inst.segments) if fraction > 0 else np.zeros(0, np.int64)
-    count = min(round(fraction * len(candidates)), len(candidates))
-    if count == 0:
-        return image, inst
-    flipped, mirrored = flip_lr(image, inst)
-    boxes, kept = inst.boxes_xyxy, []
-    for j in rng.choice(candidates, size=count, replace=False).tolist():
-        box = mirrored.boxes_xyxy[j]
-        if (_intersection_over_area(box, boxes) < COPY_PASTE_MAX_OVERLAP).all():
-            boxes = np.concatenate([boxes, box[None]])
-            kept.append(j)
-    if not kept:
-        return image, inst
-    pasted = mirrored.select(np.array(kept, np.int64))
-    inside = polygons_to_mask(pasted.segments, image.shape[0], image.shape[1]).astype(bool)
-    out = image.copy()
-    out[inside] = flipped[inside]
-    return out, Instances.concat([inst, pasted])
+    return MosaicCanvas(limit, tuple(tiles)), _clip_instances(Instances.concat(placed), limit, limit)
 
 
 def _random_homography(
@@ -277,21 +244,54 @@ def _random_homography(
     return translate @ shear @ rotate @ projective @ centre
 
 
-def _warp_image(image: np.ndarray, matrix: np.ndarray, out_wh: tuple[int, int], projective: bool) -> np.ndarray:
+def _warp_image(
+    image: np.ndarray | MosaicCanvas, matrix: np.ndarray, out_wh: tuple[int, int], projective: bool
+) -> np.ndarray:
     """Warp with a point matrix that uses pixel-edge coordinates (pixel i spans [i, i+1]).
 
     OpenCV indexes pixel centres, so the matrix is conjugated by a half-pixel shift; this keeps
-    the warped pixels exactly under the transformed polygons (no 0.5 px drift under zoom).
+    the warped pixels exactly under the transformed polygons (no 0.5 px drift under zoom). A
+    MosaicCanvas is drawn only where an affine warp reads it (`_read_window`).
     """
     identity = np.eye(3)
-    if out_wh == (image.shape[1], image.shape[0]) and (np.abs(matrix - identity) <= 1e-8 + 1e-5 * identity).all():
+    if (
+        isinstance(image, np.ndarray)
+        and out_wh == (image.shape[1], image.shape[0])
+        and (np.abs(matrix - identity) <= 1e-8 + 1e-5 * identity).all()
+    ):
         return image.copy()
     to_centres, to_edges = np.eye(3), np.eye(3)
     to_centres[:2, 2], to_edges[:2, 2] = -0.5, 0.5
     pixel_matrix = to_centres @ matrix @ to_edges
+    if isinstance(image, MosaicCanvas):
+        window = None if projective else _read_window(pixel_matrix, out_wh, image.side)
+        if window is None:
+            image = image.draw()
+        elif window[0] >= window[2] or window[1] >= window[3]:  # the warp reads nothing of the canvas
+            return np.full((out_wh[1], out_wh[0], 3), PAD_VALUE, np.uint8)
+        else:
+            offset = np.eye(3)
+            offset[:2, 2] = window[1], window[0]  # window pixel (x, y) is canvas pixel (x + left, y + top)
+            pixel_matrix, image = pixel_matrix @ offset, image.draw(window)
     if projective:
         return cv2.warpPerspective(image, pixel_matrix, out_wh, borderValue=_PAD_COLOR)
     return cv2.warpAffine(image, pixel_matrix[:2], out_wh, borderValue=_PAD_COLOR)
+
+
+def _read_window(pixel_matrix: np.ndarray, out_wh: tuple[int, int], side: int) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) of the canvas pixels an affine warp to `out_wh` reads, clipped to the canvas.
+
+    The output's pixel centres map back into the bounding box of its 4 corner centres; bilinear
+    interpolation also reads the next pixel, and OpenCV rounds coordinates to 1/32 px, so the
+    window has a margin of 2 pixels on each side. The window may be empty (top >= bottom).
+    """
+    inverse = np.linalg.inv(pixel_matrix)
+    corners = np.array([[0, 0, 1], [out_wh[0] - 1, 0, 1], [0, out_wh[1] - 1, 1], [out_wh[0] - 1, out_wh[1] - 1, 1]])
+    source = corners @ inverse[:2].T
+    low, high = np.floor(source.min(axis=0)) - 2, np.floor(source.max(axis=0)) + 3
+    left, top = (int(np.clip(v, 0, side)) for v in low)
+    right, bottom = (int(np.clip(v, 0, side)) for v in high)
+    return top, left, bottom, right
 
 
 def _transform_segments(segments: list[np.ndarray], matrix: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
@@ -326,7 +326,7 @@ def _box_candidates(
 
 
 def random_perspective(
-    image: np.ndarray,
+    image: np.ndarray | MosaicCanvas,
     inst: Instances,
     rng: np.random.Generator,
     degrees: float = 0.0,
@@ -341,7 +341,8 @@ def random_perspective(
     Polygons are transformed exactly (vertex-wise; straight edges stay straight under a
     homography), clipped to the output image, and boxes recomputed from them. Instances
     that end up thinner than 2 px, keep < 10% of their transformed area or get aspect > 100
-    are dropped. border=(-size // 2, -size // 2) turns a 2*size mosaic into size x size.
+    are dropped. border=(-size // 2, -size // 2) turns a 2*size mosaic into size x size. `image`
+    may be an undrawn MosaicCanvas (only the part the warp reads is drawn).
     """
     out_h, out_w = image.shape[0] + 2 * border[0], image.shape[1] + 2 * border[1]
     params = AugmentParams(degrees=degrees, translate=translate, scale=scale, shear=shear, perspective=perspective)

@@ -16,11 +16,9 @@ from utils.data.augment import (
     AugmentParams,
     Instances,
     augment_hsv,
-    copy_paste,
     flip_lr,
     flip_ud,
     instances_to_labels,
-    is_box_outline,
     letterbox,
     mixup,
     mosaic4,
@@ -28,6 +26,7 @@ from utils.data.augment import (
     transform_instances,
 )
 from utils.data.cache import CACHE_MODES, ImageCache, rank_shard, read_image, resize_long_side
+from utils.data.copy_paste import copy_paste, is_box_outline
 from utils.data.labels import LabelIndex, list_image_files
 from utils.data.masks import polygons_to_masks, polygons_to_overlap_mask
 from utils.data.scan import check_same_image_files, scan_labels
