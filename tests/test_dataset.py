@@ -96,22 +96,26 @@ def test_rect_training_keeps_aspect_and_batches_collate(tmp_path: Path) -> None:
     assert torch.all((boxes >= 0) & (boxes <= 1))
 
 
-def test_training_items_keep_labels_and_polygons_valid(tmp_path: Path) -> None:
-    options = _options(augment=True, aug=STRONG, with_masks=True)
+def test_training_items_keep_labels_and_masks_valid(tmp_path: Path) -> None:
+    options = _options(augment=True, aug=STRONG, with_masks=True, mask_ratio=1)
     dataset = LoadImagesAndLabels(_folder(tmp_path), options, CTX)
     total = 0
     for key in [(i, epoch) for i in range(8) for epoch in range(4)]:
         item = dataset[key]
-        labels, segments = item["labels"].numpy(), item["segments"]
-        assert item["image"].shape == (3, 64, 64) and len(segments) == len(labels)
+        labels, masks = item["labels"].numpy(), item["masks"].numpy()
+        assert "segments" not in item  # training reads masks only: no Python object per polygon in a batch
+        assert item["image"].shape == (3, 64, 64) and masks.shape == (len(labels), 64, 64)
         cx, cy, w, h = labels[:, 2:].T
         assert np.all((w > 0) & (h > 0))
         assert np.all(
             (cx - w / 2 >= -1e-5) & (cx + w / 2 <= 1 + 1e-5) & (cy - h / 2 >= -1e-5) & (cy + h / 2 <= 1 + 1e-5)
         )
-        for row, polygon in zip(labels, segments, strict=True):
-            assert polygon.dtype == np.float32 and polygon.min() >= 0 and polygon.max() <= 1
-            np.testing.assert_allclose(polygon.min(0), row[2:4] - row[4:6] / 2, atol=1e-4)  # box = polygon bounds
+        for row, mask in zip(labels, masks, strict=True):  # each mask fills its box (the box is its polygon's bounds)
+            rows, cols = np.nonzero(mask)
+            box = np.concatenate([row[2:4] - row[4:6] / 2, row[2:4] + row[4:6] / 2]) * 64
+            if (box[2:] - box[:2]).min() >= 2:
+                mask_box = np.array([cols.min(), rows.min(), cols.max() + 1, rows.max() + 1])
+                np.testing.assert_allclose(mask_box, box, atol=1.0)
         total += len(labels)
     assert total > 32  # mosaics carry several objects
 

@@ -374,8 +374,9 @@ class LoadImagesAndLabels(Dataset):
         rgb_chw = np.ascontiguousarray(image[:, :, ::-1].transpose(2, 0, 1))
         item: dict[str, Any] = {"image": torch.from_numpy(rgb_chw), "labels": labels, "path": path, "shape": shape}
         if self.options.with_masks:
-            scale = np.array([width, height], dtype=np.float32)
-            item["segments"] = [(segment / scale).astype(np.float32) for segment in inst.segments]
+            if not self.options.augment:  # evaluation scores masks from the polygons; training never reads them
+                scale = np.array([width, height], dtype=np.float32)
+                item["segments"] = [(segment / scale).astype(np.float32) for segment in inst.segments]
             item["masks"] = torch.from_numpy(self._masks(inst.segments, height, width))
         return item
 
