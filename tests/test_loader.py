@@ -7,6 +7,7 @@ import os
 import random
 from pathlib import Path
 
+import cv2
 import numpy as np
 import pytest
 import torch
@@ -196,6 +197,25 @@ def test_workers_run_at_lower_cpu_priority_than_training(monkeypatch: pytest.Mon
     val = build_val_loader(NicenessDataset(4, ctx), 2, 2, ctx)
     assert {path for batch in val for path in batch["paths"]} == expected
     assert NicenessDataset(1, ctx)[0]["path"] == str(os.nice(0))  # this process keeps its priority
+
+
+class OpenCVThreadsDataset(FakeDataset):
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, object]:
+        return {**super().__getitem__(key), "path": str(cv2.getNumThreads())}
+
+
+def test_workers_run_opencv_in_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parallelism comes from the workers; OpenCV's pool inside each would only oversubscribe the cores."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    ctx = DistContext()
+    threads = cv2.getNumThreads()
+    try:
+        cv2.setNumThreads(4)  # as on a machine with 4 cores, whatever this one has
+        train = build_train_loader(OpenCVThreadsDataset(4, ctx), 2, 2, ctx, seed=0)
+        assert {path for batch in train for path in batch["paths"]} == {"1"}
+        assert cv2.getNumThreads() == 4  # the training process keeps its pool
+    finally:
+        cv2.setNumThreads(threads)
 
 
 def _draws_after_seeding(worker_id: int, seed: int, rank: int) -> tuple[float, int, float]:

@@ -9,6 +9,7 @@ import random
 from collections.abc import Iterator
 from typing import Any, TypedDict
 
+import cv2
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, default_collate
@@ -151,7 +152,13 @@ WORKER_NICENESS = 10
 
 
 def init_worker(worker_id: int, seed: int, rank: int) -> None:
-    """`worker_init_fn` of every loader: lower the worker's CPU priority, then seed it (`seed_worker`)."""
+    """`worker_init_fn` of every loader: one OpenCV thread, lower CPU priority, then seeding (`seed_worker`).
+
+    The workers are the parallelism: OpenCV's own thread pool in each of them (as many threads as
+    cores, like torch's, which DataLoader already sets to 1 in a worker) only adds threads that
+    wait for each other's cores.
+    """
+    cv2.setNumThreads(0)  # 0: run OpenCV functions in the calling thread
     lower_cpu_priority(WORKER_NICENESS)
     seed_worker(worker_id, seed, rank)
 
