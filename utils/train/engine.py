@@ -47,6 +47,7 @@ from utils.train.optim import (
     scaled_weight_decay,
     warmup_iterations,
 )
+from utils.train.prefetch import DevicePrefetcher
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV
 from utils.train.saving import prepare_run_dir, restore_state, save_epoch, save_mid_epoch
 from utils.train.setup import (
@@ -140,12 +141,18 @@ def train_one_epoch(
     # a read waits for the GPU, and per micro-batch that stalls the pipeline every few milliseconds.
     loss_sum = torch.tensor(mean_loss * skip, dtype=torch.float64, device=ctx.device)
     description = f"epoch {epoch + 1}/{cfg.epochs}"
-    progress = tqdm(loader, total=num_batches, initial=skip, desc=description, disable=tqdm_disabled(ctx))
-    for i, batch in enumerate(progress, start=skip):
+
+    def to_device(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        images = batch["images"].to(ctx.device, non_blocking=True).float() / 255
+        return {"images": images, **state.loss_inputs(batch, ctx.device)}
+
+    batches = DevicePrefetcher(loader, to_device, ctx.device)
+    progress = tqdm(batches, total=num_batches, initial=skip, desc=description, disable=tqdm_disabled(ctx))
+    for i, (batch, inputs) in enumerate(progress, start=skip):
         if on_batch is not None:
             on_batch(i, batch)
         iteration = i + num_batches * epoch
-        images = batch["images"].to(ctx.device, non_blocking=True).float() / 255
+        images = inputs.pop("images")
         accumulate = _accumulate_now(state, iteration, cfg)
         state.warmup.apply(state.optimizer, iteration, state.lr_fn(epoch))
         is_step = iteration - state.last_opt_step >= accumulate or i == num_batches - 1
@@ -153,7 +160,7 @@ def train_one_epoch(
         with sync_context:
             with torch.autocast(ctx.device.type, dtype=state.amp_dtype, enabled=state.amp_dtype is not None):
                 preds = state.ddp(images)
-                loss, items = state.loss_fn(preds, reduce_counts=reduce_counts, **state.loss_inputs(batch, ctx.device))
+                loss, items = state.loss_fn(preds, reduce_counts=reduce_counts, **inputs)
             state.scaler.scale(loss * ctx.world_size).backward()
         state.nonfinite_losses = state.nonfinite_losses + (~torch.isfinite(loss.detach())).sum()
         loss_sum += items.detach().to(torch.float64)
@@ -284,6 +291,8 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     """
     cfg, resume_ckpt = resolve_resume(cfg, ctx)
     seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
+    if ctx.device.type == "cuda" and not cfg.deterministic and not cfg.rect:
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: cuDNN times its kernels once and keeps the best
     run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resume_ckpt is not None, ctx, subdirs=("weights",))
     run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx), ctx, f"writing the run folder {run_dir}")
     data = load_data_config(cfg.data, ctx)
