@@ -1,4 +1,4 @@
-"""Tests for utils/data/cache.py: rank shards (also on 2 gloo processes) and the RAM/disk image cache."""
+"""Tests for utils/data/cache.py: rank shards (also on 2 gloo processes) and the RAM/disk image cache (round trip)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,17 @@ def test_resize_long_side_uses_area_to_shrink_for_eval_and_linear_otherwise() ->
         resize_long_side(image, 40, augment=True), cv2.resize(image, (40, 20), interpolation=cv2.INTER_LINEAR)
     )
     assert resize_long_side(image, 60, augment=True) is image
+
+
+@pytest.mark.parametrize("augment", [False, True])
+@pytest.mark.parametrize("mode", ["ram", "disk"])
+def test_round_trip_every_image_equals_its_decoded_and_resized_source(tmp_path: Path, mode: str, augment: bool) -> None:
+    paths, shapes = _images(tmp_path)  # shrunk and enlarged to 32, so both interpolations are exercised
+    cache = ImageCache(paths, shapes, np.arange(6), 32, mode, CTX, num_threads=2, augment=augment)
+    assert cache.mode == mode and len(cache) == 6
+    assert cache.nbytes == sum(3 * int(np.prod(resized_hw(h, w, 32))) for w, h in shapes)
+    for index, path in enumerate(paths):
+        np.testing.assert_array_equal(cache.get(index), read_resized(path, 32, augment))
 
 
 def test_ram_cache_holds_only_its_indices_in_one_buffer(tmp_path: Path) -> None:

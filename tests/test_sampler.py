@@ -1,4 +1,4 @@
-"""Tests for utils/data/sampler.py: equal steps per rank, shard-only sampling, epoch order, unpadded eval ranges."""
+"""Tests for utils/data/sampler.py: equal steps per rank, shard-only or shared sampling, epoch order, eval ranges."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.dist_helpers import run_distributed
@@ -143,3 +144,60 @@ def _gather_sampler_indices(ctx: DistContext, num_items: int, seed: int) -> None
 @pytest.mark.distributed
 def test_two_gloo_ranks_agree_on_lengths_and_cover_dataset(tmp_path: Path) -> None:
     run_distributed(_gather_sampler_indices, 2, tmp_path, 11, 5)
+
+
+def shared_samplers(num_items: int, world_size: int, seed: int = 3, **kwargs: object) -> list[SmartDistributedSampler]:
+    """One sampler per rank over every index, as the dataset's shard is with --cache shm."""
+    return [
+        SmartDistributedSampler(
+            np.arange(num_items), DistContext(rank=r, world_size=world_size), seed, num_items, **kwargs
+        )
+        for r in range(world_size)
+    ]
+
+
+@pytest.mark.parametrize(("num_items", "world_size"), SIZES)
+def test_shared_dataset_is_one_permutation_dealt_out_to_the_ranks(num_items: int, world_size: int) -> None:
+    samplers = shared_samplers(num_items, world_size)
+    per_epoch = []
+    for epoch in range(3):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        deals = [list(sampler) for sampler in samplers]
+        assert {len(deal) for deal in deals} == {math.ceil(num_items / world_size)}  # equal steps
+        everything = [index for deal in deals for index in deal]
+        assert set(everything) == set(range(num_items))  # every image this epoch
+        assert len(everything) - num_items < world_size  # repeats: only the padding of the last round
+        generator = torch.Generator().manual_seed(order_seed(3, epoch, 0))
+        permutation = torch.randperm(num_items, generator=generator).tolist()
+        assert deals[1] == (permutation * 2)[1 : len(deals[1]) * world_size : world_size]
+        per_epoch.append(deals[0])
+    assert len({tuple(deal) for deal in per_epoch}) == 3  # reshuffled each epoch
+    # A rank is not confined to a shard: over the epochs rank 0 draws from the whole dataset.
+    assert len(set(sum(per_epoch, []))) > math.ceil(num_items / world_size)
+
+
+def test_shared_dataset_in_one_process_samples_as_its_shard_would() -> None:
+    (sampler,) = shared_samplers(13, 1)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        generator = torch.Generator().manual_seed(order_seed(3, epoch, 0))  # rank 0's shard order
+        assert list(sampler) == torch.randperm(13, generator=generator).tolist()
+
+
+def test_shared_dataset_resumes_mid_epoch_and_repeats_per_seed_and_epoch() -> None:
+    sampler, again = shared_samplers(11, 2)[1], shared_samplers(11, 2)[1]
+    sampler.set_epoch(4)
+    whole = list(sampler)
+    again.set_epoch(4, start=2)
+    assert len(again) == 4 and list(again) == whole[2:]  # the rest of the interrupted epoch, exactly
+    other_seed = shared_samplers(11, 2, seed=4)[1]
+    other_seed.set_epoch(4)
+    assert list(other_seed) != whole
+
+
+def test_shared_dataset_without_shuffle_deals_out_dataset_order() -> None:
+    samplers = shared_samplers(11, 2, shuffle=False)
+    assert [list(s) for s in samplers] == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 0]]
+    with pytest.raises(ValueError, match="not each of"):
+        SmartDistributedSampler(np.zeros(10, np.int64), DistContext(rank=0, world_size=2), 0, dataset_len=10)

@@ -138,7 +138,7 @@ class TrainConfig:
     imgsz: int = QUICKSTART_IMGSZ
     device: str = ""
     workers: int = 4
-    cache: str = "auto"  # "auto" (RAM when small) | "none" | "ram" | "disk"
+    cache: str = "auto"  # "auto" (RAM when small) | "none" | "ram" | "shm" | "disk"
     optimizer: str = QUICKSTART_OPTIMIZER
     cos_lr: bool = False
     patience: int = 100
@@ -267,7 +267,8 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
         nargs="?",
         const="ram",
         default="auto",
-        help="cache resized train images: auto (RAM when they need <= 10%% of free memory) | ram | disk | none",
+        help="cache resized train images: auto (RAM when they need <= 10%% of free memory) | ram (each rank its "
+        "shard) | shm (one copy per node in /dev/shm, every rank samples the whole dataset) | disk | none",
     )
     parser.add_argument("--optimizer", default=QUICKSTART_OPTIMIZER, help="SGD | Adam | AdamW (YOLOv5: SGD)")
     parser.add_argument("--cos-lr", action="store_true", help="cosine LR schedule (default linear)")

@@ -1,4 +1,7 @@
-"""Per-rank image shards and the RAM/disk cache of resized images for this rank's shard."""
+"""Per-rank image shards, image decoding/resizing, and the RAM/disk cache of resized images for this rank's shard.
+
+`--cache shm` (one copy per node in shared memory, every rank reads every image) is in shm_cache.py.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from utils.memory import memory_headroom
 
 LOGGER = logging.getLogger(__name__)
 
-CACHE_MODES = ("auto", "none", "ram", "disk")
+CACHE_MODES = ("auto", "none", "ram", "shm", "disk")
 MEMORY_SAFETY_MARGIN = 0.1  # keep this fraction of available memory free for the rest of training
 AUTO_CACHE_FRACTION = 0.1  # "auto" caches in RAM only when the node's shards need at most this much of it
 GB = 1 << 30
@@ -42,6 +45,20 @@ def resized_hw(height: int, width: int, img_size: int) -> tuple[int, int]:
     """Return (h, w) after scaling so the long side equals `img_size` (aspect ratio kept, at least 1 px)."""
     ratio = img_size / max(height, width)
     return max(1, round(height * ratio)), max(1, round(width * ratio))
+
+
+def resized_table(shapes_wh: np.ndarray, img_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return the resized (h, w) of each image, (N, 2) int64, and its byte offsets in one packed buffer, (N + 1,) int64.
+
+    `shapes_wh`: (N, 2) original (w, h). Image i occupies bytes offsets[i]:offsets[i + 1] as
+    (h, w, 3) uint8; offsets[-1] is the total. The RAM and shared-memory caches both lay out
+    their buffers with it, so a size computed here is the size they hold.
+    """
+    sizes = [resized_hw(int(h), int(w), img_size) for w, h in np.asarray(shapes_wh).reshape(-1, 2)]
+    hw = np.array(sizes, dtype=np.int64).reshape(-1, 2)
+    offsets = np.zeros(len(hw) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(hw[:, 0] * hw[:, 1] * 3)
+    return hw, offsets
 
 
 def resize_long_side(image: np.ndarray, img_size: int, augment: bool = False) -> np.ndarray:
@@ -129,10 +146,7 @@ class ImageCache:
         self.img_size = img_size
         self.augment = augment  # resize as the dataset does (see resize_long_side)
         self.indices = np.asarray(indices, dtype=np.int64)
-        sizes = [resized_hw(int(h), int(w), img_size) for w, h in np.asarray(shapes_wh)[self.indices]]
-        self.hw = np.array(sizes, dtype=np.int64).reshape(-1, 2)
-        self.offsets = np.zeros(len(self.indices) + 1, dtype=np.int64)
-        self.offsets[1:] = np.cumsum(self.hw[:, 0] * self.hw[:, 1] * 3)
+        self.hw, self.offsets = resized_table(np.asarray(shapes_wh)[self.indices], img_size)
         self.slot_of = np.full(len(shapes_wh), -1, dtype=np.int64)  # dataset index -> slot, -1 = not held
         self.is_filled = np.zeros(len(self.indices), dtype=bool)
         self.buffer = np.zeros(0, dtype=np.uint8)

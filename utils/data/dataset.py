@@ -30,6 +30,7 @@ from utils.data.copy_paste import copy_paste, is_box_outline
 from utils.data.labels import LabelIndex, list_image_files
 from utils.data.masks import polygons_to_masks, polygons_to_overlap_mask
 from utils.data.scan import check_same_image_files, scan_labels
+from utils.data.shm_cache import ShmImageCache, open_shm_cache
 from utils.distributed import DistContext
 
 if TYPE_CHECKING:
@@ -47,8 +48,8 @@ class DatasetOptions:
     """How to build and serve a dataset; `num_classes` is required, the rest has YOLOv5 defaults.
 
     `batch_size` is the per-rank batch, used only for rectangular batch shapes; `cache_mode`
-    is "none", "auto", "ram" or "disk" (utils/data/cache.py); `seed` is the shared seed (shard split,
-    augmentation streams);
+    is "none", "auto", "ram", "shm" or "disk" (utils/data/cache.py, shm_cache.py); `seed` is the shared
+    seed (shard split, augmentation streams);
     `workers` sizes the label-scan and cache-fill thread pools. `close_mosaic_epoch`: from this
     epoch on (0-based, read from the item key) training items are single letterboxed images, no
     mosaic or mixup; None keeps mosaic throughout. With `with_masks` items carry
@@ -129,8 +130,10 @@ class LoadImagesAndLabels(Dataset):
 
     Every rank must construct it (the label scan waits for the local main rank). Training
     (`augment`) uses `self.shard = rank_shard(...)`: the image cache holds only these items and
-    mosaic/mixup partners are drawn only from them. Items are keyed by `index` or
-    `(index, epoch)`; all randomness of an item comes from
+    mosaic/mixup partners are drawn only from them. With `--cache shm` every rank reads every
+    image from the node's shared copy, so `self.shard` is every index (the sampler then deals out
+    one permutation of the whole dataset), unless that cache fell back to "ram". Items are keyed
+    by `index` or `(index, epoch)`; all randomness of an item comes from
     `np.random.default_rng([seed, rank, epoch, index])`, so augmentation repeats exactly for the
     same key, regardless of worker count, and differs between ranks and epochs.
 
@@ -165,15 +168,21 @@ class LoadImagesAndLabels(Dataset):
         self.use_mosaic = options.augment and not options.rect  # rect batches need unmixed images
         if options.augment and options.aug.copy_paste > 0 and ctx.is_main:
             _warn_if_copy_paste_idle(options.aug, self.use_mosaic, index)
-        self.shard = rank_shard(len(index), ctx, options.seed) if options.augment else np.arange(len(index))
-        self.cache: ImageCache | None = None
-        if options.cache_mode != "none":
+        self.cache: ImageCache | ShmImageCache | None = None
+        if options.cache_mode == "shm":  # every rank calls it; None on every rank means: fall back to "ram"
+            self.cache = open_shm_cache(
+                index.im_files, index.shapes, options.img_size, ctx, options.workers, augment=options.augment
+            )
+        # A training rank draws from its own shard, unless every rank can read every image from the node's copy.
+        every_image = not options.augment or isinstance(self.cache, ShmImageCache)
+        self.shard = np.arange(len(index)) if every_image else rank_shard(len(index), ctx, options.seed)
+        if options.cache_mode != "none" and self.cache is None:
             self.cache = ImageCache(
                 index.im_files,
                 index.shapes,
                 self.shard,
                 options.img_size,
-                options.cache_mode,
+                "ram" if options.cache_mode == "shm" else options.cache_mode,
                 ctx,
                 options.workers,
                 augment=options.augment,
@@ -238,7 +247,7 @@ class LoadImagesAndLabels(Dataset):
         except (OSError, ValueError, EOFError):  # np.load of a deleted, truncated or foreign .npy
             cached = None
         if cached is not None:
-            image = cached.copy() if self.cache.mode == "ram" else cached
+            image = cached.copy() if self.cache.mode in ("ram", "shm") else cached  # views of a shared buffer
             return image, (height0, width0), image.shape[:2]
         path = self.index.im_files[index]
         image = read_image(path)

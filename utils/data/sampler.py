@@ -1,4 +1,4 @@
-"""Samplers: per-epoch shuffled sampling of this rank's shard (train) and unpadded contiguous ranges (eval)."""
+"""Samplers: per-epoch shuffled order of this rank's shard or of the shared dataset (train), unpadded ranges (eval)."""
 
 from __future__ import annotations
 
@@ -34,17 +34,23 @@ def order_seed(seed: int, epoch: int, rank: int) -> int:
 
 
 class SmartDistributedSampler(Sampler[int]):
-    """Training sampler: this rank's shard in a fresh deterministic order each epoch, equally long on every rank.
+    """Training sampler: a fresh deterministic order each epoch, equally long on every rank.
 
-    `shard` holds the dataset indices this rank owns (from `dataset.shard`, i.e. `rank_shard`),
-    so the sampler draws only images this rank has cached. The order is a pure function of
-    (seed, epoch, rank): call `set_epoch(epoch)` before each epoch to reshuffle; the same
-    (seed, epoch) always gives the same order, also after a resume. Every rank yields
-    `num_samples` indices, default `ceil(dataset_len / world_size)`; a shorter shard is padded
-    by repeating its own items from the start of the epoch's permutation (never another rank's),
-    so DDP steps stay in lock-step without communication. A `num_samples` below the shard
-    length truncates the epoch. Raises ValueError when the shard does not match `dataset_len`
-    or when there are fewer items than ranks (a rank with nothing to sample).
+    `shard` holds the dataset indices this rank may read (`dataset.shard`). Two cases:
+    - its `rank_shard` (no cache, `ram`, `disk`): the sampler draws only images this rank has
+      cached, in an order that is a pure function of (seed, epoch, rank). A shorter shard is
+      padded by repeating its own items from the start of the epoch's permutation (never
+      another rank's).
+    - every index (`--cache shm`: every rank reads every image from the node's shared copy):
+      one permutation of the whole dataset per (seed, epoch), the same on every rank, padded
+      with its own head to `num_samples * world_size` and dealt out with rank r taking
+      positions r, r + W, ..., so an epoch shows every image once (padding aside) and mosaic
+      partners come from the whole dataset. With one process both cases give the same order.
+    Call `set_epoch(epoch)` before each epoch to reshuffle; the same (seed, epoch) always gives
+    the same order, also after a resume. Every rank yields `num_samples` indices, default
+    `ceil(dataset_len / world_size)`, so DDP steps stay in lock-step without communication. A
+    `num_samples` below that truncates the epoch. Raises ValueError when the shard is neither
+    of the two cases or when there are fewer items than ranks (a rank with nothing to sample).
     """
 
     def __init__(
@@ -58,11 +64,13 @@ class SmartDistributedSampler(Sampler[int]):
     ) -> None:
         self.shard = np.asarray(shard, dtype=np.int64).reshape(-1)
         self.rank = ctx.rank
+        self.world_size = ctx.world_size
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
         self.start = 0  # samples of this epoch already seen (mid-epoch resume)
         _check_shard(self.shard, dataset_len, ctx)
+        self.is_global = len(self.shard) == dataset_len  # every rank reads every item: one shared permutation
         self.num_samples = per_rank_length(dataset_len, ctx.world_size) if num_samples is None else num_samples
         if self.num_samples < 1:
             raise ValueError(f"SmartDistributedSampler: num_samples must be >= 1, got {self.num_samples}")
@@ -81,6 +89,8 @@ class SmartDistributedSampler(Sampler[int]):
 
     def epoch_indices(self) -> np.ndarray:
         """Return this epoch's dataset indices, (num_samples,) int64, padded from the same permutation."""
+        if self.is_global:
+            return self._global_indices()
         if self.shuffle:
             generator = torch.Generator().manual_seed(order_seed(self.seed, self.epoch, self.rank))
             positions = torch.randperm(len(self.shard), generator=generator).numpy()
@@ -90,6 +100,21 @@ class SmartDistributedSampler(Sampler[int]):
         repeats = math.ceil(self.num_samples / len(order))
         return np.tile(order, repeats)[: self.num_samples]
 
+    def _global_indices(self) -> np.ndarray:
+        """This rank's deal of the epoch's permutation of the whole dataset (shuffled with rank 0's seed).
+
+        Seeded as rank 0's shard order is, so a single process samples exactly as without a
+        shared cache. Without shuffling the shard's own order (the dataset's; aspect-ratio order
+        with rect) is dealt out, so each batch still holds similar shapes.
+        """
+        order = self.shard  # every index, in the same order on every rank
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(order_seed(self.seed, self.epoch, 0))
+            order = order[torch.randperm(len(order), generator=generator).numpy()]
+        total = self.num_samples * self.world_size
+        dealt = np.tile(order, math.ceil(total / len(order)))[:total]
+        return dealt[self.rank :: self.world_size]
+
     def __iter__(self) -> Iterator[int]:
         return iter(self.epoch_indices()[self.start :].tolist())
 
@@ -98,17 +123,21 @@ class SmartDistributedSampler(Sampler[int]):
 
 
 def _check_shard(shard: np.ndarray, dataset_len: int, ctx: DistContext) -> None:
-    """Raise ValueError when `shard` cannot be this rank's `rank_shard` of a `dataset_len` dataset."""
+    """Raise ValueError unless `shard` is this rank's `rank_shard` of a `dataset_len` dataset, or all of it."""
     if dataset_len < ctx.world_size:
         raise ValueError(
             f"dataset has {dataset_len} images but the job has {ctx.world_size} processes; "
             "every rank needs at least one image (use fewer processes or more data)"
         )
+    if len(shard) == dataset_len:  # every index: a cache every rank reads (--cache shm)
+        if not np.array_equal(np.sort(shard), np.arange(dataset_len)):
+            raise ValueError(f"rank {ctx.rank} shard has {dataset_len} indices but not each of 0..{dataset_len - 1}")
+        return
     shortest, longest = dataset_len // ctx.world_size, per_rank_length(dataset_len, ctx.world_size)
     if not shortest <= len(shard) <= longest:
         raise ValueError(
             f"rank {ctx.rank} shard has {len(shard)} indices, expected {shortest}..{longest} for "
-            f"{dataset_len} images over {ctx.world_size} ranks; pass the dataset's own rank_shard"
+            f"{dataset_len} images over {ctx.world_size} ranks (or all {dataset_len}); pass the dataset's own shard"
         )
     if shard.min() < 0 or shard.max() >= dataset_len:
         raise ValueError(f"rank {ctx.rank} shard has indices outside 0..{dataset_len - 1}")
