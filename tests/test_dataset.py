@@ -211,7 +211,8 @@ def test_ram_cache_holds_the_shard_and_serves_the_same_pixels(tmp_path: Path) ->
     a, b = cached[(int(cached.shard[0]), 4)], plain[(int(cached.shard[0]), 4)]
     assert torch.equal(a["image"], b["image"])
     item_image = cached.load_image(int(cached.shard[0]))[0]
-    item_image[:] = 0  # callers may write into what load_image returns without touching the cache
+    with pytest.raises(ValueError, match="read-only"):  # a view of the cache, not a copy: not writable
+        item_image[:] = 0
     assert cached.cache.get(int(cached.shard[0])).max() > 0
 
 

@@ -113,7 +113,8 @@ def test_dataset_with_shm_draws_from_every_image_and_copies_what_it_serves(tmp_p
             cached, decoded = dataset.load_image(index), plain.load_image(index)
             assert cached[1:] == decoded[1:] and np.array_equal(cached[0], decoded[0])
         image = dataset.load_image(0)[0]
-        image[:] = 0  # callers may write into what load_image returns without touching the shared copy
+        with pytest.raises(ValueError, match="read-only"):  # a view of the shared copy, not a copy: not writable
+            image[:] = 0
         assert dataset.cache.get(0).max() > 0
         assert dataset[(3, 1)]["image"].shape == (3, 32, 32)
     finally:

@@ -236,8 +236,9 @@ class LoadImagesAndLabels(Dataset):
     def load_image(self, index: int) -> LoadedImage:
         """Return (BGR image resized to long side img_size, (h0, w0) original, (h, w) resized).
 
-        Served from the cache when it holds the item (copied, so callers may modify it),
-        otherwise decoded from disk (`read_image`: EXIF orientation applied, any file name); a
+        Served from the cache when it holds the item: from the RAM or shm cache as a read-only
+        view, not a copy (a mosaic reads four images and writes none of them; every path that
+        changes pixels works on a new array); otherwise decoded from disk (`read_image`: EXIF orientation applied, any file name); a
         disk-cache file that vanished or broke since it was written is passed over for the image.
         Raises FileNotFoundError naming the file when it cannot be read.
         """
@@ -247,7 +248,8 @@ class LoadImagesAndLabels(Dataset):
         except (OSError, ValueError, EOFError):  # np.load of a deleted, truncated or foreign .npy
             cached = None
         if cached is not None:
-            image = cached.copy() if self.cache.mode in ("ram", "shm") else cached  # views of a shared buffer
+            image = cached.view()
+            image.flags.writeable = False  # a view of the shared buffer: a write would change the cache
             return image, (height0, width0), image.shape[:2]
         path = self.index.im_files[index]
         image = read_image(path)
