@@ -12,6 +12,7 @@ from utils.data.augment import (
     AugmentParams,
     Instances,
     augment_hsv,
+    bgr_to_rgb_chw,
     flip_lr,
     flip_ud,
     instances_to_labels,
@@ -401,3 +402,13 @@ def test_augment_params_defaults_are_yolov5() -> None:
     assert (params.translate, params.scale, params.fliplr, params.mosaic, params.mixup) == (0.1, 0.5, 0.5, 1.0, 0.0)
     with pytest.raises(AttributeError):
         params.scale = 0.9  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("shape", [(640, 640), (37, 91), (1, 1)])
+def test_bgr_to_rgb_chw_matches_the_numpy_transpose(shape: tuple[int, int]) -> None:
+    image = np.random.default_rng(0).integers(0, 256, (*shape, 3), dtype=np.uint8)
+    expected = np.ascontiguousarray(image[:, :, ::-1].transpose(2, 0, 1))
+    for source in (image, np.pad(image, ((2, 2), (3, 3), (0, 0)))[2:-2, 3:-3]):  # contiguous, and a strided view
+        out = bgr_to_rgb_chw(source)
+        assert out.flags.c_contiguous and not np.shares_memory(out, source)
+        np.testing.assert_array_equal(out, expected)

@@ -16,6 +16,7 @@ from utils.data.augment import (
     AugmentParams,
     Instances,
     augment_hsv,
+    bgr_to_rgb_chw,
     flip_lr,
     flip_ud,
     instances_to_labels,
@@ -238,8 +239,9 @@ class LoadImagesAndLabels(Dataset):
 
         Served from the cache when it holds the item: from the RAM or shm cache as a read-only
         view, not a copy (a mosaic reads four images and writes none of them; every path that
-        changes pixels works on a new array); otherwise decoded from disk (`read_image`: EXIF orientation applied, any file name); a
-        disk-cache file that vanished or broke since it was written is passed over for the image.
+        changes pixels works on a new array); otherwise decoded from disk (`read_image`: EXIF
+        orientation applied, any file name); a disk-cache file that vanished or broke since it
+        was written is passed over for the image.
         Raises FileNotFoundError naming the file when it cannot be read.
         """
         width0, height0 = (int(v) for v in self.index.shapes[index])
@@ -382,8 +384,8 @@ class LoadImagesAndLabels(Dataset):
         height, width = image.shape[:2]
         labels = torch.zeros((len(inst), 6), dtype=torch.float32)
         labels[:, 1:] = torch.from_numpy(instances_to_labels(inst, width, height))
-        rgb_chw = np.ascontiguousarray(image[:, :, ::-1].transpose(2, 0, 1))
-        item: dict[str, Any] = {"image": torch.from_numpy(rgb_chw), "labels": labels, "path": path, "shape": shape}
+        rgb_chw = torch.from_numpy(bgr_to_rgb_chw(image))
+        item: dict[str, Any] = {"image": rgb_chw, "labels": labels, "path": path, "shape": shape}
         if self.options.with_masks:
             if not self.options.augment:  # evaluation scores masks from the polygons; training never reads them
                 scale = np.array([width, height], dtype=np.float32)

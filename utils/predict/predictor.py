@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from utils.boxes import non_max_suppression, scale_boxes
-from utils.data.augment import letterbox
+from utils.data.augment import bgr_to_rgb_chw, letterbox
 from utils.data.loader import ShapeInfo
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, run_on_main
 from utils.errors import ConfigError
@@ -110,7 +110,7 @@ class FramePredictor:
         """Return (prediction, letterboxed input (H, W), seconds spent in pre-process, inference, NMS)."""
         start = time.perf_counter()
         letterboxed, ratio_wh, pad_wh = letterbox(image, self.cfg.imgsz, auto=True, stride=self.stride)
-        chw = np.ascontiguousarray(letterboxed.transpose(2, 0, 1)[::-1])  # HWC BGR -> CHW RGB
+        chw = bgr_to_rgb_chw(letterboxed)
         inputs = torch.from_numpy(chw).to(self.device)[None].to(self.dtype) / 255
         _sync(self.device)
         after_pre = time.perf_counter()
