@@ -53,9 +53,14 @@ def test_missing_and_non_numeric_hyp_keys(tmp_path: Path) -> None:
 
 
 def test_label_smoothing_flag_overrides_hyp() -> None:
-    cfg = config_from_args(build_train_parser().parse_args(["--label-smoothing", "0.1"]))
-    assert cfg.hyp.label_smoothing == pytest.approx(0.1)
-    assert config_from_args(build_train_parser().parse_args([])).hyp.label_smoothing == 0.0
+    # A given --hyp is read at once; with --hyp auto (the default) the flag waits for the file auto picks
+    # (tests/test_recipe.py).
+    cfg = config_from_args(build_train_parser().parse_args(["--hyp", str(DEFAULT_HYP), "--label-smoothing", "0.1"]))
+    assert cfg.hyp.label_smoothing == pytest.approx(0.1) and cfg.hyp_path == DEFAULT_HYP
+    plain = config_from_args(build_train_parser().parse_args(["--hyp", str(DEFAULT_HYP)]))
+    assert plain.hyp.label_smoothing == 0.0 and plain.label_smoothing is None
+    auto = config_from_args(build_train_parser().parse_args([]))
+    assert (auto.hyp, auto.hyp_path, auto.optimizer) == (None, None, "auto")
 
 
 def test_batch_not_divisible_by_world_size_is_one_line_error() -> None:
@@ -74,7 +79,8 @@ def test_batch_not_divisible_by_world_size_is_one_line_error() -> None:
     [
         (["--imgsz", "100"], "--imgsz 100"),
         (["--cache", "gpu"], "--cache gpu"),
-        (["--optimizer", "LBFGS"], "--optimizer LBFGS"),
+        (["--optimizer", "LBFGS"], "--optimizer LBFGS is not one of auto, SGD, Adam, AdamW"),
+        (["--label-smoothing", "1.5"], r"--label-smoothing 1.5 must be in \[0, 1\)"),  # checked before auto loads
         (["--epochs", "0"], "--epochs 0"),
         (["--close-mosaic", "-1"], "--close-mosaic -1"),
         (["--weights", "missing.pt"], "--weights missing.pt"),

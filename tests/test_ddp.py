@@ -36,7 +36,7 @@ from utils.train.setup import ModelBundle, verify_identical_weights
 IMGSZ = 64
 NUM_CLASSES = 3
 SPEC = spec_from_cfg("yolov5n", NUM_CLASSES)
-HYP = load_hyp(DEFAULT_HYP)
+HYP = load_hyp(DEFAULT_HYP)  # configs below name optimizer="AdamW" (the old default): no auto outside fit()
 GLOBAL_BATCH = 4
 WORLD_SIZE = 2
 MICRO_BATCHES = 6
@@ -137,7 +137,7 @@ def _first_step_gradients(ctx: DistContext) -> dict[str, Any]:
     """Run train_one_epoch on one batch (this rank's share of the global batch) and return the loss items
     and the gradients the optimizer steps with. The engine multiplies the loss by the world size."""
     model = _model_with_bn_pinned_to_eval()
-    cfg = TrainConfig(hyp=HYP, batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
+    cfg = TrainConfig(hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
     state = build_train_state(ModelBundle(model, SPEC, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT, ctx, batches=1)
     stepped_with = _record_step_gradients(state.optimizer, model)
     items = train_one_epoch(state, [_as_batch(*_rank_slice(*_fixed_global_batch(), ctx))], 0, cfg, ctx)
@@ -162,7 +162,7 @@ def _engine_steps(ctx: DistContext) -> dict[str, Any]:
     torch.manual_seed(10 + ctx.rank)  # different initial weights per rank: DDP must broadcast rank 0's
     model = build_model(SPEC)
     initial = _flat(model.parameters())
-    cfg = TrainConfig(hyp=HYP, batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
+    cfg = TrainConfig(hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
     bundle = ModelBundle(model, SPEC, tuple(SHAPE_NAMES[:NUM_CLASSES]))
     state = build_train_state(bundle, cfg, DETECT, ctx, batches=MICRO_BATCHES)
     no_sync_calls = _count_no_sync(state.ddp)
@@ -214,7 +214,7 @@ def _nonfinite_on_rank1(ctx: DistContext, num_batches: int = MICRO_BATCHES) -> d
     """
     torch.manual_seed(10)
     model = build_model(SPEC)
-    cfg = TrainConfig(hyp=HYP, batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
+    cfg = TrainConfig(hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
     state = build_train_state(ModelBundle(model, SPEC, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT, ctx, num_batches)
     stepped_with = _record_step_gradients(state.optimizer, model)
     real_loss, calls = state.loss_fn, []

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import train
 import val
@@ -17,6 +18,7 @@ from segment import train as seg_train
 from segment import val as seg_val
 from tests.conftest import make_tiny_dataset, tiny_val_argv
 from tests.test_torchrun import _torchrun
+from utils.config import QUICKSTART_HYP, load_hyp
 from utils.data.synthetic import SyntheticSpec
 from utils.errors import ConfigError
 
@@ -65,6 +67,13 @@ def test_segment_train_writes_box_and_mask_results(seg_run) -> None:
     assert {"mAP50", "mAP50-95", "mask_mAP50", "mask_mAP50-95", "fitness"} <= set(seg_run.metrics)
     checkpoint = torch.load(seg_run.best, map_location="cpu", weights_only=True)
     assert checkpoint["task"] == "segment" and checkpoint["model_spec"]["num_masks"] == 32
+
+
+def test_segment_train_chooses_its_recipe_by_the_detection_rule(seg_run) -> None:
+    # No --optimizer or --hyp: the same auto rule as train.py (16 images x 2 epochs: a short run, AdamW).
+    options = yaml.safe_load((seg_run.run_dir / "opt.yaml").read_text())
+    assert (options["optimizer"], options["hyp_path"]) == ("AdamW", str(QUICKSTART_HYP))
+    assert yaml.safe_load((seg_run.run_dir / "hyp.yaml").read_text()) == load_hyp(QUICKSTART_HYP).to_dict()
 
 
 def test_segment_val_on_best_reproduces_the_final_metrics(seg_run, tiny_data: Path, tmp_path: Path) -> None:

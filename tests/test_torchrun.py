@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import make_tiny_dataset
 from tests.dist_helpers import free_port
@@ -105,7 +106,14 @@ def test_only_rank0_writes_files_and_info_logs(ddp_run, tiny_data: Path) -> None
     assert not [p for p in project.rglob("*") if ".tmp" in p.name], "no temporary files left behind"
     assert len(list(tiny_data.parent.rglob("*.cache"))) == 2, "one label cache per split, written once"
     rank0, rank1 = launch.rank_stderr
-    for info in ("world size 2 | global batch 4 | per-rank batch 2", "optimizer:", "val: P", "Final ("):
+    infos = (
+        "world size 2 | global batch 4 | per-rank batch 2",
+        "optimizer auto -> AdamW",
+        "optimizer:",
+        "val: P",
+        "Final (",
+    )
+    for info in infos:
         assert info in rank0, f"rank 0 should log {info!r}"
         assert info not in rank1, f"rank 1 must not log {info!r}"
     # Rank 1 logs warnings only, tagged with its rank; indented lines belong to Python warnings.
@@ -146,3 +154,26 @@ def test_resume_under_torchrun_continues_from_saved_epoch(ddp_run, tmp_path: Pat
     assert resumed["epoch"] == original["epoch"] == 1
     for key, tensor in original["model"].items():
         torch.testing.assert_close(resumed["model"][key], tensor, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_resume_in_one_process_keeps_the_recipe_chosen_on_two(ddp_run, tmp_path: Path) -> None:
+    # The 2-rank run chose its recipe with --optimizer auto; resumed by one process (another world size,
+    # per-rank batch 4 instead of 2) it must train on with the same optimizer and hyp, not choose again.
+    import train
+
+    _, project = ddp_run
+    copy = tmp_path / "ddp"
+    shutil.copytree(project / "ddp", copy)
+
+    def recipe() -> tuple[str, str, dict]:
+        """(optimizer, hyp file) from opt.yaml and the values of hyp.yaml: what the run folder records."""
+        options = yaml.safe_load((copy / "opt.yaml").read_text())
+        return options["optimizer"], options["hyp_path"], yaml.safe_load((copy / "hyp.yaml").read_text())
+
+    chosen = recipe()
+    assert chosen[0] == "AdamW" and Path(chosen[1]).name == "hyp.quickstart.yaml"
+    result = train.main(["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0"])
+    assert result.run_dir == copy and result.epochs_run == 1
+    assert recipe() == chosen  # opt.yaml and hyp.yaml are written again by the resumed run
+    resumed = torch.load(copy / "weights" / "last.pt", map_location="cpu", weights_only=True)
+    assert (resumed["train_config"]["optimizer"], resumed["train_config"]["hyp_path"], resumed["hyp"]) == chosen

@@ -15,6 +15,7 @@ import yaml
 import train
 import val
 from tests.conftest import make_tiny_dataset, tiny_val_argv
+from utils.config import QUICKSTART_HYP, load_hyp
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -112,6 +113,22 @@ def test_train_writes_run_folder_and_finite_results(trained_run) -> None:
     assert closing == ["Closing mosaic: the last 1 epoch(s) train on single letterboxed images"]
 
 
+def test_auto_recipe_is_logged_once_and_recorded_in_the_run_folder(trained_run) -> None:
+    # No --optimizer or --hyp: 16 images / batch 8 x 2 epochs is far below AUTO_SGD_MIN_STEPS, so AdamW.
+    lines = [message for message in ENGINE_LOG if message.startswith("optimizer auto -> ")]
+    assert len(lines) == 1, ENGINE_LOG
+    assert lines[0].startswith(
+        "optimizer auto -> AdamW lr0 0.001 nbs 16 (data/hyps/hyp.quickstart.yaml): 2 optimizer steps "
+        "(16 images / batch 8 x 2 epochs); SGD at nominal batch 64 would get 2 < "
+    )
+    options = yaml.safe_load((trained_run.run_dir / "opt.yaml").read_text())
+    assert options["optimizer"] == "AdamW" and options["hyp_path"] == str(QUICKSTART_HYP)
+    hyp = yaml.safe_load((trained_run.run_dir / "hyp.yaml").read_text())
+    assert hyp == load_hyp(QUICKSTART_HYP).to_dict()
+    stored = torch.load(trained_run.last, map_location="cpu", weights_only=True)
+    assert stored["train_config"]["optimizer"] == "AdamW" and stored["hyp"] == hyp
+
+
 def test_train_writes_plots(trained_run) -> None:
     run_dir = trained_run.run_dir
     # 16 images in batches of 8: two first-epoch batches drawn, 8 tiles of 64 px in a 3 x 3 grid.
@@ -205,13 +222,21 @@ def test_resume_refuses_options_it_would_ignore_and_applies_epochs(trained_run, 
     last = str(_copy_run(trained_run, tmp_path) / "weights" / "last.pt")
     with pytest.raises(ConfigError, match="--imgsz cannot be changed"):
         resolve_resume(train_config_from_argv(["--resume", last, "--imgsz", "128"]), DistContext())
-    with pytest.raises(ConfigError, match="--label-smoothing cannot be changed"):  # a hyp value, not a field
+    with pytest.raises(ConfigError, match="--label-smoothing cannot be changed"):
         resolve_resume(train_config_from_argv(["--resume", last, "--label-smoothing", "0.1"]), DistContext())
     resolve_resume(train_config_from_argv(["--resume", last, "--imgsz", "64"]), DistContext())  # the run's own value
     cfg, checkpoint = resolve_resume(train_config_from_argv(["--resume", last, "--epochs", "5"]), DistContext())
     assert cfg.epochs == 5 and cfg.imgsz == 64 and checkpoint["epoch"] == 1  # the run trained 2 of now 5 epochs
     cfg, _ = resolve_resume(train_config_from_argv(["--resume", last]), DistContext())
     assert (cfg.epochs, cfg.batch_size) == (2, 8)
+    # The run's recipe is restored, never chosen again: auto asks for exactly that, another optimizer is refused.
+    assert (cfg.optimizer, cfg.hyp_path, cfg.hyp) == ("AdamW", QUICKSTART_HYP, load_hyp(QUICKSTART_HYP))
+    cfg, _ = resolve_resume(
+        train_config_from_argv(["--resume", last, "--optimizer", "auto", "--hyp", "auto"]), DistContext()
+    )
+    assert (cfg.optimizer, cfg.hyp_path) == ("AdamW", QUICKSTART_HYP)
+    with pytest.raises(ConfigError, match="--optimizer cannot be changed"):
+        resolve_resume(train_config_from_argv(["--resume", last, "--optimizer", "SGD"]), DistContext())
 
 
 def test_resumed_batch_is_checked_against_the_new_world_size(trained_run, tmp_path: Path) -> None:

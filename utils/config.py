@@ -20,15 +20,17 @@ from utils.train.optim import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT / "data" / "synthetic.yaml"
-DEFAULT_HYP = ROOT / "data" / "hyps" / "hyp.scratch-low.yaml"
-# `python train.py` with no flags is the quick start: a short from-scratch run on the built-in
-# dataset that finishes in under 15 minutes on 2 CPU cores. For your own data use the YOLOv5 recipe:
-# --hyp data/hyps/hyp.scratch-low.yaml --optimizer SGD --imgsz 640 --epochs 100 --batch-size 64.
-QUICKSTART_HYP = ROOT / "data" / "hyps" / "hyp.quickstart.yaml"
+# `--optimizer auto` / `--hyp auto` (the defaults) choose one of two recipe files from the run's size
+# (utils/train/recipe.py): YOLOv5's SGD recipe for runs with many optimizer steps, and for the others
+# AdamW stepping once per batch of 16 (on 400 images x 60 epochs the SGD recipe reached a quarter of
+# AdamW's mAP50-95, issue 16). `python train.py` with no flags is the quick start: a short from-scratch
+# run on the built-in dataset that finishes in under 15 minutes on 2 CPU cores.
+AUTO = "auto"
+DEFAULT_HYP = ROOT / "data" / "hyps" / "hyp.scratch-low.yaml"  # YOLOv5's default; auto's long-run recipe
+QUICKSTART_HYP = ROOT / "data" / "hyps" / "hyp.quickstart.yaml"  # auto's short-run recipe (AdamW)
 QUICKSTART_IMGSZ = 224
 QUICKSTART_EPOCHS = 20
 QUICKSTART_BATCH = 16
-QUICKSTART_OPTIMIZER = "AdamW"
 QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)
 LOGGER = logging.getLogger(__name__)
 AMP_MODES = ("auto", "fp16", "bf16", "off")
@@ -79,6 +81,11 @@ class Hyp:
 YOLOV5_HYP_DEFAULTS = {"nbs": 64.0, "label_smoothing": 0.0, "fl_gamma": 0.0}
 
 
+def hyp_overrides(label_smoothing: float | None) -> dict[str, float]:
+    """The hyp values command-line flags replace: --label-smoothing when given (None: the file's value)."""
+    return {} if label_smoothing is None else {"label_smoothing": label_smoothing}
+
+
 def load_hyp(path: Path, overrides: dict[str, float] | None = None) -> Hyp:
     """Load a hyp YAML into a Hyp; unknown, missing or non-numeric keys are one-line errors naming the file.
 
@@ -126,20 +133,26 @@ def _log_yolov5_hyp(path: Path, defaults: dict[str, float], anchors: float | Non
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Every training option, resolved once from the command line. Nothing mutates it."""
+    """Every training option, resolved once from the command line. Nothing mutates it.
 
-    hyp: Hyp
+    `optimizer` "auto" and `hyp` None (--hyp auto) stand for choices that need the train set's size;
+    fit() replaces them with concrete ones (utils/train/recipe.py: resolve_recipe) before anything is
+    built or written, so opt.yaml, hyp.yaml and checkpoints always hold what ran.
+    """
+
+    hyp: Hyp | None = None  # None: --hyp auto, not yet chosen
     data: Path = DEFAULT_DATA
     model: str = "yolov5n"  # --cfg: a size (yolov5n..x, -seg) or a model YAML path
     weights: str = ""
-    hyp_path: Path = QUICKSTART_HYP
+    hyp_path: Path | None = None  # the hyp file; None: --hyp auto, or a Hyp given directly
+    label_smoothing: float | None = None  # --label-smoothing, applied to the hyp file (None: the file's value)
     epochs: int = QUICKSTART_EPOCHS
     batch_size: int = QUICKSTART_BATCH  # global: summed over all ranks
     imgsz: int = QUICKSTART_IMGSZ
     device: str = ""
     workers: int = 4
     cache: str = "auto"  # "auto" (RAM when small) | "none" | "ram" | "shm" | "disk"
-    optimizer: str = QUICKSTART_OPTIMIZER
+    optimizer: str = AUTO  # "auto" | "SGD" | "Adam" | "AdamW"
     cos_lr: bool = False
     patience: int = 100
     freeze: tuple[int, ...] = ()
@@ -197,9 +210,9 @@ def config_from_dict(options: dict[str, Any]) -> TrainConfig:
         key = RENAMED_OPTIONS.get(key, key)
         if key not in known:
             continue  # options of another version: ignore rather than refuse to resume
-        if key == "hyp":
+        if key == "hyp" and value is not None:
             value = Hyp(**value)
-        elif key in ("data", "hyp_path", "project"):
+        elif key in ("data", "hyp_path", "project") and value is not None:
             value = Path(value)
         elif key == "freeze":
             value = tuple(value)
@@ -249,7 +262,8 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     """Return the argparse parser of train.py (and segment/train.py), YOLOv5-compatible flags."""
     parser = argparse.ArgumentParser(
         description=f"Train a YOLO {task} model (launch with torchrun for several GPUs). With no flags: the 15-minute "
-        "CPU quick start on the built-in dataset; for real data see README (YOLOv5 recipe flags)."
+        "CPU quick start on the built-in dataset; add --data for your own. The optimizer and hyp file are chosen from "
+        "the run's size unless given (README: Choosing a recipe)."
     )
     add_common_flags(parser)
     default_cfg = "yolov5n-seg" if task == "segment" else "yolov5n"
@@ -258,7 +272,10 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     )
     parser.add_argument("--weights", default="", help="checkpoint to fine-tune from ('' = train from scratch)")
     parser.add_argument(
-        "--hyp", type=Path, default=QUICKSTART_HYP, help="hyperparameter YAML (YOLOv5: data/hyps/hyp.scratch-low.yaml)"
+        "--hyp",
+        default=AUTO,
+        help="hyperparameter YAML, or auto (default): the recipe file of the optimizer, data/hyps/hyp.scratch-low.yaml "
+        "(YOLOv5's) for SGD, data/hyps/hyp.quickstart.yaml for Adam/AdamW",
     )
     parser.add_argument("--epochs", type=int, default=QUICKSTART_EPOCHS)
     parser.add_argument("--batch-size", type=int, default=QUICKSTART_BATCH, help="GLOBAL batch, summed over all ranks")
@@ -270,7 +287,12 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
         help="cache resized train images: auto (RAM when they need <= 10%% of free memory) | ram (each rank its "
         "shard) | shm (one copy per node in /dev/shm, every rank samples the whole dataset) | disk | none",
     )
-    parser.add_argument("--optimizer", default=QUICKSTART_OPTIMIZER, help="SGD | Adam | AdamW (YOLOv5: SGD)")
+    parser.add_argument(
+        "--optimizer",
+        default=AUTO,
+        help="auto (default: SGD for runs with many optimizer steps, else AdamW; with --hyp, the optimizer of its "
+        "lr0) | SGD | Adam | AdamW (YOLOv5: SGD)",
+    )
     parser.add_argument("--cos-lr", action="store_true", help="cosine LR schedule (default linear)")
     parser.add_argument("--label-smoothing", type=float, default=None, help="label smoothing epsilon (overrides hyp)")
     parser.add_argument("--patience", type=int, default=100, help="early stop after this many epochs without gain")
@@ -336,12 +358,13 @@ def train_config_from_argv(argv: list[str] | None, task: str = "detect") -> Trai
 def config_from_args(args: argparse.Namespace, task: str = "detect") -> TrainConfig:
     """Build the frozen TrainConfig from parsed flags, reading the hyp YAML once."""
     check_dist_timeout(args.dist_timeout)  # here, not in validate(): the process group is made with it
-    overrides = {} if args.label_smoothing is None else {"label_smoothing": args.label_smoothing}
     names = {f.name for f in fields(TrainConfig)}
     values: dict[str, Any] = {key: value for key, value in vars(args).items() if key in names}
+    # --hyp auto is loaded once fit() knows the train set's size (utils/train/recipe.py); a file is loaded now.
+    hyp_path = None if str(args.hyp) == AUTO else Path(args.hyp)
     values.update(
-        hyp=load_hyp(args.hyp, overrides),
-        hyp_path=args.hyp,
+        hyp=None if hyp_path is None else load_hyp(hyp_path, hyp_overrides(args.label_smoothing)),
+        hyp_path=hyp_path,
         cache=str(args.cache).lower(),
         freeze=tuple(args.freeze),
         resume=args.resume or "",
@@ -365,8 +388,8 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
         raise ConfigError(f"--close-mosaic {cfg.close_mosaic} must be >= 0")
     if cfg.cache not in CACHE_MODES:
         raise ConfigError(f"--cache {cfg.cache} is not one of {', '.join(CACHE_MODES)}")
-    if cfg.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer {cfg.optimizer} is not one of {', '.join(OPTIMIZERS)}")
+    if cfg.optimizer not in (AUTO, *OPTIMIZERS):
+        raise ConfigError(f"--optimizer {cfg.optimizer} is not one of {', '.join((AUTO, *OPTIMIZERS))}")
     if cfg.workers < 0:
         raise ConfigError(f"--workers {cfg.workers} must be >= 0")
     if cfg.save_period_steps < 0:
@@ -375,10 +398,11 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
         raise ConfigError(f"--seed {cfg.seed} must be in [0, 2**32); every rank derives its randomness from it")
     if cfg.mask_ratio not in (1, 2, 4, 8):
         raise ConfigError(f"--mask-ratio {cfg.mask_ratio} must be one of 1, 2, 4, 8 (a divisor of the stride 8)")
-    if cfg.hyp.nbs < 1:
+    if cfg.hyp is not None and cfg.hyp.nbs < 1:  # an auto-chosen file is ours, with nbs 16 or 64
         raise ConfigError(f"{cfg.hyp_path}: nbs {cfg.hyp.nbs} must be at least 1")
-    if not 0.0 <= cfg.hyp.label_smoothing < 1.0:
-        raise ConfigError(f"--label-smoothing {cfg.hyp.label_smoothing} must be in [0, 1)")
+    smoothing = cfg.hyp.label_smoothing if cfg.hyp is not None else cfg.label_smoothing
+    if smoothing is not None and not 0.0 <= smoothing < 1.0:
+        raise ConfigError(f"--label-smoothing {smoothing} must be in [0, 1)")
     if cfg.weights and not Path(cfg.weights).is_file():
         raise ConfigError(f"--weights {cfg.weights}: file not found")
     if not cfg.resume and not Path(cfg.data).is_file():
@@ -461,9 +485,14 @@ def val_config_from_args(args: argparse.Namespace) -> ValConfig:
 
 
 def save_run_config(cfg: TrainConfig, run_dir: Path, ctx: DistContext) -> None:
-    """Write opt.yaml (resolved options) and hyp.yaml to the run folder, on rank 0 only."""
+    """Write opt.yaml (resolved options) and hyp.yaml to the run folder, on rank 0 only.
+
+    `cfg` must be resolved: opt.yaml names the concrete optimizer and hyp file, hyp.yaml holds the
+    values that ran (what --resume and a user repeating the run need), never "auto".
+    """
     if not ctx.is_main:
         return
+    assert cfg.hyp is not None and cfg.optimizer != AUTO, "save_run_config: resolve the recipe first"
     run_dir.mkdir(parents=True, exist_ok=True)
     options = cfg.to_dict()
     hyp = options.pop("hyp")

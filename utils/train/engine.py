@@ -18,7 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from models.yolo import memory_format
-from utils.config import TrainConfig
+from utils.config import AUTO, TrainConfig
 from utils.data.data_config import DataConfig, load_data_config
 from utils.distributed import (
     DistContext,
@@ -57,6 +57,7 @@ from utils.train.setup import (
     build_model_bundle,
     log_startup,
     resolve_resume,
+    resolve_run_recipe,
     run_anchor_check,
     verify_identical_weights,
 )
@@ -231,7 +232,11 @@ def _optimizer_step(state: TrainState) -> None:
 
 
 def build_train_state(bundle: ModelBundle, cfg: TrainConfig, task: Task, ctx: DistContext, batches: int) -> TrainState:
-    """Wrap the model for DDP, then create optimizer, LR schedule, scaler, EMA and loss identically on every rank."""
+    """Wrap the model for DDP, then create optimizer, LR schedule, scaler, EMA and loss identically on every rank.
+
+    `cfg` must name a concrete optimizer and hyp (fit() resolves `auto` first: resolve_run_recipe).
+    """
+    assert cfg.hyp is not None and cfg.optimizer != AUTO, "build_train_state: resolve the recipe first"
     model = bundle.model
     nominal = int(cfg.hyp.nbs)
     accumulate = accumulate_steps(cfg.batch_size, nominal)
@@ -293,9 +298,11 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
     if ctx.device.type == "cuda" and not cfg.deterministic and not cfg.rect:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: cuDNN times its kernels once and keeps the best
+    data = load_data_config(cfg.data, ctx)
+    # Before the run folder: opt.yaml and hyp.yaml record the concrete optimizer and hyp, never "auto".
+    cfg = resolve_run_recipe(cfg, data, ctx, resumed=resume_ckpt is not None)
     run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resume_ckpt is not None, ctx, subdirs=("weights",))
     run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx), ctx, f"writing the run folder {run_dir}")
-    data = load_data_config(cfg.data, ctx)
     # A bad annotations file fails now, not after training; the parsed file is not kept (it can be large).
     check_coco_target(data, "val", ctx, cfg.single_cls)
     bundle = build_model_bundle(cfg, task, data, ctx, resume_ckpt)

@@ -1,4 +1,4 @@
-"""Training set-up before the loop: resume, model, datasets and loaders, anchor check, weight check, start-up log."""
+"""Training set-up before the loop: resume, recipe, model, datasets and loaders, anchor check, weight check, log."""
 
 from __future__ import annotations
 
@@ -14,17 +14,19 @@ from torch import nn
 
 from models.anchors import check_anchors
 from models.yolo import ModelSpec, memory_format, model_info
-from utils.config import Hyp, TrainConfig, config_from_dict
+from utils.config import AUTO, Hyp, TrainConfig, config_from_dict
 from utils.convert import load_weights
 from utils.data.augment import AugmentParams
 from utils.data.data_config import DataConfig
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
+from utils.data.labels import list_image_files
 from utils.data.loader import build_train_loader, build_val_loader
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch, run_on_main
 from utils.errors import ConfigError
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
 from utils.train.faults import find_restarted_run
+from utils.train.recipe import needs_image_count, resolve_recipe, restored_recipe_line
 
 LOGGER = logging.getLogger(__name__)
 
@@ -125,8 +127,15 @@ def _same(given: Any, stored: Any) -> bool:
 
 
 def _option(cfg: TrainConfig, name: str) -> Any:
-    """The value a flag's destination `name` set: a TrainConfig field, or a hyp value (--label-smoothing)."""
-    return getattr(cfg, name) if hasattr(cfg, name) else getattr(cfg.hyp, name)
+    """The value flag destination `name` gives the run; --label-smoothing's is the hyp's (the file's when not given)."""
+    if name == "label_smoothing" and cfg.hyp is not None:
+        return cfg.hyp.label_smoothing
+    return getattr(cfg, name)
+
+
+def _is_auto(name: str, value: Any) -> bool:
+    """Whether a flag given with --resume asks for auto (`--optimizer auto`, `--hyp auto`): the run's own choice."""
+    return (name == "optimizer" and value == AUTO) or (name == "hyp" and value is None)
 
 
 def _refuse_changed_options(cfg: TrainConfig, stored: TrainConfig) -> None:
@@ -134,7 +143,7 @@ def _refuse_changed_options(cfg: TrainConfig, stored: TrainConfig) -> None:
     changed = [
         name
         for name in sorted(cfg.explicit - set(RESUME_OVERRIDES) - set(MACHINE_OPTIONS))
-        if not _same(_option(cfg, name), _option(stored, name))
+        if not _is_auto(name, _option(cfg, name)) and not _same(_option(cfg, name), _option(stored, name))
     ]
     if changed:
         flag = "--" + {"model": "cfg"}.get(changed[0], changed[0]).replace("_", "-")
@@ -187,6 +196,26 @@ def _check_resumed_batch(resumed: TrainConfig, stored: TrainConfig, ctx: DistCon
             f"--resume: {source} --batch-size {resumed.batch_size} is not divisible by {ctx.world_size} processes; "
             f"pass --batch-size N (a multiple of {ctx.world_size}) with --resume to change the global batch"
         ) from None
+
+
+def resolve_run_recipe(cfg: TrainConfig, data: DataConfig, ctx: DistContext, resumed: bool) -> TrainConfig:
+    """Return `cfg` with `--optimizer auto` / `--hyp auto` resolved, and log the choice in one line on rank 0.
+
+    Every rank must call it. The rule (utils/train/recipe.py) needs the train set's size only when
+    both are auto: rank 0 counts the images the train split lists and broadcasts the count, so every
+    rank resolves the same recipe. A resumed run keeps the optimizer and hyp of its checkpoint, even
+    when --epochs or --batch-size change its number of steps: its optimizer state belongs to them.
+    """
+    if resumed and cfg.optimizer != AUTO and cfg.hyp is not None:
+        LOGGER.info(restored_recipe_line(cfg))
+        return cfg
+    count = None
+    if needs_image_count(cfg):
+        listed = run_on_main(lambda: len(list_image_files(data.split("train"))), ctx, "counting the train images")
+        count = broadcast_object(listed, ctx)
+    resolved, line = resolve_recipe(cfg, count)
+    LOGGER.info(line)
+    return resolved
 
 
 def _transfer_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
