@@ -11,15 +11,22 @@ then measures (a) `__getitem__` called in this process, the floor of one mosaic 
 cv2.warpAffine of the 2x canvas) and (b) batches drawn through `utils.data.loader.build_train_loader`
 with each `--workers` count, each after a warm-up that is not timed. Prints images/s and ms/image,
 then the ratios issue 14 targets: __getitem__ / warp floor, and loader W workers / 0 workers.
+Then (c) the label scan of the train images without a label cache, in this process and in worker
+processes (start-up included), and the re-read of an unchanged dataset's label cache, and (d) the
+RAM cache fill of this rank's shard (decode + resize, with the dataset's thread count). The files
+are in the page cache by then (the dataset build read them), so (c) and (d) measure CPU, not disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import cv2
@@ -31,15 +38,18 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/data_pipeline.py`
     sys.path.insert(0, str(ROOT))
 
 from utils.config import DEFAULT_DATA, DEFAULT_HYP, load_hyp  # noqa: E402  (needs the sys.path line above)
+from utils.data.cache import ImageCache  # noqa: E402
 from utils.data.data_config import load_data_config  # noqa: E402
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels  # noqa: E402
 from utils.data.loader import build_train_loader  # noqa: E402
+from utils.data.scan import VerifierPool, scan_labels, scan_pool_size, scan_workers  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.logs import setup_logging  # noqa: E402
 from utils.train.setup import augment_params  # noqa: E402
 
 LOGGER = logging.getLogger("benchmarks.data_pipeline")
 MODEL_STRIDE = 32  # largest stride of every YOLOv5 size; only used for rect shapes, which are off here
+SCAN_REPEATS = 2  # label scans are short (about a second): the best of two is less noisy than one
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,6 +143,65 @@ def time_loader(
     return seconds / max(images, 1), images, loader.num_workers
 
 
+def best_seconds(run: Callable[[], object], repeats: int = SCAN_REPEATS) -> float:
+    """Return the shortest wall time of `repeats` calls of `run`: the least disturbed by other work on the machine."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def verify_with_pool(files: list[str], num_classes: int, workers: int) -> None:
+    """Verify `files` with a VerifierPool of `workers` (1: in this process), starting and stopping its workers."""
+    with VerifierPool(workers) as pool:
+        pool.verify(files, num_classes)
+
+
+def time_label_scan(dataset: LoadImagesAndLabels, ctx: DistContext) -> list[tuple[str, float, str]]:
+    """Return (label, seconds per image, detail) rows: the label scan without a cache, both ways, and the cache re-read.
+
+    The scans verify every train image and label file as a first run does, in this process and
+    in scan_pool_size worker processes (their start-up included, as a scan pays it); which of the
+    two `scan_labels` picks for this many files is in the detail. The re-read is what every later
+    run does: stat every image and label, compare the digest, load the .npz; no image is opened.
+    Each figure is the best of SCAN_REPEATS runs.
+    """
+    files, num_classes = sorted(dataset.im_files), dataset.options.num_classes
+    picked = max(scan_workers(len(files), ctx), 1)
+    rows = []
+    for workers in sorted({1, scan_pool_size(ctx)}):
+        seconds = best_seconds(functools.partial(verify_with_pool, files, num_classes, workers))
+        label = "this process" if workers == 1 else f"{workers} worker processes"
+        detail = f"{len(files)} files{', what scan_labels picks' if workers == picked else ''}"
+        rows.append((f"(c) label scan, {label}", seconds / len(files), detail))
+    with tempfile.TemporaryDirectory() as folder:
+        cache = Path(folder) / "labels.cache"
+        scan_labels(files, num_classes, ctx, cache_path=cache)  # writes the cache
+        seconds = best_seconds(functools.partial(scan_labels, files, num_classes, ctx, cache_path=cache))
+        rows.append(("(c) label cache re-read", seconds / len(files), "unchanged dataset, no image opened"))
+    return rows
+
+
+def time_cache_fill(
+    dataset: LoadImagesAndLabels, args: argparse.Namespace, ctx: DistContext
+) -> tuple[float, str] | None:
+    """Return (seconds per image, detail) of filling a RAM ImageCache with this rank's shard, as the dataset does.
+
+    Decode and resize to `--imgsz` with the dataset's thread count, into a second cache that is
+    dropped afterwards (the dataset's own cache stays as the loader timings used it). None when
+    that second cache does not fit in memory (ImageCache then logs why).
+    """
+    threads = dataset.options.workers
+    start = time.perf_counter()
+    cache = ImageCache(dataset.im_files, dataset.shapes, dataset.shard, args.imgsz, "ram", ctx, threads, augment=True)
+    seconds = time.perf_counter() - start
+    if not len(cache):
+        return None
+    return seconds / len(cache), f"{len(cache)} images, {threads} threads, {cache.nbytes / 2**30:.2f} GiB"
+
+
 def report(label: str, seconds_per_image: float, detail: str) -> None:
     """Print one result line: images/s and ms/image."""
     print(f"{label:<34} {1 / seconds_per_image:8.1f} images/s  {1000 * seconds_per_image:7.2f} ms/image  ({detail})")
@@ -169,6 +238,13 @@ def main(argv: list[str] | None = None) -> None:
         print("".join(f" | loader {w} workers / 0 workers {rate / rates[0]:.2f}x" for w, rate in rates.items() if w))
     else:
         print()
+    for label, seconds_per_image, detail in time_label_scan(dataset, ctx):
+        report(label, seconds_per_image, detail)
+    fill = time_cache_fill(dataset, args, ctx)
+    if fill is None:
+        print("(d) RAM cache fill: skipped, a second copy of the shard does not fit in memory")
+    else:
+        report("(d) RAM cache fill (read + resize)", *fill)
 
 
 if __name__ == "__main__":

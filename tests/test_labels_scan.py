@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 import utils.data.scan as scan_module
 from tests.dist_helpers import run_distributed
@@ -27,7 +29,14 @@ from utils.data.labels import (
     load_label_cache,
     verify_image_label,
 )
-from utils.data.scan import concatenate_indices, differing_ranks_message, scan_labels
+from utils.data.scan import (
+    VerifierPool,
+    concatenate_indices,
+    differing_ranks_message,
+    scan_labels,
+    scan_pool_size,
+    scan_workers,
+)
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.tasks import DETECT
@@ -102,35 +111,197 @@ def test_differing_ranks_message_names_ranks_counts_and_digests() -> None:
     assert "\n" not in many and "rank 3 has 6" in many and "rank 4" not in many and "and 2 more rank(s)" in many
 
 
+# ------------------------------------------------------------------------------ worker processes, the label cache
+
+
+def _many_polygons(count: int, points: int, seed: int) -> str:
+    """A label file of `count` star-shaped polygons of `points` vertices, inside the image, classes 0-2."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(count):
+        angles = np.linspace(0, 2 * np.pi, points, endpoint=False)
+        radii = rng.uniform(0.02, 0.08) * np.where(np.arange(points) % 2, 0.5, 1.0)
+        centre = rng.uniform(0.1, 0.9, size=2)
+        xy = np.stack([centre[0] + radii * np.cos(angles), centre[1] + radii * np.sin(angles)], 1)
+        lines.append(" ".join([str(i % 3), *(f"{v:.6f}" for v in xy.reshape(-1))]))
+    return "\n".join(lines) + "\n"
+
+
+def _varied_folder(root: Path) -> Path:
+    """_folder's files, plus JPEGs (EXIF-rotated, truncated, empty) and many-polygon, repaired and corrupt labels."""
+    images = _folder(root)
+    rng = np.random.default_rng(0)
+    labels = {
+        "j00": _many_polygons(30, 24, seed=1),
+        "j01": _many_polygons(5, 40, seed=2),
+        "j02": "0 0.5 0.5\n",  # 3 columns: corrupt
+        "j03": "5 0.5 0.5 0.2 0.2\n",  # class 5 of 3: corrupt
+        "j04": "0 0.5 0.5 0.2 0.204\n1 0.3 0.3 0.1 0.1\n",  # a coordinate 0.004 past the edge: clipped
+        "j05": "0 0.1 0.1 0.5 0.5 0.9 0.9\n",  # collinear: dropped, the file becomes empty
+        "j06": "0 x 0.5 0.2 0.2\n",  # non-numeric: corrupt
+        "j07": "2 0.5 0.5 0.2 0.2\n" * 3 + "1 0.5 0.5 0.9 0.9\n",  # duplicates removed
+        "j08": _many_polygons(12, 8, seed=3),  # the image is truncated: corrupt whatever the label says
+        "j09": "1 0.5 0.5 0.2 0.2\n",  # EXIF-rotated image
+    }
+    for stem, text in labels.items():
+        width, height = int(rng.integers(40, 90)), int(rng.integers(40, 90))
+        cv2.imwrite(str(images / f"{stem}.jpg"), rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        Path(image_to_label_path(images / f"{stem}.jpg")).write_text(text)
+    truncated = images / "j08.jpg"
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    exif = Image.Exif()
+    exif[0x0112] = 6  # displayed rotated by 90 degrees
+    Image.new("RGB", (60, 30)).save(images / "j09.jpg", exif=exif.tobytes())
+    (images / "j10_empty.jpg").write_bytes(b"")
+    return images
+
+
+def _varied_reference(root: Path) -> tuple[list[str], LabelIndex]:
+    files = list_image_files(_varied_folder(root))
+    reference = _reference_index(files, num_classes=3)
+    assert all(reference.counts[status] for status in ("found", "missing", "empty", "corrupt")), reference.counts
+    assert len(reference.messages) >= 9 and reference.num_degenerate == 1 and len(reference.seg_points) > 900
+    return files, reference
+
+
+@pytest.mark.distributed  # starts worker processes
+def test_worker_processes_give_exactly_the_in_process_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scan_module, "CHUNK_FILES", 4)  # 23 files: 6 jobs over 2 workers
+    files, reference = _varied_reference(tmp_path)
+    with VerifierPool(2) as pool:
+        assert pool.num_workers == 2
+        _assert_same_index(pool.verify(files, 3), reference)  # order, counts, messages, arrays and dtypes
+        _assert_same_index(pool.verify(files[5:6], 3), _reference_index(files[5:6], 3))  # more jobs, same workers
+        workers = list(pool.workers)
+    assert [worker.returncode for worker in workers] == [0, 0]  # closing the pool let each worker exit by itself
+    _assert_same_index(VerifierPool(1).verify(files, 3), reference)  # one worker: verified in this process
+
+
+@pytest.mark.distributed  # starts worker processes
+def test_scan_labels_verifies_in_worker_processes_round_by_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files, reference = _varied_reference(tmp_path)
+    monkeypatch.setattr(scan_module, "SCAN_ROUND_FILES", 10)  # 23 files: rounds of 10, 10 and 3
+    monkeypatch.setattr(scan_module, "CHUNK_FILES", 3)
+    monkeypatch.setattr(scan_module, "MIN_POOL_FILES", 23)  # just enough files for the pool
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    blocks: list[tuple[int, int]] = []
+    verify = VerifierPool.verify
+
+    def recording_verify(pool: VerifierPool, image_files: list[str], num_classes: int) -> LabelIndex:
+        blocks.append((len(image_files), pool.num_workers))
+        return verify(pool, image_files, num_classes)
+
+    monkeypatch.setattr(VerifierPool, "verify", recording_verify)
+    _assert_same_index(scan_labels(files, 3, DistContext(), num_workers=8), reference)
+    assert blocks == [(10, 2), (10, 2), (3, 2)]  # one pool for the whole scan, capped at the CPUs
+
+
+@pytest.mark.distributed  # starts worker processes
+def test_a_worker_that_died_is_an_error_naming_it_not_a_hang(tmp_path: Path) -> None:
+    files = list_image_files(_folder(tmp_path))
+    with VerifierPool(2) as pool:
+        victim = pool.workers[0]  # the first job goes to the first idle worker
+        victim.kill()
+        victim.wait()
+        with pytest.raises(RuntimeError, match=rf"label scan worker {victim.pid} stopped \(exit status -9\)"):
+            pool.verify(files, 2)
+    assert all(worker.returncode is not None for worker in pool.workers)
+
+
+def test_pool_size_is_the_cpus_of_this_process_shared_by_the_ranks_of_its_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert [scan_pool_size(DistContext(local_world_size=n)) for n in (1, 3, 8, 16, 32)] == [16, 5, 2, 1, 1]
+    two_ranks = DistContext(rank=1, local_rank=1, world_size=2, local_world_size=2)
+    enough = 2 * scan_module.MIN_POOL_FILES  # a share of MIN_POOL_FILES per rank
+    assert [scan_workers(enough, two_ranks), scan_workers(enough - 2, two_ranks)] == [8, 0]
+    assert scan_workers(enough, two_ranks, max_workers=3) == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert scan_pool_size(DistContext(local_world_size=1)) == 1
+
+
+def test_small_scans_and_a_single_cpu_start_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_process(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(scan_module.subprocess, "Popen", no_process)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    files = list_image_files(_folder(tmp_path))
+    reference = _reference_index(files)
+    _assert_same_index(scan_labels(files, 2, DistContext(), num_workers=8), reference)  # 12 files: too few
+    monkeypatch.setattr(scan_module, "MIN_POOL_FILES", 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    cache = tmp_path / "one_cpu.cache"
+    _assert_same_index(scan_labels(files, 2, DistContext(), num_workers=8, cache_path=cache), reference)
+
+
+def test_unchanged_dataset_rereads_the_cache_without_opening_an_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files, reference = _varied_reference(tmp_path)
+    _assert_same_index(scan_labels(files, 3, DistContext()), reference)
+    # Garbage of the same size and modification time: the cache key still matches, and only a scan
+    # that opened the images would see that none of them is an image any more.
+    for path in files:
+        stat = os.stat(path)
+        Path(path).write_bytes(b"\0" * stat.st_size)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    opened: list[object] = []
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        opened.append(args[0])
+        raise AssertionError("an image was opened although the label cache is current")
+
+    monkeypatch.setattr(Image, "open", refuse)
+    monkeypatch.setattr(scan_module, "_scan_in_rounds", refuse)
+    _assert_same_index(scan_labels(files, 3, DistContext()), reference)
+    assert opened == []
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="no usable images"):  # what a scan that read them would have found
+        scan_labels(files, 3, DistContext(), cache_path=tmp_path / "fresh.cache")
+
+
 # ------------------------------------------------------------------------------ two ranks, real gloo
 
 
 def _scan_on_rank(ctx: DistContext, folder: str) -> dict[str, Any]:
-    """Scan with no cache (rounds of 3 files), then again from the cache; record what this rank verified and wrote."""
-    scan_module.SCAN_ROUND_FILES = 3  # 12 files on 2 ranks: 2 rounds of 6, each rank 3 per round
-    verified: list[str] = []
-    writes: list[str] = []
-    verify, save = scan_module.verify_image_label, scan_module.save_label_cache
+    """Scan with no cache (rounds of 3 files, 2 worker processes per rank), then again from the cache.
 
-    def recording_verify(image_path: str, label_path: str, num_classes: int) -> Any:
-        verified.append(image_path)
-        return verify(image_path, label_path, num_classes)
+    Records the blocks this rank's pool verified, its worker count, and the cache writes.
+    """
+    scan_module.SCAN_ROUND_FILES = 3  # 12 files on 2 ranks: 2 rounds of 6, each rank 3 per round
+    scan_module.CHUNK_FILES = 2  # a block of 3 files is two jobs, one per worker
+    scan_module.MIN_POOL_FILES = 1  # processes even for 6 files per rank
+    scan_module.scan_pool_size = lambda ctx: 2  # 2 ranks on a 2-core machine would otherwise get 1 each
+    verified: list[str] = []
+    workers: list[int] = []
+    writes: list[str] = []
+    verify, save = scan_module.VerifierPool.verify, scan_module.save_label_cache
+
+    def recording_verify(pool: scan_module.VerifierPool, image_files: list[str], num_classes: int) -> LabelIndex:
+        verified.extend(image_files)
+        workers.append(pool.num_workers)
+        return verify(pool, image_files, num_classes)
 
     def recording_save(path: Path, index: LabelIndex, digest: str) -> bool:
         writes.append(str(path))
         return save(path, index, digest)
 
-    scan_module.verify_image_label = recording_verify  # patched where the scan looks them up
-    scan_module.save_label_cache = recording_save
+    scan_module.VerifierPool.verify = recording_verify  # type: ignore[method-assign]
+    scan_module.save_label_cache = recording_save  # patched where the scan looks it up
     files = list_image_files(folder)
-    scanned = scan_labels(files, 2, ctx, num_workers=2)
+    scanned = scan_labels(files, 2, ctx)
     verified_when_scanning = list(verified)
-    cached = scan_labels(files, 2, ctx, num_workers=2)
+    cached = scan_labels(files, 2, ctx)
     return {
         "scanned": scanned,
         "cached": cached,
         "verified": verified_when_scanning,
         "verified_again": verified[len(verified_when_scanning) :],
+        "workers": workers,
         "writes": writes,
     }
 
@@ -145,6 +316,7 @@ def test_two_ranks_scan_their_blocks_build_one_index_and_write_the_cache_once(tm
         _assert_same_index(rank["scanned"], reference)  # file order, corrupt file counted and left out
         _assert_same_index(rank["cached"], reference)
         assert rank["verified_again"] == []  # the second call read the cache
+        assert rank["workers"] == [2, 2]  # each round's block went to this rank's two worker processes
     # Each rank verified its own contiguous blocks of every round; together each file exactly once.
     assert rank0["verified"] and rank1["verified"]
     assert sorted(rank0["verified"] + rank1["verified"]) == sorted(files)

@@ -51,7 +51,8 @@ class DatasetOptions:
     `batch_size` is the per-rank batch, used only for rectangular batch shapes; `cache_mode`
     is "none", "auto", "ram", "shm" or "disk" (utils/data/cache.py, shm_cache.py); `seed` is the shared
     seed (shard split, augmentation streams);
-    `workers` sizes the label-scan and cache-fill thread pools. `close_mosaic_epoch`: from this
+    `workers` sizes the cache-fill thread pools (the label scan uses this rank's share of the CPUs,
+    utils/data/scan.py). `close_mosaic_epoch`: from this
     epoch on (0-based, read from the item key) training items are single letterboxed images, no
     mosaic or mixup; None keeps mosaic throughout. With `with_masks` items carry
     polygons and masks at image size / `mask_ratio`, one per instance or, with `overlap_mask`,
@@ -151,7 +152,7 @@ class LoadImagesAndLabels(Dataset):
             raise ValueError(f"mask ratio {options.mask_ratio} must be a positive integer")
         self.options = options
         self.ctx = ctx
-        index = scan_labels(list_image_files(sources), options.num_classes, ctx, options.workers)
+        index = scan_labels(list_image_files(sources), options.num_classes, ctx)
         self.batch_shapes: np.ndarray | None = None  # (num_batches, 2) (h, w) in rect mode
         if options.rect:
             order, batch_shapes = rect_batch_shapes(
