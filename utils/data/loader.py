@@ -252,7 +252,7 @@ class TrainLoader:
     def __init__(self, loader: DataLoader, sampler: SmartDistributedSampler) -> None:
         self.loader = loader
         self.sampler = sampler
-        self.unreadable = UnreadableImages("another image of this rank's shard is used in its place")
+        self.unreadable = UnreadableImages("another training image this rank may read is used in its place")
 
     @property
     def dataset(self) -> Dataset:
