@@ -53,8 +53,8 @@ from utils.eval.coco import EVAL_FILE  # noqa: E402
 from utils.train.recipe import optimizer_steps, resolve_recipe  # noqa: E402
 
 SCRIPTS = {"detect": "train.py", "segment": "segment/train.py"}
-# MEASURE (issue 16, item 3): the close-mosaic candidate trains this share of the epochs without mosaic
-# (Ultralytics closes the last 10). --close-mosaic stays 0 by default until this row says otherwise.
+# The close-mosaic candidate trains this share of the epochs without mosaic (Ultralytics closes the last
+# 10). Measured: +0.005 / 0.000 mAP50-95 on the built-in and a 100-image set (README), so the default stays 0.
 CLOSE_MOSAIC_SHARE = 0.15
 
 
