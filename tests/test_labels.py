@@ -187,7 +187,7 @@ def test_label_cache_reused_then_invalidated(tmp_path: Path, monkeypatch: pytest
     def must_not_verify(*args: object) -> None:
         raise AssertionError("verified again although the cache is valid")
 
-    monkeypatch.setattr(scan_module, "verify_image_label", must_not_verify)
+    monkeypatch.setattr(scan_module, "verify_files", must_not_verify)
     second = scan_labels(files, 3, CTX)
     np.testing.assert_array_equal(second.labels, first.labels)
     assert second.counts == first.counts and second.im_files == first.im_files

@@ -88,6 +88,16 @@ def read_launch_env() -> tuple[int, int, int, int]:
     return rank, local_rank, world_size, local_world_size
 
 
+def local_cpu_share(ctx: DistContext) -> int:
+    """CPUs this process may run on (affinity: SLURM, taskset), divided evenly among the ranks of its node.
+
+    What one rank may use for loader workers or scan processes without oversubscribing the node;
+    0 when the node has fewer CPUs than ranks.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpus // max(ctx.local_world_size, 1)
+
+
 def select_device(device_arg: str, local_rank: int = 0) -> torch.device:
     """Turn a `--device` value ('', 'cpu', '0', 'cuda:0', '0,1') into this process's device.
 

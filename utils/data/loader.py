@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, default_collate
 
 from utils.data.sampler import ShardedInferenceSampler, SmartDistributedSampler
-from utils.distributed import DistContext
+from utils.distributed import DistContext, local_cpu_share
 
 LOGGER = logging.getLogger(__name__)
 
@@ -141,8 +141,7 @@ def resolve_num_workers(requested: int, ctx: DistContext, per_rank_batch: int) -
     the ranks on this node so the node is not oversubscribed; more workers than images per
     batch would only sit idle. 0 means loading in the main process.
     """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(requested, cpus // max(ctx.local_world_size, 1), per_rank_batch))
+    return max(0, min(requested, local_cpu_share(ctx), per_rank_batch))
 
 
 # Added to each loader worker's nice value. When workers and the training process want more CPU than the

@@ -23,15 +23,14 @@ from tqdm import tqdm
 from utils.data.labels import (
     STATUSES,
     LabelIndex,
-    build_index,
     files_hash,
     image_to_label_path,
     label_cache_path,
     load_label_cache,
     save_label_cache,
-    verify_image_label,
+    verify_files,
 )
-from utils.distributed import DistContext, all_gather_objects, barrier
+from utils.distributed import DistContext, all_gather_objects, barrier, local_cpu_share
 from utils.errors import ConfigError
 from utils.logs import tqdm_disabled
 
@@ -58,8 +57,7 @@ def scan_pool_size(ctx: DistContext) -> int:
     CPUs are those this process may run on (affinity: SLURM, taskset), divided among the ranks
     on this node, which all scan at the same time. 1 means verifying in the rank's own process.
     """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // max(ctx.local_world_size, 1))
+    return max(1, local_cpu_share(ctx))
 
 
 def scan_workers(num_files: int, ctx: DistContext, max_workers: int | None = None) -> int:
@@ -123,8 +121,8 @@ class VerifierPool:
 
     def verify(self, image_files: Sequence[str], num_classes: int) -> LabelIndex:
         """Return exactly verify_files(image_files, num_classes), computed in jobs of CHUNK_FILES files."""
-        if self.threads is None:  # labels.verify_files, but through this module's name, which tests replace
-            return build_index([verify_image_label(f, image_to_label_path(f), num_classes) for f in image_files])
+        if self.threads is None:
+            return verify_files(image_files, num_classes)
         chunks = [image_files[i : i + CHUNK_FILES] for i in range(0, len(image_files), CHUNK_FILES)]
         job = functools.partial(self._verify_chunk, num_classes=num_classes)
         return concatenate_indices(list(self.threads.map(job, chunks)))
