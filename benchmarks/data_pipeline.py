@@ -7,10 +7,17 @@ Usage (from the repository root):
 
 Builds the training dataset as `train.py` does on one rank (augment on, strengths from `--hyp`,
 by default YOLOv5's hyp.scratch-low.yaml rather than the quick start's; the chosen cache mode),
-then measures (a) `__getitem__` called in this process, the floor of one mosaic sample (one
-cv2.warpAffine of the 2x canvas) and (b) batches drawn through `utils.data.loader.build_train_loader`
-with each `--workers` count, each after a warm-up that is not timed. Prints images/s and ms/image,
-then the ratios issue 14 targets: __getitem__ / warp floor, and loader W workers / 0 workers.
+then measures (a) `__getitem__` called in this process, twice: as a CPU run builds it (HSV jitter
+in the item) and as a CUDA run does (HSV gains drawn, the jitter left to the GPU), and the floor of
+one mosaic sample (one cv2.warpAffine of the 2x canvas); (b) batches drawn through
+`utils.data.loader.build_train_loader` with each `--workers` count, each after a warm-up that is not
+timed, from the dataset of `--hsv` (default: as on CUDA). Prints images/s and ms/image, then the
+ratios issue 14 targets: __getitem__ / warp floor, and loader W workers / 0 workers.
+
+This process runs OpenCV on `--cv-threads` threads (default 1), as every loader worker does: the
+single-process figures are then one core's, the unit the worker counts are compared to. (With
+OpenCV's own pool the 0-worker loader also uses every core; that is what `train.py --workers 0`
+gets, and `--cv-threads 0` shows it.)
 Then (c) the label scan of the train images without a label cache, in this process and in worker
 processes (start-up included), and the re-read of an unchanged dataset's label cache, and (d) the
 RAM cache fill of this rank's shard (decode + resize, with the dataset's thread count). The files
@@ -20,6 +27,7 @@ are in the page cache by then (the dataset build read them), so (c) and (d) meas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import os
@@ -65,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16, help="images per batch (one rank's batch)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches before timing (a) and (b)")
     parser.add_argument("--cache", default="ram", choices=("ram", "disk", "none"), help="image cache mode")
+    parser.add_argument(
+        "--hsv", default="device", choices=("device", "worker"), help="where the loader's items get their HSV jitter"
+    )
+    parser.add_argument("--cv-threads", type=int, default=1, help="OpenCV threads here (0: OpenCV's default pool)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -83,6 +95,7 @@ def build_dataset(args: argparse.Namespace, ctx: DistContext) -> LoadImagesAndLa
         num_classes=len(data.names),
         seed=args.seed,
         workers=max(1, max(args.workers)),
+        hsv_on_device=args.hsv == "device",
     )
     return LoadImagesAndLabels(data.split("train"), options, ctx)
 
@@ -212,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.warmup < 1:
         raise SystemExit("error: --warmup must be at least 1 (the first batch includes worker start-up)")
+    if args.cv_threads:
+        cv2.setNumThreads(args.cv_threads)
     ctx = DistContext()
     setup_logging(ctx)
     start = time.perf_counter()
@@ -221,11 +236,16 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"dataset: {len(dataset)} train images, imgsz {args.imgsz}, cache {args.cache} ({cached} cached), "
         f"mosaic p={dataset.options.aug.mosaic}, built in {build_seconds:.1f}s | "
-        f"CPUs {len(os.sched_getaffinity(0))}, torch threads {torch.get_num_threads()}"
+        f"CPUs {len(os.sched_getaffinity(0))}, torch threads {torch.get_num_threads()}, "
+        f"OpenCV threads {cv2.getNumThreads()}, loader items jittered on the {args.hsv}"
     )
     num_items = args.batches * args.batch_size
-    per_item = time_getitem(dataset, num_items, args.warmup * args.batch_size, args.seed)
-    report("(a) __getitem__, one process", per_item, f"{num_items} items")
+    per_item = {}
+    for where in sorted(("worker", "device"), key=lambda w: w == args.hsv):  # the loader's setting last, kept
+        dataset.options = dataclasses.replace(dataset.options, hsv_on_device=where == "device")
+        per_item[where] = time_getitem(dataset, num_items, args.warmup * args.batch_size, args.seed)
+        run = "CUDA run, HSV on the GPU" if where == "device" else "CPU run, HSV in the item"
+        report("(a) __getitem__, one process", per_item[where], f"{num_items} items, as a {run}")
     floor = time_warp_floor(args.imgsz)
     report(f"warpAffine {2 * args.imgsz}^2 -> {args.imgsz}^2 floor", floor, "one per mosaic sample")
     rates = {}
@@ -233,7 +253,11 @@ def main(argv: list[str] | None = None) -> None:
         per_image, images, workers = time_loader(dataset, args, ctx, count)
         rates[workers] = 1 / per_image
         report(f"(b) train loader, {workers} worker(s)", per_image, f"{images} images, batch {args.batch_size}")
-    print(f"ratios: __getitem__ / warp floor {per_item / floor:.2f}", end="")
+    print(
+        f"ratios: __getitem__ / warp floor {per_item['device'] / floor:.2f} (CUDA run), "
+        f"{per_item['worker'] / floor:.2f} (CPU run)",
+        end="",
+    )
     if 0 in rates:
         print("".join(f" | loader {w} workers / 0 workers {rate / rates[0]:.2f}x" for w, rate in rates.items() if w))
     else:

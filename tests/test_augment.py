@@ -11,7 +11,6 @@ import pytest
 from utils.data.augment import (
     AugmentParams,
     Instances,
-    augment_hsv,
     bgr_to_rgb_chw,
     flip_lr,
     flip_ud,
@@ -22,6 +21,7 @@ from utils.data.augment import (
     random_perspective,
     transform_instances,
 )
+from utils.data.colour import augment_hsv
 from utils.data.polygons import clip_polygon
 
 GREY = 114

@@ -20,6 +20,7 @@ import cv2
 import numpy as np
 import torch
 
+from utils.data.colour import hsv_jitter
 from utils.eval.metrics import RECALL_LEVELS, DetectionMetrics
 
 if TYPE_CHECKING:
@@ -47,9 +48,17 @@ def batch_drawer(run_dir: Path, names: Sequence[str], on_saved: OnSaved | None =
 
     def draw(i: int, batch: dict[str, Any]) -> None:
         if i < TRAIN_BATCH_PLOTS:
-            _draw_safely(lambda: batch, names, run_dir / f"train_batch{i}.jpg", on_saved)
+            _draw_safely(lambda: _colour_jittered(batch), names, run_dir / f"train_batch{i}.jpg", on_saved)
 
     return draw
+
+
+def _colour_jittered(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch with the HSV gains it carries (jitter left to the device on CUDA) applied, as the model sees it."""
+    if "hsv_gains" not in batch:
+        return batch
+    images = hsv_jitter(batch["images"].float() / 255, batch["hsv_gains"])
+    return {**batch, "images": (images * 255).round().to(torch.uint8)}
 
 
 def val_batch_drawer(save_dir: Path, names: Sequence[str], on_saved: OnSaved | None = None) -> Callable[..., None]:

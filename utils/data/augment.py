@@ -368,29 +368,6 @@ def mixup(
     return blended, Instances.concat([inst1, inst2])
 
 
-def augment_hsv(image: np.ndarray, rng: np.random.Generator, hgain: float, sgain: float, vgain: float) -> np.ndarray:
-    """Randomly shift hue and scale saturation/value of a BGR uint8 image, IN PLACE, and return it.
-
-    Each gain g draws a factor in [1 - g, 1 + g]; the change is applied through 256-entry
-    lookup tables on the uint8 HSV image (OpenCV hue range 0..179 wraps around), which is
-    much faster than float maths. Callers must not pass a cached image they want to keep.
-    """
-    if not (hgain or sgain or vgain):
-        return image
-    gains = rng.uniform(-1, 1, 3) * np.array([hgain, sgain, vgain]) + 1
-    levels = np.arange(256, dtype=np.float32)
-    lut_hue = ((levels * gains[0]) % 180).astype(np.uint8)
-    lut_saturation = np.clip(levels * gains[1], 0, 255).astype(np.uint8)
-    lut_value = np.clip(levels * gains[2], 0, 255).astype(np.uint8)
-    table = np.stack((lut_hue, lut_saturation, lut_value), axis=1)[None]  # (1, 256, 3): one table per channel
-    hsv = cv2.LUT(cv2.cvtColor(image, cv2.COLOR_BGR2HSV), table)
-    if image.flags.c_contiguous:
-        cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR, dst=image)
-    else:  # OpenCV cannot write into a strided view (e.g. a numpy flip)
-        image[...] = cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)
-    return image
-
-
 def flip_lr(image: np.ndarray, inst: Instances) -> tuple[np.ndarray, Instances]:
     """Mirror left-right: x -> width - x for boxes and polygons (returns a new image)."""
     width = image.shape[1]

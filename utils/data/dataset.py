@@ -15,7 +15,6 @@ from torch.utils.data import Dataset
 from utils.data.augment import (
     AugmentParams,
     Instances,
-    augment_hsv,
     bgr_to_rgb_chw,
     flip_lr,
     flip_ud,
@@ -27,6 +26,7 @@ from utils.data.augment import (
     transform_instances,
 )
 from utils.data.cache import CACHE_MODES, ImageCache, rank_shard, read_image, resize_long_side
+from utils.data.colour import IDENTITY_GAINS, apply_hsv, draw_hsv_gains
 from utils.data.copy_paste import copy_paste, is_box_outline
 from utils.data.labels import LabelIndex, list_image_files
 from utils.data.masks import polygons_to_masks, polygons_to_overlap_mask
@@ -56,7 +56,9 @@ class DatasetOptions:
     epoch on (0-based, read from the item key) training items are single letterboxed images, no
     mosaic or mixup; None keeps mosaic throughout. With `with_masks` items carry
     polygons and masks at image size / `mask_ratio`, one per instance or, with `overlap_mask`,
-    one index mask per image (docs/CONTRACTS.md, "Segmentation").
+    one index mask per image (docs/CONTRACTS.md, "Segmentation"). With `hsv_on_device` training
+    items carry their HSV gains (`hsv`) instead of having them applied; the training loop applies
+    them to the batch on the device (utils/data/colour.py; train.py sets it on CUDA).
     """
 
     img_size: int = 640
@@ -75,6 +77,7 @@ class DatasetOptions:
     seed: int = 0
     workers: int = 8
     close_mosaic_epoch: int | None = None
+    hsv_on_device: bool = False
 
     @classmethod
     def for_evaluation(cls, **settings: Any) -> DatasetOptions:
@@ -355,12 +358,16 @@ class LoadImagesAndLabels(Dataset):
             index, loaded = self._load_readable(index, rng, unreadable)
             image, inst, shape = self._letterboxed(index, loaded)
             image, inst = self._perspective(image, inst, rng)
-        image = augment_hsv(image, rng, aug.hsv_h, aug.hsv_s, aug.hsv_v)
+        gains = draw_hsv_gains(rng, aug.hsv_h, aug.hsv_s, aug.hsv_v)
+        if gains is not None and not self.options.hsv_on_device:
+            image = apply_hsv(image, gains)
         if rng.random() < aug.flipud:
             image, inst = flip_ud(image, inst)
         if rng.random() < aug.fliplr:
             image, inst = flip_lr(image, inst)
         item = self._to_item(image, inst, self.index.im_files[index], shape)
+        if self.options.hsv_on_device:  # per-pixel, so it commutes with the flips
+            item["hsv"] = torch.tensor(IDENTITY_GAINS if gains is None else gains, dtype=torch.float32)
         if unreadable:
             item["unreadable"] = unreadable
         return item

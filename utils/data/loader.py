@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, default_collate
 
+from utils.data.batch_slots import BatchSlots
 from utils.data.sampler import ShardedInferenceSampler, SmartDistributedSampler
 from utils.distributed import DistContext, local_cpu_share
 
@@ -35,17 +36,20 @@ class Batch(_BatchRequired, total=False):
 
     images: (B, 3, H, W) uint8 RGB; targets: (N, 6) float32 [batch_index, cls, cx, cy, w, h]
     normalised; paths/shapes: one entry per image. Optional: `segments`, per image the list of
-    (k, 2) float32 normalised polygons; `masks`, the items' mask tensors concatenated on dim 0.
+    (k, 2) float32 normalised polygons; `masks`, the items' mask tensors concatenated on dim 0;
+    `hsv_gains` (B, 3), HSV factors still to apply on the device (`DatasetOptions.hsv_on_device`).
     `unreadable` (always set by `collate_batch`): paths of images that could not be read while the
     batch was built, replaced by other images (training) or left out of it (evaluation).
     """
 
     segments: list[list[np.ndarray]]
     masks: torch.Tensor
+    hsv_gains: torch.Tensor
     unreadable: list[str]
+    slot: int
 
 
-def collate_batch(items: list[dict[str, Any]]) -> Batch:
+def collate_batch(items: list[dict[str, Any]], slots: BatchSlots | None = None) -> Batch:
     """Stack dataset items (dicts per docs/CONTRACTS.md) into one `Batch`.
 
     Writes each image's position in the batch into column 0 of its labels (on a copy, so a
@@ -59,6 +63,8 @@ def collate_batch(items: list[dict[str, Any]]) -> Batch:
     Items whose `image` is None (evaluation images that could not be read) are left out; their
     paths, and those of images a training item replaced, go to the batch's `unreadable`. When
     every item is left out the batch holds no image (`EvalLoader` drops such batches).
+    With `slots` (train loader workers) the images go into one of the worker's reused buffers and
+    the batch names it in `slot`, which `TrainLoader` removes when it hands the batch on.
     """
     if not items:
         raise ValueError("collate_batch: got an empty batch")
@@ -82,9 +88,11 @@ def collate_batch(items: list[dict[str, Any]]) -> Batch:
         labels = labels.to(torch.float32, copy=True)
         labels[:, 0] = position
         targets.append(labels)
+    images = [item["image"] for item in items]
+    # Both stack straight into shared memory inside a worker, saving one copy per batch.
+    images_batch, slot = slots.stack(images) if slots is not None else (default_collate(images), None)
     batch: Batch = {
-        # default_collate stacks into shared memory inside a worker, saving one copy per batch.
-        "images": default_collate([item["image"] for item in items]),
+        "images": images_batch,
         "targets": torch.cat(targets, 0),
         "paths": paths,
         "shapes": [item["shape"] for item in items],
@@ -94,6 +102,10 @@ def collate_batch(items: list[dict[str, Any]]) -> Batch:
         batch["segments"] = [list(item["segments"]) for item in items]
     if _carried_by(items, "masks"):
         batch["masks"] = torch.cat([item["masks"] for item in items], 0)
+    if _carried_by(items, "hsv"):
+        batch["hsv_gains"] = torch.stack([item["hsv"] for item in items])
+    if slot is not None:
+        batch["slot"] = slot
     return batch
 
 
@@ -248,9 +260,10 @@ class TrainLoader:
     prefetch at once.
     """
 
-    def __init__(self, loader: DataLoader, sampler: SmartDistributedSampler) -> None:
+    def __init__(self, loader: DataLoader, sampler: SmartDistributedSampler, slots: BatchSlots | None = None) -> None:
         self.loader = loader
         self.sampler = sampler
+        self.slots = slots
         self.unreadable = UnreadableImages("another training image this rank may read is used in its place")
 
     @property
@@ -278,6 +291,8 @@ class TrainLoader:
         """Yield the epoch's batches; unreadable images they report are warned about once each and counted."""
         count = 0
         for batch in self.loader:
+            if self.slots is not None:
+                batch = self.slots.take(batch)
             count += self.unreadable.note(batch)
             yield batch
         self.unreadable.summarise(count, f"training epoch {self.sampler.epoch + 1}")
@@ -305,11 +320,16 @@ def build_train_loader(
     """
     sampler = SmartDistributedSampler(dataset.shard, ctx, seed, dataset_len=len(dataset), shuffle=shuffle)
     workers = resolve_num_workers(num_workers, ctx, per_rank_batch)
+    slots = None
+    if workers > 0 and hasattr(dataset, "options"):  # LoadImagesAndLabels: batches of at most img_size squares
+        side = dataset.options.img_size
+        # A worker has at most `prefetch_factor` batches in flight (built or being built); one slot to spare.
+        slots = BatchSlots(workers, prefetch_factor + 1, (per_rank_batch, 3, side, side))
     loader = DataLoader(
         dataset,
         batch_sampler=EpochKeyBatchSampler(sampler, per_rank_batch),
         num_workers=workers,
-        collate_fn=collate_batch,
+        collate_fn=functools.partial(collate_batch, slots=slots),
         pin_memory=ctx.device.type == "cuda",
         worker_init_fn=functools.partial(init_worker, seed=seed, rank=ctx.rank),
         generator=torch.Generator().manual_seed(seed + ctx.rank),
@@ -324,7 +344,7 @@ def build_train_loader(
             per_rank_batch,
             workers,
         )
-    return TrainLoader(loader, sampler)
+    return TrainLoader(loader, sampler, slots)
 
 
 class EvalLoader(DataLoader):

@@ -47,7 +47,7 @@ from utils.train.optim import (
     scaled_weight_decay,
     warmup_iterations,
 )
-from utils.train.prefetch import DevicePrefetcher
+from utils.train.prefetch import DevicePrefetcher, images_on_device
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV
 from utils.train.saving import prepare_run_dir, restore_state, save_epoch, save_mid_epoch
 from utils.train.setup import (
@@ -144,8 +144,7 @@ def train_one_epoch(
     description = f"epoch {epoch + 1}/{cfg.epochs}"
 
     def to_device(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        images = batch["images"].to(ctx.device, non_blocking=True).float() / 255
-        return {"images": images, **state.loss_inputs(batch, ctx.device)}
+        return {"images": images_on_device(batch, ctx.device), **state.loss_inputs(batch, ctx.device)}
 
     batches = DevicePrefetcher(loader, to_device, ctx.device)
     progress = tqdm(batches, total=num_batches, initial=skip, desc=description, disable=tqdm_disabled(ctx))

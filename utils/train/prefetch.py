@@ -7,6 +7,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from utils.data.colour import hsv_jitter
+
 B = TypeVar("B")
 OnDevice = dict[str, torch.Tensor]
 
@@ -14,7 +16,7 @@ OnDevice = dict[str, torch.Tensor]
 class DevicePrefetcher:
     """Iterate `(batch, to_device(batch))` pairs, with `to_device` run one batch ahead on CUDA.
 
-    `to_device` moves what the step needs (images normalised to float, targets, masks) to the
+    `to_device` moves what the step needs (images as float, `images_on_device`; targets, masks) to the
     device and returns it as a dict of tensors; the host `batch` is passed along untouched for
     whatever reads it on the host (plots, the progress bar). On CUDA, batch i + 1 is taken from
     the loader and its copy and normalisation are queued on a side stream before batch i is
@@ -54,3 +56,15 @@ class DevicePrefetcher:
             return None
         with torch.cuda.stream(side):
             return batch, self.to_device(batch)
+
+
+def images_on_device(batch: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """The batch's uint8 images as float in [0, 1] on `device`, with its `hsv_gains` applied there when it has them.
+
+    The copy is non-blocking (asynchronous from pinned memory on CUDA); the conversion and the
+    jitter run on the device, so the loader workers never touch float pixels.
+    """
+    images = batch["images"].to(device, non_blocking=True).float() / 255
+    if "hsv_gains" in batch:
+        images = hsv_jitter(images, batch["hsv_gains"].to(device, non_blocking=True))
+    return images

@@ -1,0 +1,80 @@
+"""Tests for utils/data/batch_slots.py: train batches built in reused worker buffers arrive intact."""
+
+from __future__ import annotations
+
+import os
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from utils.data.augment import AugmentParams
+from utils.data.batch_slots import BatchSlots
+from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
+from utils.data.loader import build_train_loader, collate_batch
+from utils.distributed import DistContext
+
+CTX = DistContext()
+BATCH = 2  # 12 batches an epoch: more than the 2 workers x 3 slots, so slots are reused within one
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> LoadImagesAndLabels:
+    root = tmp_path_factory.mktemp("slots")
+    (root / "images").mkdir()
+    (root / "labels").mkdir()
+    for i in range(24):
+        noise = np.random.default_rng(i).integers(0, 256, (40 + i, 70 - i, 3), dtype=np.uint8)
+        cv2.imwrite(str(root / "images" / f"{i}.png"), noise)
+        (root / "labels" / f"{i}.txt").write_text(f"{i % 2} 0.5 0.5 0.4 0.3\n")
+    options = DatasetOptions(img_size=64, num_classes=2, workers=1, augment=True, aug=AugmentParams(), batch_size=BATCH)
+    return LoadImagesAndLabels(root / "images", options, CTX)
+
+
+def _expected(dataset: LoadImagesAndLabels, paths: list[str], epoch: int) -> torch.Tensor:
+    """The batch's images built in this process from the same keys (items are a function of index and epoch)."""
+    index = {path: i for i, path in enumerate(dataset.im_files)}
+    return collate_batch([dataset[(index[path], epoch)] for path in paths])["images"]
+
+
+def test_batches_from_slots_equal_items_built_here_even_when_all_are_kept(
+    dataset: LoadImagesAndLabels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    loader = build_train_loader(dataset, BATCH, 2, CTX, seed=0)
+    assert loader.slots is not None and loader.slots.slots_per_worker == 3
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        batches = list(loader)  # every batch kept: more than the slots there are
+        assert len(batches) == 12 and all("slot" not in batch for batch in batches)
+        for batch in batches:
+            assert torch.equal(batch["images"], _expected(dataset, batch["paths"], epoch))
+    assert not loader.slots.busy.any()  # every slot given back
+    assert sorted(loader.slots._mapped) == [0, 1]  # both workers' rings were used (and stay mapped)
+
+
+def test_a_worker_with_no_free_slot_falls_back_to_a_new_buffer(
+    dataset: LoadImagesAndLabels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    loader = build_train_loader(dataset, BATCH, 1, CTX, seed=0)
+    loader.set_epoch(0)
+    raw = list(loader.loader)  # the DataLoader itself: nothing takes the batches, so no slot is given back
+    assert [batch.get("slot") for batch in raw] == [0, 1, 2] + [None] * 9
+    for batch in raw:
+        assert torch.equal(batch["images"], _expected(dataset, batch["paths"], 0))
+
+
+def test_take_copies_out_and_frees_and_stack_outside_a_worker_is_plain() -> None:
+    slots = BatchSlots(num_workers=1, slots_per_worker=2, slot_shape=(2, 3, 4, 4))
+    images = [torch.full((3, 4, 4), v, dtype=torch.uint8) for v in (1, 2)]
+    stacked, slot = slots.stack(images)
+    assert slot is None and torch.equal(stacked, torch.stack(images))  # not in a worker
+    shared = torch.stack(images).share_memory_()
+    slots.busy[1] = 1
+    batch = slots.take({"images": shared, "slot": 1})
+    assert "slot" not in batch and slots.busy[1] == 0
+    assert batch["images"].untyped_storage().data_ptr() != shared.untyped_storage().data_ptr()
+    assert torch.equal(batch["images"], shared)
+    assert slots.take({"images": shared}) == {"images": shared}  # a batch that had no slot passes through
