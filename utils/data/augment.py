@@ -352,7 +352,7 @@ def random_perspective(
         return warped, Instances.empty()
     segments, in_front = _transform_segments(inst.segments, matrix)
     before = polygon_bounds(segments)
-    clipped, boxes = clip_segments(segments, out_w, out_h)
+    clipped, boxes = clip_segments(segments, out_w, out_h, before)
     index = np.flatnonzero(in_front & _box_candidates(before, boxes))
     return warped, Instances(inst.classes[index], boxes[index], [clipped[i] for i in index])
 

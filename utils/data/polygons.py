@@ -84,15 +84,21 @@ def clip_polygon(poly: np.ndarray, width: float, height: float) -> np.ndarray:
     return _clip_polygons([poly], width, height)[0]
 
 
-def clip_segments(segments: list[np.ndarray], width: int, height: int) -> tuple[list[np.ndarray], np.ndarray]:
+def clip_segments(
+    segments: list[np.ndarray], width: int, height: int, bounds: np.ndarray | None = None
+) -> tuple[list[np.ndarray], np.ndarray]:
     """Clip polygons to the image; return (clipped polygons, their tight boxes (n, 4)); empty ones get zero boxes.
 
-    Only polygons that cross the border (or have < 3 points) go through the clipper.
+    `bounds`: the polygons' `polygon_bounds`, when the caller has them. Only polygons that cross
+    the border (or have < 3 points) go through the clipper, and only their boxes are recomputed.
     """
-    bounds = polygon_bounds(segments)
+    bounds = polygon_bounds(segments) if bounds is None else bounds
     inside = (bounds[:, :2] >= 0).all(axis=1) & (bounds[:, 2] <= width) & (bounds[:, 3] <= height)
     outside = np.flatnonzero(~inside | (np.array([len(s) for s in segments]) < 3))
-    clipped = list(segments)
-    for i, part in zip(outside, _clip_polygons([segments[i] for i in outside], width, height), strict=True):
-        clipped[i] = part
-    return clipped, polygon_bounds(clipped)
+    clipped, boxes = list(segments), bounds.astype(np.float32, copy=True)
+    if len(outside):
+        parts = _clip_polygons([segments[i] for i in outside], width, height)
+        for i, part in zip(outside, parts, strict=True):
+            clipped[i] = part
+        boxes[outside] = polygon_bounds(parts)
+    return clipped, boxes
