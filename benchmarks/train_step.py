@@ -36,6 +36,7 @@ from utils.config import DEFAULT_DATA, QUICKSTART_BATCH, QUICKSTART_HYP, QUICKST
 from utils.data.data_config import load_data_config  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.tasks import DETECT  # noqa: E402
+from utils.train.prefetch import images_on_device  # noqa: E402
 from utils.train.setup import build_datasets, build_model_bundle  # noqa: E402
 
 LAYOUTS = {"nhwc": True, "nchw": False}
@@ -77,7 +78,7 @@ class Arm:
     def step(self, batch: dict, record: bool) -> None:
         """One training step on `batch`; its phase times are kept when `record`."""
         self.model.train()
-        images = batch["images"].to(self.device, non_blocking=True).float() / 255
+        images = images_on_device(batch, self.device)
         extra = {"masks": batch["masks"].to(self.device)} if "masks" in batch else {}
         marks = [self._clock()]
         with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
@@ -98,7 +99,7 @@ class Arm:
     @torch.no_grad()
     def infer(self, batch: dict, record: bool) -> None:
         """Eval-mode forward of the fused model on `batch`."""
-        images = batch["images"].to(self.device, non_blocking=True).float() / 255
+        images = images_on_device(batch, self.device)
         start = self._clock()
         with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
             self.model(images)

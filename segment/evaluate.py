@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from segment.ops import process_masks
 from utils.boxes import xywh_to_xyxy
+from utils.data.loader import image_hw
 from utils.data.masks import polygons_to_masks
 from utils.eval.evaluate import DetectionScorer, ImageScore, match_classes
 
@@ -76,7 +77,7 @@ class SegmentationScorer(DetectionScorer):
         """Box matching as for detection, then mask IoU matching with masks upsampled to the input size."""
         scores = super().score_batch(outputs, loss_input, targets, batch, collect)
         protos = loss_input[1]
-        height, width = batch["images"].shape[2:]
+        height, width = image_hw(batch["images"])
         for index, (pred, score) in enumerate(zip(outputs, scores, strict=True)):
             labels = targets[targets[:, 0] == index]
             # Masks are zero outside their boxes, so a detection whose box meets no box of its class
@@ -99,7 +100,7 @@ class SegmentationScorer(DetectionScorer):
     ) -> dict[str, Any]:
         """The detection scorer's drawable batch plus `masks`: (N, H, W) uint8 per drawn detection, input size."""
         drawn = super().predicted_batch(batch, outputs, loss_input, conf_thres)
-        protos, input_hw = loss_input[1], tuple(batch["images"].shape[2:])
+        protos, input_hw = loss_input[1], image_hw(batch["images"])
         masks = [torch.zeros((0, *input_hw), dtype=torch.bool)]
         for index, pred in enumerate(outputs):
             kept = pred[pred[:, 4] > conf_thres]  # the rows, in the order, of the detection scorer's targets

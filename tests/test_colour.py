@@ -12,7 +12,7 @@ import torch
 from utils.data.augment import AugmentParams
 from utils.data.colour import IDENTITY_GAINS, apply_hsv, draw_hsv_gains, hsv_jitter
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
-from utils.data.loader import collate_batch
+from utils.data.loader import collate_batch, to_model_input
 from utils.distributed import DistContext
 from utils.plots import batch_drawer
 from utils.train.prefetch import images_on_device
@@ -88,18 +88,20 @@ def test_dataset_defers_the_jitter_to_the_device_with_the_same_draws(tmp_path: P
         torch.testing.assert_close(item_deferred["labels"], item_worker["labels"])  # the same geometry draws
     batch = collate_batch(items_deferred)
     assert batch["hsv_gains"].shape == (len(keys), 3) and "hsv_gains" not in collate_batch(items_worker)
-    on_device = images_on_device(batch, torch.device("cpu"))
-    expected = collate_batch(items_worker)["images"].float() / 255
-    assert on_device.dtype == torch.float32 and on_device.shape == expected.shape
+    cpu = torch.device("cpu")
+    on_device = images_on_device(batch, cpu)
+    expected = to_model_input(collate_batch(items_worker)["images"], cpu)
+    assert on_device.dtype == torch.float32 and on_device.shape == expected.shape == (len(keys), 3, 64, 64)
     difference = (on_device - expected).abs() * 255
-    unjittered = (batch["images"].float() / 255 - expected).abs() * 255
+    unjittered = (to_model_input(batch["images"], cpu, bgr=True) - expected).abs() * 255
     assert difference.mean() < 1.5 < unjittered.mean(), (difference.mean(), unjittered.mean())
 
 
 def test_no_hsv_gains_give_identity_gains_on_the_device(tmp_path: Path) -> None:
     item = _dataset(tmp_path, True, hsv=(0.0, 0.0, 0.0))[(0, 0)]
     assert item["hsv"].tolist() == list(IDENTITY_GAINS)
-    assert torch.equal(item["image"], _dataset(tmp_path, False, hsv=(0.0, 0.0, 0.0))[(0, 0)]["image"])
+    in_worker = _dataset(tmp_path, False, hsv=(0.0, 0.0, 0.0))[(0, 0)]["image"]
+    assert torch.equal(item["image"].flip(-1), in_worker)  # left BGR for the device; made RGB in the worker
 
 
 def test_train_batch_plot_shows_the_deferred_jitter(tmp_path: Path) -> None:

@@ -49,18 +49,18 @@ def test_eval_item_format_and_letterbox_geometry(tmp_path: Path) -> None:
     for i in range(len(dataset)):
         item = dataset[i]
         image, labels = item["image"], item["labels"]
-        assert image.dtype == torch.uint8 and image.shape == (3, 64, 64) and image.is_contiguous()
+        assert image.dtype == torch.uint8 and image.shape == (64, 64, 3) and image.is_contiguous()
         assert labels.dtype == torch.float32 and labels.shape == (1, 6) and labels[0, 0] == 0
         assert item["path"] == dataset.im_files[i] and "segments" not in item
         cls, cx, cy, w, h = labels[0, 1:].tolist()
         assert cls == i % 3 and 0 <= cx - w / 2 and cx + w / 2 <= 1 and 0 <= cy - h / 2 and cy + h / 2 <= 1
-        assert image[:, int(cy * 64), int(cx * 64)].tolist() == [255, 255, 255]  # the white box is under its label
+        assert image[int(cy * 64), int(cx * 64)].tolist() == [255, 255, 255]  # the white box is under its label
         (height0, width0), ((ratio_h, ratio_w), (pad_w, pad_h)) = item["shape"]
         assert (width0, height0) == SIZES_WH[i]
         x1_original = (cx - w / 2) * 64 - pad_w
         assert x1_original / ratio_w == pytest.approx(width0 // 4, abs=0.6)  # maps back to original pixels
         corner_x, corner_y = int(pad_w) + 1, int(pad_h) + 1
-        assert image[:, corner_y, corner_x].tolist() == [50, 0 if i == 0 else pytest.approx(10 * i, abs=2), 200]
+        assert image[corner_y, corner_x].tolist() == [50, 0 if i == 0 else pytest.approx(10 * i, abs=2), 200]
 
 
 def test_rect_batches_are_stride_multiples_that_fit(tmp_path: Path) -> None:
@@ -71,7 +71,7 @@ def test_rect_batches_are_stride_multiples_that_fit(tmp_path: Path) -> None:
     assert dataset.batch_shapes.max() == 64
     for i in range(len(dataset)):
         item = dataset[i]
-        assert tuple(item["image"].shape[1:]) == tuple(dataset.batch_shapes[i // 3])
+        assert tuple(item["image"].shape[:2]) == tuple(dataset.batch_shapes[i // 3])
         assert item["labels"][0, 1] == int(Path(item["path"]).stem) % 3  # labels followed the reordering
     order, shapes = rect_batch_shapes(np.array([[100, 50], [50, 100], [100, 100]]), 1, 64, 32, 0.0)
     assert order.tolist() == [0, 2, 1] and shapes.tolist() == [[32, 64], [64, 64], [64, 32]]
@@ -85,7 +85,7 @@ def test_rect_training_keeps_aspect_and_batches_collate(tmp_path: Path) -> None:
     assert dataset.batch_shapes is None  # training batches come from a shard: per-image rectangles
     items = [dataset[(i, 0)] for i in range(len(dataset))]
     for item in items:
-        height, width = item["image"].shape[1:]
+        height, width = item["image"].shape[:2]
         height0, width0 = item["shape"][0]
         ratio = 128 / max(height0, width0)
         # Each image keeps its aspect ratio: long side 128, short side padded only up to the stride.
@@ -104,7 +104,7 @@ def test_training_items_keep_labels_and_masks_valid(tmp_path: Path) -> None:
         item = dataset[key]
         labels, masks = item["labels"].numpy(), item["masks"].numpy()
         assert "segments" not in item  # training reads masks only: no Python object per polygon in a batch
-        assert item["image"].shape == (3, 64, 64) and masks.shape == (len(labels), 64, 64)
+        assert item["image"].shape == (64, 64, 3) and masks.shape == (len(labels), 64, 64)
         cx, cy, w, h = labels[:, 2:].T
         assert np.all((w > 0) & (h > 0))
         assert np.all(

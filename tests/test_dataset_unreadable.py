@@ -86,7 +86,7 @@ def test_mosaic_partners_that_cannot_be_read_are_replaced_from_the_shard(tmp_pat
             item = dataset[(index, epoch)]
             hits += len(item.get("unreadable", []))
             assert set(item.get("unreadable", [])) <= {dataset.im_files[victim]}
-            assert item["image"].shape == (3, 64, 64) and item["path"] != dataset.im_files[victim]
+            assert item["image"].shape == (64, 64, 3) and item["path"] != dataset.im_files[victim]
     assert hits >= 3  # at least the victim's own item every epoch
     assert victim not in loaded and set(loaded) <= shard
     assert len(loaded) == 3 * len(shard) * (8 if mixup else 4)  # every mosaic still has four images
@@ -131,10 +131,10 @@ def test_a_vanished_disk_cache_file_is_read_from_its_image(tmp_path: Path) -> No
 
 
 def test_collate_leaves_out_unreadable_evaluation_items() -> None:
-    item = {"image": torch.zeros(3, 8, 8, dtype=torch.uint8), "labels": torch.zeros(0, 6), "path": "a", "shape": None}
+    item = {"image": torch.zeros(8, 8, 3, dtype=torch.uint8), "labels": torch.zeros(0, 6), "path": "a", "shape": None}
     gone = {"image": None, "path": "b", "unreadable": ["b"]}
     batch = collate_batch([gone, item, {**gone, "path": "c", "unreadable": ["c"]}])
-    assert batch["paths"] == ["a"] and batch["images"].shape == (1, 3, 8, 8) and batch["unreadable"] == ["b", "c"]
+    assert batch["paths"] == ["a"] and batch["images"].shape == (1, 8, 8, 3) and batch["unreadable"] == ["b", "c"]
     empty = collate_batch([gone])
     assert empty["paths"] == [] and empty["images"].shape[0] == 0 and empty["unreadable"] == ["b"]
     assert collate_batch([item])["unreadable"] == []

@@ -105,8 +105,8 @@ def _flat(tensors: Any) -> torch.Tensor:
 
 
 def _as_batch(images: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A collated batch as the loader yields it: uint8 images, (N, 6) targets."""
-    return {"images": (images * 255).round().to(torch.uint8), "targets": targets}
+    """A collated batch as the loader yields it: uint8 RGB images (B, H, W, 3), (N, 6) targets."""
+    return {"images": (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous(), "targets": targets}
 
 
 def _record_step_gradients(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ class _FixedPredictions(nn.Module):
 def _batch(label_cls: int) -> dict:
     """One 64x64 image with one label in the middle (cx cy w h = 0.5 0.5 0.5 0.5, normalised)."""
     return {
-        "images": torch.zeros(1, 3, SIZE, SIZE, dtype=torch.uint8),
+        "images": torch.zeros(1, SIZE, SIZE, 3, dtype=torch.uint8),
         "targets": torch.tensor([[0.0, label_cls, 0.5, 0.5, 0.5, 0.5]]),
         "paths": ["a.jpg"],
         "shapes": [((SIZE, SIZE), ((1.0, 1.0), (0.0, 0.0)))],

@@ -51,7 +51,7 @@ class FakeDataset:
         labels[:, 1] = float(index)  # class = index, to trace rows back to items
         labels[:, 2:] = 0.5
         return {
-            "image": torch.full((3, *IMAGE_HW), index % 256, dtype=torch.uint8),
+            "image": torch.full((*IMAGE_HW, 3), index % 256, dtype=torch.uint8),
             "labels": labels,
             "path": f"{os.getpid()}|{index}|{epoch}|{np.random.randint(2**31)}",
             "shape": ((16, 24), ((0.5, 0.5), (0.0, 0.0))),
@@ -67,7 +67,7 @@ def test_collate_sets_batch_index_and_shapes() -> None:
     items = [dataset[i] for i in (2, 3, 4, 5)]  # 2, 0, 1, 2 labels
     original = items[0]["labels"].clone()
     batch = collate_batch(items)
-    assert batch["images"].shape == (4, 3, *IMAGE_HW) and batch["images"].dtype == torch.uint8
+    assert batch["images"].shape == (4, *IMAGE_HW, 3) and batch["images"].dtype == torch.uint8
     assert batch["images"][1, 0, 0, 0] == 3
     assert batch["targets"].shape == (5, 6) and batch["targets"].dtype == torch.float32
     assert batch["targets"][:, 0].tolist() == [0, 0, 2, 3, 3]
@@ -101,11 +101,11 @@ def test_collate_rejects_mixed_masks() -> None:
 def test_collate_pads_mixed_sizes_and_rescales_labels() -> None:
     dataset = FakeDataset(3, DistContext())
     items = [dataset[1], dataset[2]]  # 1 and 2 labels, all centred at 0.5 with size 0.5
-    items[1]["image"] = torch.full((3, 4, 6), 7, dtype=torch.uint8)  # half the height and width of (8, 12)
+    items[1]["image"] = torch.full((4, 6, 3), 7, dtype=torch.uint8)  # half the height and width of (8, 12)
     batch = collate_batch(items)
-    assert batch["images"].shape == (2, 3, *IMAGE_HW)
-    assert torch.all(batch["images"][1, :, :4, :6] == 7) and torch.all(batch["images"][1, :, 4:, :] == 114)
-    assert torch.all(batch["images"][1, :, :, 6:] == 114)
+    assert batch["images"].shape == (2, *IMAGE_HW, 3)
+    assert torch.all(batch["images"][1, :4, :6] == 7) and torch.all(batch["images"][1, 4:] == 114)
+    assert torch.all(batch["images"][1, :, 6:] == 114)
     big, small = batch["targets"][0], batch["targets"][1]
     assert big[2:].tolist() == [0.5, 0.5, 0.5, 0.5]  # the largest image is not touched
     # The small image's box sits in its top-left 4 x 6 pixels: centre (3, 2) px of the (12, 8) canvas.
@@ -283,15 +283,15 @@ def test_collate_pads_masks_of_mixed_sizes_with_zeros() -> None:
     items = [dataset[1], dataset[2]]  # 1 and 2 labels
     # Tall and wide images at mask ratio 2: the batch is (8, 12) with (4, 6) masks, taken from different items.
     items[0]["image"], items[0]["masks"] = (
-        torch.zeros((3, 8, 6), dtype=torch.uint8),
+        torch.zeros((8, 6, 3), dtype=torch.uint8),
         torch.ones((1, 4, 3), dtype=torch.uint8),
     )
     items[1]["image"], items[1]["masks"] = (
-        torch.zeros((3, 4, 12), dtype=torch.uint8),
+        torch.zeros((4, 12, 3), dtype=torch.uint8),
         torch.ones((2, 2, 6), dtype=torch.uint8),
     )
     batch = collate_batch(items)
-    assert batch["images"].shape == (2, 3, 8, 12)
+    assert batch["images"].shape == (2, 8, 12, 3)
     masks = batch["masks"]
     assert masks.shape == (3, 4, 6) and masks.dtype == torch.uint8
     assert masks[0, :, :3].all() and not masks[0, :, 3:].any()  # padded on the right only
@@ -305,7 +305,7 @@ def test_collate_stacks_overlap_masks_per_image() -> None:
     for item in items[:2]:
         item["masks"] = torch.full((1, 4, 6), 3, dtype=torch.int16)  # images (8, 12) at mask ratio 2
     small = torch.tensor([[[1, 2, 0], [2, 2, 1]]], dtype=torch.int16)
-    items[2]["image"], items[2]["masks"] = torch.zeros((3, 4, 6), dtype=torch.uint8), small
+    items[2]["image"], items[2]["masks"] = torch.zeros((4, 6, 3), dtype=torch.uint8), small
     batch = collate_batch(items)
     masks = batch["masks"]
     assert masks.shape == (3, 4, 6) and masks.dtype == torch.int16

@@ -217,7 +217,7 @@ def _aligned(dataset: LoadImagesAndLabels, keys: list[Any], mirror: str = "") ->
     for key in keys:
         item = dataset[key]
         masks, labels = item["masks"].numpy(), item["labels"].numpy()
-        height, width = item["image"].shape[1:]
+        height, width = item["image"].shape[:2]
         assert masks.dtype == np.uint8 and set(np.unique(masks)) <= {0, 1}
         assert masks.shape == (len(labels), height // ratio, width // ratio)
         masks = masks[:, :, ::-1] if mirror == "lr" else masks[:, ::-1] if mirror == "ud" else masks
@@ -270,7 +270,7 @@ def test_overlap_masks_agree_with_per_instance_masks(images_folder: Path) -> Non
     shown = 0
     for key in KEYS:
         masks, index_mask = per_instance[key]["masks"].numpy(), overlap[key]["masks"].numpy()
-        height, width = overlap[key]["image"].shape[1:]
+        height, width = overlap[key]["image"].shape[:2]
         assert index_mask.dtype == np.int16 and index_mask.shape == (1, height // 4, width // 4)
         assert index_mask.max() <= len(masks)
         np.testing.assert_array_equal(index_mask[0] > 0, masks.any(0))  # same foreground
@@ -285,7 +285,7 @@ def test_collated_masks_follow_targets_and_mixed_sizes_are_padded(images_folder:
     items = [dataset[(i, 0)] for i in range(8)]
     assert len({tuple(item["image"].shape) for item in items}) > 1  # rect training: own sizes
     batch = collate_batch(items)
-    _, _, height, width = batch["images"].shape
+    height, width = batch["images"].shape[1:3]
     masks, targets = batch["masks"], batch["targets"]
     assert masks.shape == (len(targets), height // 4, width // 4) and masks.dtype == torch.uint8
     for position, item in enumerate(items):

@@ -39,7 +39,7 @@ SIDE = 64
 
 def _black_batch(num_images: int, targets: list[list[float]]) -> dict:
     return {
-        "images": torch.zeros((num_images, 3, SIDE, SIDE), dtype=torch.uint8),
+        "images": torch.zeros((num_images, SIDE, SIDE, 3), dtype=torch.uint8),
         "targets": torch.tensor(targets, dtype=torch.float32).reshape(-1, 6),
     }
 
@@ -206,7 +206,7 @@ def test_evaluation_hook_gets_the_confident_predictions_as_a_drawable_batch(task
     task.evaluate(_fixed_model(task.with_masks), [_val_batch(task.with_masks)] * 2, options, DistContext())
     assert [i for i, _ in seen] == [0, 1]
     drawn = seen[0][1]
-    assert drawn["images"].shape == (1, 3, SIDE, SIDE)
+    assert drawn["images"].shape == (1, SIDE, SIDE, 3)
     # [image, class, cx, cy, w, h, conf], normalised: only the 0.6 box.
     torch.testing.assert_close(drawn["targets"], torch.tensor([[0, 0, 0.5, 0.375, 0.5, 0.5, 0.6]]))
     if task.with_masks:  # one mask per drawn box, at input size, equal to the box (the prototype is all +10)

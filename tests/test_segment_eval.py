@@ -31,7 +31,7 @@ def _batch() -> tuple[torch.Tensor, dict]:
         np.array([[x1, y1], [x2, y1], [x2, y2], [x1, y2]], np.float32) / SIZE for x1, y1, x2, y2 in BOXES.tolist()
     ]
     shape = ((SIZE, SIZE), ((1.0, 1.0), (0.0, 0.0)))
-    batch = {"images": torch.zeros(1, 3, SIZE, SIZE), "segments": [polygons], "shapes": [shape], "paths": ["a.jpg"]}
+    batch = {"images": torch.zeros(1, SIZE, SIZE, 3), "segments": [polygons], "shapes": [shape], "paths": ["a.jpg"]}
     return targets, batch
 
 

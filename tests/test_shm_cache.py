@@ -116,7 +116,7 @@ def test_dataset_with_shm_draws_from_every_image_and_copies_what_it_serves(tmp_p
         with pytest.raises(ValueError, match="read-only"):  # a view of the shared copy, not a copy: not writable
             image[:] = 0
         assert dataset.cache.get(0).max() > 0
-        assert dataset[(3, 1)]["image"].shape == (3, 32, 32)
+        assert dataset[(3, 1)]["image"].shape == (32, 32, 3)
     finally:
         dataset.cache.release()
     assert not dataset.cache.path.exists()

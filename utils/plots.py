@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from utils.data.colour import hsv_jitter
+from utils.data.loader import to_model_input
 from utils.eval.metrics import RECALL_LEVELS, DetectionMetrics
 
 if TYPE_CHECKING:
@@ -54,11 +55,11 @@ def batch_drawer(run_dir: Path, names: Sequence[str], on_saved: OnSaved | None =
 
 
 def _colour_jittered(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch with the HSV gains it carries (jitter left to the device on CUDA) applied, as the model sees it."""
+    """The batch with the HSV gains it carries (colour work left to the device on CUDA) applied, in RGB."""
     if "hsv_gains" not in batch:
         return batch
-    images = hsv_jitter(batch["images"].float() / 255, batch["hsv_gains"])
-    return {**batch, "images": (images * 255).round().to(torch.uint8)}
+    images = hsv_jitter(to_model_input(batch["images"], torch.device("cpu"), bgr=True), batch["hsv_gains"])
+    return {**batch, "images": (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()}
 
 
 def val_batch_drawer(save_dir: Path, names: Sequence[str], on_saved: OnSaved | None = None) -> Callable[..., None]:
@@ -121,14 +122,14 @@ def class_colour(class_id: int) -> tuple[int, int, int]:
 def plot_batch(batch: dict[str, Any], names: Sequence[str], path: Path, max_images: int = 16) -> Path:
     """Draw up to `max_images` images of a collated batch in a grid, with their labels; save as `path`.
 
-    `batch` is what the loader yields (uint8 RGB `images (B, 3, H, W)`, `targets (N, 6)` [image,
+    `batch` is what the loader yields (uint8 RGB `images (B, H, W, 3)`, `targets (N, 6)` [image,
     class, cx, cy, w, h] normalised; with `masks`, per-instance uint8 `(N, h, w)` or int16
     overlap-index `(B, h, w)` masks are tinted in the class colour). Boxes are drawn in the class
     colour with the class name above them. Predictions (`PredictedBatch`) have `targets (N, 7)`,
     the score in the last column, drawn after the name. Returns `path`.
     """
     images = batch["images"][:max_images].numpy()
-    count, _, height, width = images.shape
+    count, height, width = images.shape[:3]
     columns = math.ceil(math.sqrt(count))
     rows = math.ceil(count / columns)
     grid = np.full((rows * height, columns * width, 3), 255, np.uint8)
@@ -137,7 +138,7 @@ def plot_batch(batch: dict[str, Any], names: Sequence[str], path: Path, max_imag
     overlap = masks is not None and masks.dtype == torch.int16  # (B, h, w) index masks (see utils/data/masks.py)
     for index in range(count):
         top, left = (index // columns) * height, (index % columns) * width
-        tile = np.ascontiguousarray(images[index].transpose(1, 2, 0)[:, :, ::-1])  # RGB CHW -> BGR HWC
+        tile = np.ascontiguousarray(images[index][:, :, ::-1])  # RGB -> OpenCV's BGR
         rows_here = np.flatnonzero(targets[:, 0] == index)
         if masks is not None and len(rows_here):
             instance_masks = _instance_masks(masks, index, rows_here, overlap)

@@ -1,5 +1,9 @@
 """HSV colour jitter: gains drawn per training item, applied in the loader worker (OpenCV) or on the device (torch).
 
+The colour work of an item is done in one place: in the worker, where the jitter's conversion
+back from HSV also turns OpenCV's BGR into the model's RGB, or, on CUDA, on the device, where
+the batch arrives still BGR and `utils.data.loader.to_model_input` reorders the channels.
+
 Each gain g of (hsv_h, hsv_s, hsv_v) draws a factor in [1 - g, 1 + g]; hue is multiplied modulo
 a full turn (OpenCV's uint8 hue 0..179), saturation and value are multiplied and clipped, as
 YOLOv5 does. The worker path (`apply_hsv`) costs two colour conversions and a lookup per image,
@@ -25,11 +29,12 @@ def draw_hsv_gains(rng: np.random.Generator, hgain: float, sgain: float, vgain: 
     return rng.uniform(-1, 1, 3) * np.array([hgain, sgain, vgain]) + 1
 
 
-def apply_hsv(image: np.ndarray, gains: np.ndarray) -> np.ndarray:
-    """Apply `draw_hsv_gains` factors to a BGR uint8 image IN PLACE and return it.
+def apply_hsv(image: np.ndarray, gains: np.ndarray, to_rgb: bool = False) -> np.ndarray:
+    """Apply `draw_hsv_gains` factors to a BGR uint8 image IN PLACE and return it (RGB with `to_rgb`).
 
     The change goes through 256-entry lookup tables on the uint8 HSV image (much faster than
-    float maths). Callers must not pass a cached image they want to keep.
+    float maths). The conversion back from HSV writes either channel order at the same cost, so
+    the dataset gets its RGB output for free. Callers must not pass a cached image they want to keep.
     """
     levels = np.arange(256, dtype=np.float32)
     lut_hue = ((levels * gains[0]) % 180).astype(np.uint8)
@@ -37,10 +42,11 @@ def apply_hsv(image: np.ndarray, gains: np.ndarray) -> np.ndarray:
     lut_value = np.clip(levels * gains[2], 0, 255).astype(np.uint8)
     table = np.stack((lut_hue, lut_saturation, lut_value), axis=1)[None]  # (1, 256, 3): one table per channel
     hsv = cv2.LUT(cv2.cvtColor(image, cv2.COLOR_BGR2HSV), table)
+    back = cv2.COLOR_HSV2RGB if to_rgb else cv2.COLOR_HSV2BGR
     if image.flags.c_contiguous:
-        cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR, dst=image)
+        cv2.cvtColor(hsv, back, dst=image)
     else:  # OpenCV cannot write into a strided view (e.g. a numpy flip)
-        image[...] = cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)
+        image[...] = cv2.cvtColor(hsv, back)
     return image
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import cv2
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -15,7 +16,6 @@ from torch.utils.data import Dataset
 from utils.data.augment import (
     AugmentParams,
     Instances,
-    bgr_to_rgb_chw,
     flip_lr,
     flip_ud,
     instances_to_labels,
@@ -56,9 +56,9 @@ class DatasetOptions:
     epoch on (0-based, read from the item key) training items are single letterboxed images, no
     mosaic or mixup; None keeps mosaic throughout. With `with_masks` items carry
     polygons and masks at image size / `mask_ratio`, one per instance or, with `overlap_mask`,
-    one index mask per image (docs/CONTRACTS.md, "Segmentation"). With `hsv_on_device` training
-    items carry their HSV gains (`hsv`) instead of having them applied; the training loop applies
-    them to the batch on the device (utils/data/colour.py; train.py sets it on CUDA).
+    one index mask per image (docs/CONTRACTS.md, "Segmentation"). Items are (H, W, 3) uint8 RGB;
+    with `hsv_on_device` training items stay BGR and carry their HSV gains (`hsv`) instead of having
+    them applied: the training loop does both on the device (utils/data/colour.py; set on CUDA).
     """
 
     img_size: int = 640
@@ -359,8 +359,8 @@ class LoadImagesAndLabels(Dataset):
             image, inst, shape = self._letterboxed(index, loaded)
             image, inst = self._perspective(image, inst, rng)
         gains = draw_hsv_gains(rng, aug.hsv_h, aug.hsv_s, aug.hsv_v)
-        if gains is not None and not self.options.hsv_on_device:
-            image = apply_hsv(image, gains)
+        if not self.options.hsv_on_device:  # BGR -> RGB here; otherwise on the device with the jitter
+            image = apply_hsv(image, gains, to_rgb=True) if gains is not None else _to_rgb(image)
         if rng.random() < aug.flipud:
             image, inst = flip_ud(image, inst)
         if rng.random() < aug.fliplr:
@@ -380,7 +380,7 @@ class LoadImagesAndLabels(Dataset):
         except FileNotFoundError:  # deleted or failing since the label scan: skipped, so validation still finishes
             return {"image": None, "path": path, "unreadable": [path]}
         image, inst, shape = self._letterboxed(index, loaded)
-        return self._to_item(image, inst, path, shape)
+        return self._to_item(_to_rgb(image), inst, path, shape)
 
     def _mosaic_open(self, epoch: int) -> bool:
         """Whether items of `epoch` may be mosaics (training, not rect, before `close_mosaic_epoch`)."""
@@ -388,12 +388,13 @@ class LoadImagesAndLabels(Dataset):
         return self.use_mosaic and (close is None or epoch < close)
 
     def _to_item(self, image: np.ndarray, inst: Instances, path: str, shape: ShapeInfo) -> dict[str, Any]:
-        """Pack an augmented BGR image and its instances into the contract's item dict."""
+        """Pack an augmented (H, W, 3) image (RGB, or BGR with `hsv_on_device`) and its instances into an item."""
         height, width = image.shape[:2]
         labels = torch.zeros((len(inst), 6), dtype=torch.float32)
         labels[:, 1:] = torch.from_numpy(instances_to_labels(inst, width, height))
-        rgb_chw = torch.from_numpy(bgr_to_rgb_chw(image))
-        item: dict[str, Any] = {"image": rgb_chw, "labels": labels, "path": path, "shape": shape}
+        # (H, W, 3) as augmented: the device makes it (3, H, W) float (`utils.data.loader.to_model_input`).
+        pixels = torch.from_numpy(np.ascontiguousarray(image))
+        item: dict[str, Any] = {"image": pixels, "labels": labels, "path": path, "shape": shape}
         if self.options.with_masks:
             if not self.options.augment:  # evaluation scores masks from the polygons; training never reads them
                 scale = np.array([width, height], dtype=np.float32)
@@ -410,3 +411,8 @@ class LoadImagesAndLabels(Dataset):
         if self.options.overlap_mask:
             return polygons_to_overlap_mask(segments, height, width, self.options.mask_ratio)
         return polygons_to_masks(segments, height, width, self.options.mask_ratio)
+
+
+def _to_rgb(image: np.ndarray) -> np.ndarray:
+    """A new RGB copy of a BGR uint8 image (the input may be a read-only cache view)."""
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)

@@ -34,10 +34,12 @@ class _BatchRequired(TypedDict):
 class Batch(_BatchRequired, total=False):
     """One collated batch as the engine, loss and evaluators read it (docs/CONTRACTS.md).
 
-    images: (B, 3, H, W) uint8 RGB; targets: (N, 6) float32 [batch_index, cls, cx, cy, w, h]
+    images: (B, H, W, 3) uint8 RGB (BGR while it has `hsv_gains`), as augmented (`to_model_input`
+    makes the model's input on the device); targets: (N, 6) float32 [batch_index, cls, cx, cy, w, h]
     normalised; paths/shapes: one entry per image. Optional: `segments`, per image the list of
     (k, 2) float32 normalised polygons; `masks`, the items' mask tensors concatenated on dim 0;
-    `hsv_gains` (B, 3), HSV factors still to apply on the device (`DatasetOptions.hsv_on_device`).
+    `hsv_gains` (B, 3), HSV factors still to apply on the device, images still BGR
+    (`DatasetOptions.hsv_on_device`).
     `unreadable` (always set by `collate_batch`): paths of images that could not be read while the
     batch was built, replaced by other images (training) or left out of it (evaluation).
     """
@@ -71,11 +73,11 @@ def collate_batch(items: list[dict[str, Any]], slots: BatchSlots | None = None) 
     unreadable = [str(path) for item in items for path in item.get("unreadable", ())]
     items = [item for item in items if item["image"] is not None]
     if not items:
-        no_image = torch.zeros((0, 3, 0, 0), dtype=torch.uint8)
+        no_image = torch.zeros((0, 0, 0, 3), dtype=torch.uint8)
         return {"images": no_image, "targets": torch.zeros((0, 6)), "paths": [], "shapes": [], "unreadable": unreadable}
     paths = [str(item["path"]) for item in items]
     if len({tuple(item["image"].shape) for item in items}) > 1:
-        image_hw = (max(i["image"].shape[1] for i in items), max(i["image"].shape[2] for i in items))
+        image_hw = (max(i["image"].shape[0] for i in items), max(i["image"].shape[1] for i in items))
         mask_hw = (0, 0)  # mask sides are image sides // mask_ratio, so the largest masks fit the padded image
         if _carried_by(items, "masks"):
             mask_hw = (max(i["masks"].shape[1] for i in items), max(i["masks"].shape[2] for i in items))
@@ -109,6 +111,25 @@ def collate_batch(items: list[dict[str, Any]], slots: BatchSlots | None = None) 
     return batch
 
 
+def image_hw(images: torch.Tensor) -> tuple[int, int]:
+    """(height, width) of a batch's `images` (B, H, W, 3)."""
+    return int(images.shape[1]), int(images.shape[2])
+
+
+def to_model_input(
+    images: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.float32, bgr: bool = False
+) -> torch.Tensor:
+    """A batch's uint8 `images` (B, H, W, 3) as the model's input: RGB (B, 3, H, W) in [0, 1] on `device`.
+
+    The uint8 pixels are copied (non-blocking: asynchronous from pinned memory on CUDA) and widened
+    there, so loader workers never write float pixels; `bgr`: the batch is still in OpenCV's order
+    (its colour work was left to the device, `Batch.hsv_gains`). The result has channels-last
+    strides, the layout the model's convolutions run in by default (an NCHW model copies it).
+    """
+    pixels = images.to(device, non_blocking=True).permute(0, 3, 1, 2)
+    return (pixels.flip(1) if bgr else pixels).to(dtype) / 255
+
+
 def _pad_item(item: dict[str, Any], image_hw: tuple[int, int], mask_hw: tuple[int, int]) -> dict[str, Any]:
     """Return a copy of `item` padded right/bottom to `image_hw` (grey 114), labels and polygons rescaled.
 
@@ -117,11 +138,11 @@ def _pad_item(item: dict[str, Any], image_hw: tuple[int, int], mask_hw: tuple[in
     """
     image = item["image"]
     height, width = image_hw
-    _, own_height, own_width = image.shape
+    own_height, own_width = image.shape[:2]
     if (own_height, own_width) == (height, width):
         return item
-    padded = torch.full((image.shape[0], height, width), 114, dtype=image.dtype)
-    padded[:, :own_height, :own_width] = image
+    padded = torch.full((height, width, image.shape[2]), 114, dtype=image.dtype)
+    padded[:own_height, :own_width] = image
     labels = item["labels"].clone()
     labels[:, [2, 4]] *= own_width / width
     labels[:, [3, 5]] *= own_height / height

@@ -15,6 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from utils.boxes import box_iou, non_max_suppression, scale_boxes, xywh_to_xyxy, xyxy_to_xywhn
+from utils.data.loader import image_hw, to_model_input
 from utils.distributed import DistContext, all_gather_objects, all_reduce_sum
 from utils.eval.metrics import ConfusionMatrix, DetectionMetrics, iou_thresholds, match_predictions
 from utils.logs import tqdm_disabled
@@ -113,7 +114,7 @@ class DetectionScorer:
         self, outputs: list[torch.Tensor], loss_input: Any, targets: torch.Tensor, batch: dict[str, Any], collect: bool
     ) -> list[ImageScore]:
         """Match each image's NMS output against its labels; targets (N, 6) with boxes in input pixels."""
-        input_hw = tuple(batch["images"].shape[2:])
+        input_hw = image_hw(batch["images"])
         scores = []
         for index, pred in enumerate(outputs):
             labels = targets[targets[:, 0] == index, 1:]
@@ -130,7 +131,7 @@ class DetectionScorer:
         `images` and `targets (N, 7)` [image, cls, cx, cy, w, h, conf] normalised (on the CPU), the
         layout `utils.plots.plot_batch` draws with scores.
         """
-        height, width = batch["images"].shape[2:]
+        height, width = image_hw(batch["images"])
         rows = []
         for index, pred in enumerate(outputs):
             kept = pred[pred[:, 4] > conf_thres, :6].float()
@@ -230,7 +231,7 @@ def evaluate(
     progress = tqdm(batches, desc=options.description, disable=tqdm_disabled(ctx), leave=False)
     for batch_index, batch in enumerate(progress):
         start = time.perf_counter()
-        images = batch["images"].to(device, non_blocking=True).to(dtype) / 255
+        images = to_model_input(batch["images"], device, dtype)
         targets = batch["targets"].to(device, copy=True)  # scaled in place below; never touch the batch
         _sync(device)
         after_pre = time.perf_counter()
@@ -240,7 +241,7 @@ def evaluate(
         if loss_fn is not None and loss_inputs is not None:
             loss_sum += loss_fn(loss_input, **loss_inputs(batch, device))[1]
             seen[1] += 1
-        height, width = images.shape[2:]
+        height, width = images.shape[2:]  # the model input, (B, 3, H, W)
         targets[:, 2:6] *= torch.tensor((width, height, width, height), device=device)
         nms = functools.partial(
             non_max_suppression, decoded.float(), iou_thres=options.iou_thres, max_det=options.max_det

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import torch
 
 from utils.data.colour import hsv_jitter
+from utils.data.loader import to_model_input
 
 B = TypeVar("B")
 OnDevice = dict[str, torch.Tensor]
@@ -59,12 +60,11 @@ class DevicePrefetcher:
 
 
 def images_on_device(batch: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """The batch's uint8 images as float in [0, 1] on `device`, with its `hsv_gains` applied there when it has them.
+    """The batch's uint8 images as the model's float input on `device`, with its `hsv_gains` applied there if any.
 
-    The copy is non-blocking (asynchronous from pinned memory on CUDA); the conversion and the
-    jitter run on the device, so the loader workers never touch float pixels.
+    `to_model_input` copies and converts; a batch with gains is still BGR and gets its jitter after.
     """
-    images = batch["images"].to(device, non_blocking=True).float() / 255
-    if "hsv_gains" in batch:
-        images = hsv_jitter(images, batch["hsv_gains"].to(device, non_blocking=True))
-    return images
+    if "hsv_gains" not in batch:
+        return to_model_input(batch["images"], device)
+    images = to_model_input(batch["images"], device, bgr=True)
+    return hsv_jitter(images, batch["hsv_gains"].to(device, non_blocking=True))
