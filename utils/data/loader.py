@@ -345,7 +345,7 @@ def build_train_loader(
     if workers > 0 and hasattr(dataset, "options"):  # LoadImagesAndLabels: batches of at most img_size squares
         side = dataset.options.img_size
         # A worker has at most `prefetch_factor` batches in flight (built or being built); one slot to spare.
-        slots = BatchSlots(workers, prefetch_factor + 1, (per_rank_batch, 3, side, side))
+        slots = BatchSlots(workers, prefetch_factor + 1, (per_rank_batch, side, side, 3))
     loader = DataLoader(
         dataset,
         batch_sampler=EpochKeyBatchSampler(sampler, per_rank_batch),
