@@ -67,7 +67,9 @@ def _scene(
             poly = np.array([[bx0, by0], [bx1, by0], [bx1, by1], [bx0, by1]], np.float32)
         segments.append(poly)
         boxes.append([*poly.min(0), *poly.max(0)])
-    inst = Instances(np.array(class_ids, np.float32), np.array(boxes, np.float32).reshape(-1, 4), segments)
+    inst = Instances.from_segments(
+        np.array(class_ids, np.float32), np.array(boxes, np.float32).reshape(-1, 4), segments
+    )
     return image, inst
 
 
@@ -161,7 +163,7 @@ def test_letterbox_auto_pads_to_stride_and_returns_new_array() -> None:
 
 
 def test_transform_instances_scales_and_shifts_everything() -> None:
-    inst = Instances(
+    inst = Instances.from_segments(
         np.array([3.0], np.float32),
         np.array([[10, 20, 30, 40]], np.float32),
         [np.array([[10, 20], [30, 40], [10, 40]], np.float32)],
@@ -227,12 +229,14 @@ def test_instances_select_and_concat() -> None:
     rng = np.random.default_rng(0)
     _, inst = _scene(rng, 64, 64, [0, 1, 2], polygons=True)
     picked = inst.select(np.array([True, False, True]))
-    assert picked.classes.tolist() == [0.0, 2.0] and picked.segments[1] is inst.segments[2]
+    assert picked.classes.tolist() == [0.0, 2.0] and np.array_equal(picked.segments[1], inst.segments[2])
     assert inst.select(np.array([2])).classes.tolist() == [2.0]
     joined = Instances.concat([picked, Instances.empty(), inst])
     assert joined.classes.tolist() == [0, 2, 0, 1, 2] and joined.boxes_xyxy.shape == (5, 4)
     with pytest.raises(ValueError, match="misaligned"):
-        Instances(np.zeros(2, np.float32), np.zeros((1, 4), np.float32), [])
+        Instances.from_segments(np.zeros(2, np.float32), np.zeros((1, 4), np.float32), [])
+    with pytest.raises(ValueError, match="misaligned"):  # counts that do not add up to the points
+        Instances(np.zeros(1, np.float32), np.zeros((1, 4), np.float32), np.zeros((3, 2), np.float32), np.array([4]))
 
 
 # ---------------------------------------------------------------- geometric augmentations
@@ -261,7 +265,7 @@ def test_random_perspective_crop_keeps_and_drops_exactly() -> None:
     image = np.random.default_rng(0).integers(0, 255, (100, 100, 3), dtype=np.uint8)
     boxes = np.array([[0, 0, 30, 30], [20, 20, 40, 40], [60, 30, 61, 40], [30, 30, 40, 40]], np.float32)
     corners = [np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], np.float32) for x0, y0, x1, y1 in boxes]
-    from_boxes = Instances(np.arange(4, dtype=np.float32), boxes, corners)
+    from_boxes = Instances.from_segments(np.arange(4, dtype=np.float32), boxes, corners)
     out, inst = random_perspective(
         image, from_boxes, np.random.default_rng(1), translate=0.0, scale=0.0, border=(-25, -25)
     )

@@ -28,7 +28,7 @@ def _instances(*polygons: np.ndarray, classes: list[int] | None = None) -> Insta
     segments = [np.asarray(p, np.float32) for p in polygons]
     boxes = np.array([[*s.min(0), *s.max(0)] for s in segments], np.float32).reshape(-1, 4)
     ids = np.array(classes if classes is not None else range(len(segments)), np.float32)
-    return Instances(ids, boxes, segments)
+    return Instances.from_segments(ids, boxes, segments)
 
 
 def _box_corners(x1: float, y1: float, x2: float, y2: float) -> np.ndarray:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from utils.data.polygons import box_corners, clip_segments, polygon_bounds
+from utils.data.polygons import box_corners, clip_packed, gather, pack, packed_bounds, unpack
 
 PAD_VALUE = 114  # grey used for letterbox padding, mosaic canvas and warp borders (YOLOv5 convention)
 _PAD_COLOR = (PAD_VALUE, PAD_VALUE, PAD_VALUE)
@@ -49,20 +49,35 @@ class Instances:
     """The labelled objects of one image, kept aligned through every augmentation.
 
     classes: (n,) float32 class ids; boxes_xyxy: (n, 4) float32 pixels in the current image;
-    segments: n arrays (k_i, 2) float32 pixels (a box-only label carries its 4 box corners),
-    so every geometric transform moves polygons and boxes are re-derived from them.
+    points (P, 2) float32 pixels and counts (n,): the n polygons stored one after another, instance
+    i's `counts[i]` vertices next (a box-only label carries its 4 box corners), so every geometric
+    transform moves polygons with one array operation and boxes are re-derived from them.
+    `segments` gives them as a list; `from_segments` builds from one.
     """
 
     classes: np.ndarray
     boxes_xyxy: np.ndarray
-    segments: list[np.ndarray]
+    points: np.ndarray
+    counts: np.ndarray
 
     def __post_init__(self) -> None:
-        if not len(self.classes) == len(self.boxes_xyxy) == len(self.segments):
+        if not len(self.classes) == len(self.boxes_xyxy) == len(self.counts) or self.counts.sum() != len(self.points):
             raise ValueError(
-                f"Instances: misaligned lengths classes={len(self.classes)} "
-                f"boxes={len(self.boxes_xyxy)} segments={len(self.segments)}"
+                f"Instances: misaligned lengths classes={len(self.classes)} boxes={len(self.boxes_xyxy)} "
+                f"polygons={len(self.counts)} with {self.counts.sum()} points, {len(self.points)} given"
             )
+
+    @staticmethod
+    def from_segments(classes: np.ndarray, boxes_xyxy: np.ndarray, segments: list[np.ndarray]) -> Instances:
+        """Build from a list of n polygons (k_i, 2)."""
+        if len(segments) != len(classes):
+            raise ValueError(f"Instances: misaligned lengths classes={len(classes)} segments={len(segments)}")
+        return Instances(classes, boxes_xyxy, *pack(segments))
+
+    @property
+    def segments(self) -> list[np.ndarray]:
+        """The n polygons as (k_i, 2) views of `points`."""
+        return unpack(self.points, self.counts)
 
     def __len__(self) -> int:
         return len(self.classes)
@@ -71,7 +86,7 @@ class Instances:
         """Return the instances picked by a boolean mask (n,) or an integer index array."""
         keep = np.asarray(keep)
         index = np.flatnonzero(keep) if keep.dtype == bool else keep.astype(np.int64).reshape(-1)
-        return Instances(self.classes[index], self.boxes_xyxy[index], [self.segments[i] for i in index])
+        return Instances(self.classes[index], self.boxes_xyxy[index], *gather(self.points, self.counts, index))
 
     @staticmethod
     def concat(parts: list[Instances]) -> Instances:
@@ -81,13 +96,14 @@ class Instances:
         return Instances(
             np.concatenate([p.classes for p in parts]).astype(np.float32),
             np.concatenate([p.boxes_xyxy for p in parts]).astype(np.float32).reshape(-1, 4),
-            [segment for p in parts for segment in p.segments],
+            np.concatenate([p.points for p in parts]).astype(np.float32).reshape(-1, 2),
+            np.concatenate([p.counts for p in parts]).astype(np.int64),
         )
 
     @staticmethod
     def empty() -> Instances:
         """Return an Instances with no objects (correct dtypes and shapes)."""
-        return Instances(np.zeros(0, np.float32), np.zeros((0, 4), np.float32), [])
+        return Instances(np.zeros(0, np.float32), np.zeros((0, 4), np.float32), *pack([]))
 
     @staticmethod
     def from_labels(labels: np.ndarray, segments: list[np.ndarray] | None, width: int, height: int) -> Instances:
@@ -99,23 +115,35 @@ class Instances:
         labels = np.asarray(labels, np.float32).reshape(-1, 5)
         if segments is not None and len(segments) not in (0, len(labels)):
             raise ValueError(f"from_labels: {len(segments)} segments for {len(labels)} labels")
+        points, counts = pack(segments) if segments else (np.zeros((0, 2), np.float32), np.zeros(0, np.int64))
+        return Instances.from_packed_labels(labels, points, counts, width, height)
+
+    @staticmethod
+    def from_packed_labels(
+        labels: np.ndarray, points: np.ndarray, counts: np.ndarray, width: int, height: int
+    ) -> Instances:
+        """`from_labels` with the normalised polygons packed (points (P, 2), counts (n,) or (0,) for none)."""
         scale = np.array([width, height, width, height], np.float32)
         centre, size = labels[:, 1:3], labels[:, 3:5]
-        boxes = np.concatenate([centre - size / 2, centre + size / 2], axis=1) * scale
+        boxes = (np.concatenate([centre - size / 2, centre + size / 2], axis=1) * scale).astype(np.float32)
         corners = box_corners(boxes)
-        polygons = []
-        for i in range(len(labels)):
-            polygon = None if not segments else np.asarray(segments[i], np.float32).reshape(-1, 2)
-            polygons.append(corners[i] if polygon is None or len(polygon) < 3 else polygon * scale[:2])
-        return Instances(labels[:, 0].copy(), boxes.astype(np.float32), polygons)
+        if not len(counts):
+            counts = np.zeros(len(labels), np.int64)
+        own = counts >= 3  # the others get their box's 4 corners
+        if own.all():
+            return Instances(labels[:, 0].copy(), boxes, (points * scale[:2]).astype(np.float32), counts.copy())
+        kept, kept_counts = gather(points, counts, np.flatnonzero(own))
+        merged = np.concatenate([(kept * scale[:2]).astype(np.float32), corners[~own].reshape(-1, 2)])
+        owner = np.concatenate([np.repeat(np.flatnonzero(own), kept_counts), np.repeat(np.flatnonzero(~own), 4)])
+        order = np.argsort(owner, kind="stable")
+        return Instances(labels[:, 0].copy(), boxes, merged[order], np.where(own, counts, 4).astype(np.int64))
 
 
 def _clip_instances(inst: Instances, width: int, height: int) -> Instances:
     """Clip polygons to the image, re-derive tight boxes, drop instances thinner than 1 px."""
-    segments, boxes = clip_segments(inst.segments, width, height)
-    keep = ((boxes[:, 2:] - boxes[:, :2]) >= _MIN_BOX_PX).all(axis=1)
-    index = np.flatnonzero(keep)
-    return Instances(inst.classes[index], boxes[index], [segments[i] for i in index])
+    points, counts, boxes = clip_packed(inst.points, inst.counts, width, height)
+    keep = np.flatnonzero(((boxes[:, 2:] - boxes[:, :2]) >= _MIN_BOX_PX).all(axis=1))
+    return Instances(inst.classes[keep], boxes[keep], *gather(points, counts, keep))
 
 
 def letterbox(
@@ -156,7 +184,8 @@ def transform_instances(inst: Instances, scale_wh: tuple[float, float], pad: tup
     scale = np.array(scale_wh, np.float32)
     shift = np.array(pad, np.float32)
     boxes = (inst.boxes_xyxy.reshape(-1, 2, 2) * scale + shift).reshape(-1, 4)  # x1 y1 / x2 y2 pairs
-    return Instances(inst.classes.copy(), boxes.astype(np.float32), [s * scale + shift for s in inst.segments])
+    points = (inst.points * scale + shift).astype(np.float32)
+    return Instances(inst.classes.copy(), boxes.astype(np.float32), points, inst.counts.copy())
 
 
 def _mosaic_span(centre: int, length: int, before: bool, limit: int) -> tuple[int, int, int, int]:
@@ -294,21 +323,19 @@ def _read_window(pixel_matrix: np.ndarray, out_wh: tuple[int, int], side: int) -
     return top, left, bottom, right
 
 
-def _transform_segments(segments: list[np.ndarray], matrix: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-    """Apply a 3x3 homography to every polygon in one vectorised pass.
+def _transform_points(points: np.ndarray, counts: np.ndarray, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Apply a 3x3 homography to packed polygon vertices in one vectorised pass.
 
-    Returns (polygons, in_front (n,) bool); in_front is False for an instance with any vertex
-    mapped behind the projection plane (w <= 0), whose image would be meaningless.
+    Returns (points (P, 2) float32, in_front (n,) bool); in_front is False for an instance with any
+    vertex mapped behind the projection plane (w <= 0), whose image would be meaningless.
     """
-    lengths = np.array([len(s) for s in segments], np.int64)
-    points = np.concatenate(segments).astype(np.float64)
+    points = points.astype(np.float64)
     projected = points @ matrix[:2, :2].T + matrix[:2, 2]
     depth = points @ matrix[2, :2] + matrix[2, 2]
     behind = depth <= _EPS
     projected = (projected / np.where(behind, 1.0, depth)[:, None]).astype(np.float32)
-    owner = np.repeat(np.arange(len(segments)), lengths)
-    in_front = np.bincount(owner[behind], minlength=len(segments)) == 0
-    return np.split(projected, np.cumsum(lengths)[:-1]), in_front
+    owner = np.repeat(np.arange(len(counts)), counts)
+    return projected, np.bincount(owner[behind], minlength=len(counts)) == 0
 
 
 def _box_candidates(
@@ -350,11 +377,11 @@ def random_perspective(
     warped = _warp_image(image, matrix, (out_w, out_h), projective=perspective != 0)
     if not len(inst):
         return warped, Instances.empty()
-    segments, in_front = _transform_segments(inst.segments, matrix)
-    before = polygon_bounds(segments)
-    clipped, boxes = clip_segments(segments, out_w, out_h, before)
+    points, in_front = _transform_points(inst.points, inst.counts, matrix)
+    before = packed_bounds(points, inst.counts)
+    points, counts, boxes = clip_packed(points, inst.counts, out_w, out_h, before)
     index = np.flatnonzero(in_front & _box_candidates(before, boxes))
-    return warped, Instances(inst.classes[index], boxes[index], [clipped[i] for i in index])
+    return warped, Instances(inst.classes[index], boxes[index], *gather(points, counts, index))
 
 
 def mixup(
@@ -373,8 +400,9 @@ def flip_lr(image: np.ndarray, inst: Instances) -> tuple[np.ndarray, Instances]:
     width = image.shape[1]
     boxes = inst.boxes_xyxy.copy()
     boxes[:, [0, 2]] = width - inst.boxes_xyxy[:, [2, 0]]
-    segments = [np.column_stack([width - s[:, 0], s[:, 1]]).astype(np.float32) for s in inst.segments]
-    return cv2.flip(image, 1), Instances(inst.classes.copy(), boxes, segments)
+    points = inst.points.astype(np.float32, copy=True)
+    points[:, 0] = width - inst.points[:, 0]
+    return cv2.flip(image, 1), Instances(inst.classes.copy(), boxes, points, inst.counts.copy())
 
 
 def flip_ud(image: np.ndarray, inst: Instances) -> tuple[np.ndarray, Instances]:
@@ -382,8 +410,9 @@ def flip_ud(image: np.ndarray, inst: Instances) -> tuple[np.ndarray, Instances]:
     height = image.shape[0]
     boxes = inst.boxes_xyxy.copy()
     boxes[:, [1, 3]] = height - inst.boxes_xyxy[:, [3, 1]]
-    segments = [np.column_stack([s[:, 0], height - s[:, 1]]).astype(np.float32) for s in inst.segments]
-    return cv2.flip(image, 0), Instances(inst.classes.copy(), boxes, segments)
+    points = inst.points.astype(np.float32, copy=True)
+    points[:, 1] = height - inst.points[:, 1]
+    return cv2.flip(image, 0), Instances(inst.classes.copy(), boxes, points, inst.counts.copy())
 
 
 def bgr_to_rgb_chw(image: np.ndarray) -> np.ndarray:

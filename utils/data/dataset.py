@@ -267,7 +267,8 @@ class LoadImagesAndLabels(Dataset):
 
     def _instances(self, index: int, width: int, height: int) -> Instances:
         """Item `index`'s labels and polygons in pixels of an image of `width` x `height`."""
-        return Instances.from_labels(self.labels_of(index), self.index.segments_of(index), width, height)
+        points, counts = self.index.polygons_of(index)
+        return Instances.from_packed_labels(self.labels_of(index), points, counts, width, height)
 
     def _load_mosaic(
         self, index: int, rng: np.random.Generator, unreadable: list[str]

@@ -338,6 +338,12 @@ class LabelIndex:
         offsets = self.seg_offsets[first : last + 1]
         return [self.seg_points[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
 
+    def polygons_of(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Image i's polygons packed: (points (P, 2) float32 normalised, a view; counts (n,), or (0,) for none)."""
+        first, last = self.label_offsets[i], self.label_offsets[i + 1]
+        offsets = self.seg_offsets[first : last + 1]
+        return self.seg_points[offsets[0] : offsets[-1]], np.diff(offsets)
+
     def reordered(self, order: np.ndarray) -> LabelIndex:
         """Return a new index holding images in `order` (e.g. sorted by aspect ratio), packed afresh."""
         records = [(self.labels_of(i), self.segments_of(i)) for i in order]

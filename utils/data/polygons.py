@@ -10,17 +10,42 @@ def box_corners(boxes_xyxy: np.ndarray) -> np.ndarray:
     return boxes_xyxy[:, [0, 1, 2, 1, 2, 3, 0, 3]].reshape(-1, 4, 2)  # (x1, y1) (x2, y1) (x2, y2) (x1, y2)
 
 
-def polygon_bounds(segments: list[np.ndarray]) -> np.ndarray:
-    """Tight boxes (n, 4) xyxy of polygons; an empty polygon gets an all-zero box."""
-    boxes = np.zeros((len(segments), 4), np.float32)
-    lengths = np.array([len(s) for s in segments], np.int64)
-    nonempty = lengths > 0
+def packed_bounds(points: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Tight boxes (n, 4) xyxy of packed polygons (`counts[i]` vertices each, one after another); empty: zeros."""
+    boxes = np.zeros((len(counts), 4), np.float32)
+    nonempty = counts > 0
     if nonempty.any():
-        points = np.concatenate([s for s in segments if len(s)]).astype(np.float32)
-        starts = np.concatenate([[0], np.cumsum(lengths[nonempty])[:-1]])
+        points = points.astype(np.float32, copy=False)
+        starts = np.concatenate([[0], np.cumsum(counts[nonempty])[:-1]])
         boxes[nonempty, :2] = np.minimum.reduceat(points, starts, axis=0)
         boxes[nonempty, 2:] = np.maximum.reduceat(points, starts, axis=0)
     return boxes
+
+
+def pack(segments: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(points (P, 2) float32, counts (n,) int64) of a list of polygons."""
+    counts = np.array([len(s) for s in segments], np.int64)
+    if not counts.sum():
+        return np.zeros((0, 2), np.float32), counts
+    return np.concatenate([np.asarray(s, np.float32).reshape(-1, 2) for s in segments]), counts
+
+
+def unpack(points: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    """The polygons of packed (points, counts) as a list of views."""
+    return np.split(points, np.cumsum(counts)[:-1]) if len(counts) else []
+
+
+def gather(points: np.ndarray, counts: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Packed polygons `index` (any order, repeats allowed) of packed (points, counts)."""
+    starts = np.cumsum(counts) - counts
+    picked = counts[index]
+    within = np.arange(picked.sum()) - np.repeat(np.cumsum(picked) - picked, picked)
+    return points[np.repeat(starts[index], picked) + within], picked
+
+
+def polygon_bounds(segments: list[np.ndarray]) -> np.ndarray:
+    """Tight boxes (n, 4) xyxy of polygons; an empty polygon gets an all-zero box."""
+    return packed_bounds(*pack(segments))
 
 
 def _previous_vertex(owner: np.ndarray, count: int) -> np.ndarray:
@@ -56,23 +81,49 @@ def _clip_half_plane(
     return np.stack([hits, points], axis=1).reshape(-1, 2)[emit], np.repeat(owner, 2)[emit]
 
 
-def _clip_polygons(segments: list[np.ndarray], width: float, height: float) -> list[np.ndarray]:
-    """Clip many polygons to [0, width] x [0, height] in 4 vectorised passes (no loop over polygons)."""
-    count = len(segments)
-    if count == 0:
-        return []
-    lengths = np.array([len(s) for s in segments], np.int64)
-    points = np.concatenate([np.asarray(s, np.float32).reshape(-1, 2) for s in segments])
-    owner = np.repeat(np.arange(count), lengths)
-    # Fewer than 3 points is no polygon. From 3 up, a pass yields 0 or >= 3 (crossings come in pairs).
+def _clip_owned(
+    points: np.ndarray, owner: np.ndarray, count: int, width: float, height: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Clip the packed polygons `owner` names to [0, width] x [0, height] in 4 vectorised passes; (points, owner).
+
+    A polygon of fewer than 3 points is dropped; from 3 up a pass yields 0 or >= 3 (crossings come in pairs).
+    """
+    lengths = np.bincount(owner, minlength=count)
     is_polygon = (lengths >= 3)[owner]
-    points, owner = points[is_polygon], owner[is_polygon]
+    points, owner = points[is_polygon].astype(np.float32), owner[is_polygon]
     for axis, limit, keep_below in ((0, 0.0, False), (0, width, True), (1, 0.0, False), (1, height, True)):
         points, owner = _clip_half_plane(points, owner, count, axis, float(limit), keep_below)
     # Interpolated coordinates of a later pass can overshoot an earlier edge by one float ulp.
     points = np.clip(points, 0.0, np.array([width, height], np.float32)).astype(np.float32)
-    parts = np.split(points, np.cumsum(np.bincount(owner, minlength=count))[:-1])
-    return [part if len(part) >= 3 else np.zeros((0, 2), np.float32) for part in parts]
+    remaining = np.bincount(owner, minlength=count)
+    keep = (remaining >= 3)[owner]
+    return points[keep], owner[keep]
+
+
+def clip_packed(
+    points: np.ndarray, counts: np.ndarray, width: float, height: float, bounds: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Clip packed polygons to the image: (points, counts, tight boxes (n, 4)); emptied ones get count 0, box 0.
+
+    `bounds`: their `packed_bounds`, when the caller has them. Only polygons that cross the border
+    (or have < 3 points) go through the clipper, and only their boxes are recomputed.
+    """
+    bounds = packed_bounds(points, counts) if bounds is None else bounds
+    inside = (bounds[:, :2] >= 0).all(axis=1) & (bounds[:, 2] <= width) & (bounds[:, 3] <= height) & (counts >= 3)
+    boxes = bounds.astype(np.float32, copy=True)
+    if inside.all():
+        return points, counts, boxes
+    owner = np.repeat(np.arange(len(counts)), counts)
+    crossing = ~inside[owner]
+    clipped, clipped_owner = _clip_owned(points[crossing], owner[crossing], len(counts), width, height)
+    # Untouched polygons first, then the clipped ones; a stable sort by owner restores the instance order.
+    owner = np.concatenate([owner[~crossing], clipped_owner])
+    order = np.argsort(owner, kind="stable")
+    points = np.concatenate([points[~crossing], clipped])[order]
+    counts = np.bincount(owner, minlength=len(counts)).astype(np.int64)
+    outside = np.flatnonzero(~inside)
+    boxes[outside] = packed_bounds(*gather(points, counts, outside))
+    return points, counts, boxes
 
 
 def clip_polygon(poly: np.ndarray, width: float, height: float) -> np.ndarray:
@@ -81,24 +132,11 @@ def clip_polygon(poly: np.ndarray, width: float, height: float) -> np.ndarray:
     Returns the clipped polygon (m, 2) float32, or an empty (0, 2) array when less than a
     triangle is left (fully outside or degenerate).
     """
-    return _clip_polygons([poly], width, height)[0]
+    points, _, _ = clip_packed(*pack([poly]), width, height)
+    return points if len(points) >= 3 else np.zeros((0, 2), np.float32)
 
 
-def clip_segments(
-    segments: list[np.ndarray], width: int, height: int, bounds: np.ndarray | None = None
-) -> tuple[list[np.ndarray], np.ndarray]:
-    """Clip polygons to the image; return (clipped polygons, their tight boxes (n, 4)); empty ones get zero boxes.
-
-    `bounds`: the polygons' `polygon_bounds`, when the caller has them. Only polygons that cross
-    the border (or have < 3 points) go through the clipper, and only their boxes are recomputed.
-    """
-    bounds = polygon_bounds(segments) if bounds is None else bounds
-    inside = (bounds[:, :2] >= 0).all(axis=1) & (bounds[:, 2] <= width) & (bounds[:, 3] <= height)
-    outside = np.flatnonzero(~inside | (np.array([len(s) for s in segments]) < 3))
-    clipped, boxes = list(segments), bounds.astype(np.float32, copy=True)
-    if len(outside):
-        parts = _clip_polygons([segments[i] for i in outside], width, height)
-        for i, part in zip(outside, parts, strict=True):
-            clipped[i] = part
-        boxes[outside] = polygon_bounds(parts)
-    return clipped, boxes
+def clip_segments(segments: list[np.ndarray], width: int, height: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Clip a list of polygons to the image; return (clipped polygons, their tight boxes (n, 4)) (see clip_packed)."""
+    points, counts, boxes = clip_packed(*pack(segments), width, height)
+    return unpack(points, counts), boxes
