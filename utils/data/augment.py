@@ -1,4 +1,4 @@
-"""Pure image augmentations (letterbox, mosaic, perspective, mixup, HSV, flips) moving labels along.
+"""Pure image augmentations (letterbox, mosaic, perspective, mixup, flips) moving labels along.
 
 YOLOv5's segment copy-paste is in utils/data/copy_paste.py.
 """
