@@ -330,6 +330,25 @@ def test_random_perspective_with_no_instances() -> None:
     assert out.shape == (16, 32, 3) and len(inst) == 0 and inst.boxes_xyxy.shape == (0, 4)
 
 
+@pytest.mark.parametrize("mirror", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("geometry", [{"degrees": 10, "shear": 3, "scale": 0.3}, {"translate": 0.0, "scale": 0.0}])
+def test_mirror_in_the_warp_equals_flipping_after_it(mirror: tuple[bool, bool], geometry: dict) -> None:
+    image = cv2.GaussianBlur(np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8), (5, 5), 2)
+    polygons = [np.array([[10, 10], [60, 12], [40, 70]], np.float32), np.array([[70, 20], [127, 20], [110, 95]])]
+    inst = Instances.from_segments(np.array([0, 1], np.float32), np.zeros((2, 4), np.float32), polygons)
+    warped, moved = random_perspective(image, inst, np.random.default_rng(5), mirror=mirror, **geometry)
+    expected, expected_inst = random_perspective(image, inst, np.random.default_rng(5), **geometry)
+    if mirror[0]:
+        expected, expected_inst = flip_lr(expected, expected_inst)
+    if mirror[1]:
+        expected, expected_inst = flip_ud(expected, expected_inst)
+    # The same sampling points; OpenCV's 1/32 px fixed-point coordinates may round a level apart.
+    assert np.abs(warped.astype(int) - expected).max() <= 1
+    assert len(moved) == len(expected_inst) == 2
+    np.testing.assert_allclose(moved.boxes_xyxy, expected_inst.boxes_xyxy, atol=1e-4)
+    np.testing.assert_allclose(moved.points, expected_inst.points, atol=1e-4)
+
+
 @pytest.mark.parametrize("flip", [flip_lr, flip_ud])
 def test_flips_move_pixels_with_boxes_and_invert(flip: Callable[..., tuple[np.ndarray, Instances]]) -> None:
     rng = np.random.default_rng(3)

@@ -226,7 +226,7 @@ def _aligned(dataset: LoadImagesAndLabels, keys: list[Any], mirror: str = "") ->
     return np.concatenate(tight), np.concatenate(classes)
 
 
-KEYS = [(i, epoch) for i in range(8) for epoch in range(2)]
+KEYS = [(i, epoch) for i in range(8) for epoch in range(4)]  # 2 epochs left too few blunt shapes for a stable share
 CASES = {
     "mosaic_affine": {"aug": GEOMETRY},
     "mosaic_affine_fliplr": {"aug": GEOMETRY | {"fliplr": 1.0}},

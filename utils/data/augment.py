@@ -273,6 +273,12 @@ def _random_homography(
     return translate @ shear @ rotate @ projective @ centre
 
 
+def _is_identity(matrix: np.ndarray) -> bool:
+    """Whether a 3x3 point matrix moves nothing (to rounding)."""
+    identity = np.eye(3)
+    return bool((np.abs(matrix - identity) <= 1e-8 + 1e-5 * identity).all())
+
+
 def _warp_image(
     image: np.ndarray | MosaicCanvas, matrix: np.ndarray, out_wh: tuple[int, int], projective: bool
 ) -> np.ndarray:
@@ -282,12 +288,7 @@ def _warp_image(
     the warped pixels exactly under the transformed polygons (no 0.5 px drift under zoom). A
     MosaicCanvas is drawn only where an affine warp reads it (`_read_window`).
     """
-    identity = np.eye(3)
-    if (
-        isinstance(image, np.ndarray)
-        and out_wh == (image.shape[1], image.shape[0])
-        and (np.abs(matrix - identity) <= 1e-8 + 1e-5 * identity).all()
-    ):
+    if isinstance(image, np.ndarray) and out_wh == (image.shape[1], image.shape[0]) and _is_identity(matrix):
         return image.copy()
     to_centres, to_edges = np.eye(3), np.eye(3)
     to_centres[:2, 2], to_edges[:2, 2] = -0.5, 0.5
@@ -352,6 +353,15 @@ def _box_candidates(
     return (w2 > wh_thr) & (h2 > wh_thr) & (w2 * h2 / (w1 * h1 + _EPS) > area_thr) & (aspect < ar_thr)
 
 
+def _mirrored(matrix: np.ndarray, mirror: tuple[bool, bool], out_hw: tuple[int, int]) -> np.ndarray:
+    """`matrix`, then x -> width - x (mirror[0]) and y -> height - y (mirror[1]) in output pixel-edge units."""
+    flip = np.eye(3)
+    for axis, (on, length) in enumerate(zip(mirror, (out_hw[1], out_hw[0]), strict=True)):
+        if on:
+            flip[axis, axis], flip[axis, 2] = -1.0, length
+    return flip @ matrix
+
+
 def random_perspective(
     image: np.ndarray | MosaicCanvas,
     inst: Instances,
@@ -362,6 +372,7 @@ def random_perspective(
     shear: float = 0.0,
     perspective: float = 0.0,
     border: tuple[int, int] = (0, 0),
+    mirror: tuple[bool, bool] = (False, False),
 ) -> tuple[np.ndarray, Instances]:
     """Random rotate/scale/shear/translate/perspective warp of image and polygons; output grows by 2*border (h, w).
 
@@ -369,12 +380,18 @@ def random_perspective(
     homography), clipped to the output image, and boxes recomputed from them. Instances
     that end up thinner than 2 px, keep < 10% of their transformed area or get aspect > 100
     are dropped. border=(-size // 2, -size // 2) turns a 2*size mosaic into size x size. `image`
-    may be an undrawn MosaicCanvas (only the part the warp reads is drawn).
+    may be an undrawn MosaicCanvas (only the part the warp reads is drawn). `mirror` (left-right,
+    top-bottom) flips the output inside the same warp: the same pixels as `flip_lr` / `flip_ud`
+    after it (an output pixel centre mirrors onto a pixel centre), without a pass of its own.
     """
     out_h, out_w = image.shape[0] + 2 * border[0], image.shape[1] + 2 * border[1]
     params = AugmentParams(degrees=degrees, translate=translate, scale=scale, shear=shear, perspective=perspective)
-    matrix = _random_homography(rng, image.shape[:2], (out_h, out_w), params)
-    warped = _warp_image(image, matrix, (out_w, out_h), projective=perspective != 0)
+    drawn = _random_homography(rng, image.shape[:2], (out_h, out_w), params)
+    matrix = _mirrored(drawn, mirror, (out_h, out_w))
+    if any(mirror) and isinstance(image, np.ndarray) and image.shape[:2] == (out_h, out_w) and _is_identity(drawn):
+        warped = cv2.flip(image, -1 if all(mirror) else 1 if mirror[0] else 0)  # a mirror alone: no warp needed
+    else:
+        warped = _warp_image(image, matrix, (out_w, out_h), projective=perspective != 0)
     if not len(inst):
         return warped, Instances.empty()
     points, in_front = _transform_points(inst.points, inst.counts, matrix)

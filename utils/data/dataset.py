@@ -16,8 +16,6 @@ from torch.utils.data import Dataset
 from utils.data.augment import (
     AugmentParams,
     Instances,
-    flip_lr,
-    flip_ud,
     instances_to_labels,
     letterbox,
     mixup,
@@ -271,9 +269,9 @@ class LoadImagesAndLabels(Dataset):
         return Instances.from_packed_labels(self.labels_of(index), points, counts, width, height)
 
     def _load_mosaic(
-        self, index: int, rng: np.random.Generator, unreadable: list[str]
+        self, index: int, rng: np.random.Generator, unreadable: list[str], mirror: tuple[bool, bool]
     ) -> tuple[np.ndarray, Instances, int]:
-        """Mosaic of item `index` and 3 partners from this rank's shard, warped to img_size x img_size.
+        """Mosaic of item `index` and 3 partners from this rank's shard, warped (and `mirror`ed) to img_size x img_size.
 
         Returns the canvas, its instances and the index of the image in its first quadrant (`index`
         unless that image was unreadable and replaced, see `_load_readable`).
@@ -287,14 +285,14 @@ class LoadImagesAndLabels(Dataset):
             used.append(loaded)
         image, inst = mosaic4(images, instances, size, rng)
         image, inst = copy_paste(image, inst, self.options.aug.copy_paste, rng)  # on the canvas, as YOLOv5
-        return (*self._perspective(image, inst, rng, border=(-size // 2, -size // 2)), used[0])
+        return (*self._perspective(image, inst, rng, (-size // 2, -size // 2), mirror), used[0])
 
     def _load_readable(self, index: int, rng: np.random.Generator, unreadable: list[str]) -> tuple[int, LoadedImage]:
         """Load training item `index`'s image, or another image of this rank's shard when it cannot be read.
 
         Returns (index loaded, what `load_image` returned for it). The replacement is drawn
         from the item's own `rng`, so a run repeats exactly while the same files are missing; each
-        unreadable path is appended to `unreadable`. Raises FileNotFoundError after
+        unreadable path is appended to `unreadable` once. Raises FileNotFoundError after
         MAX_UNREADABLE_IN_A_ROW failures in a row (the dataset is gone, not a few files).
         """
         first_path = self.index.im_files[index]
@@ -302,7 +300,8 @@ class LoadImagesAndLabels(Dataset):
             try:
                 return index, self.load_image(index)
             except FileNotFoundError:
-                unreadable.append(self.index.im_files[index])
+                if self.index.im_files[index] not in unreadable:  # drawn again: still one file to report and count
+                    unreadable.append(self.index.im_files[index])
                 index = int(rng.choice(self.shard))
         raise FileNotFoundError(
             f"{MAX_UNREADABLE_IN_A_ROW} images in a row could not be read, starting at {first_path}; "
@@ -310,12 +309,17 @@ class LoadImagesAndLabels(Dataset):
         )
 
     def _perspective(
-        self, image: np.ndarray, inst: Instances, rng: np.random.Generator, border: tuple[int, int] = (0, 0)
+        self,
+        image: np.ndarray,
+        inst: Instances,
+        rng: np.random.Generator,
+        border: tuple[int, int],
+        mirror: tuple[bool, bool],
     ) -> tuple[np.ndarray, Instances]:
-        """random_perspective with this dataset's augmentation strengths."""
+        """random_perspective with this dataset's augmentation strengths, the flips done by the same warp."""
         aug = self.options.aug
         return random_perspective(
-            image, inst, rng, aug.degrees, aug.translate, aug.scale, aug.shear, aug.perspective, border
+            image, inst, rng, aug.degrees, aug.translate, aug.scale, aug.shear, aug.perspective, border, mirror
         )
 
     def _letterboxed(self, index: int, loaded: LoadedImage) -> tuple[np.ndarray, Instances, ShapeInfo]:
@@ -348,26 +352,24 @@ class LoadImagesAndLabels(Dataset):
         aug = self.options.aug
         rng = np.random.default_rng([self.options.seed, self.ctx.rank, int(epoch), index])
         unreadable: list[str] = []
-        if self._mosaic_open(epoch) and rng.random() < aug.mosaic:
-            image, inst, index = self._load_mosaic(index, rng, unreadable)
-            if rng.random() < aug.mixup:
-                partner = self._load_mosaic(int(rng.choice(self.shard)), rng, unreadable)
+        mosaic = self._mosaic_open(epoch) and rng.random() < aug.mosaic
+        mirror = (bool(rng.random() < aug.fliplr), bool(rng.random() < aug.flipud))  # done inside the warp
+        if mosaic:
+            image, inst, index = self._load_mosaic(index, rng, unreadable, mirror)
+            if rng.random() < aug.mixup:  # the partner is mirrored alike: the flips apply to the blend
+                partner = self._load_mosaic(int(rng.choice(self.shard)), rng, unreadable, mirror)
                 image, inst = mixup(image, inst, *partner[:2], rng)
             size = image.shape[0]
             shape: ShapeInfo = ((size, size), ((1.0, 1.0), (0.0, 0.0)))  # no original-image geometry
         else:
             index, loaded = self._load_readable(index, rng, unreadable)
             image, inst, shape = self._letterboxed(index, loaded)
-            image, inst = self._perspective(image, inst, rng)
+            image, inst = self._perspective(image, inst, rng, (0, 0), mirror)
         gains = draw_hsv_gains(rng, aug.hsv_h, aug.hsv_s, aug.hsv_v)
         if not self.options.hsv_on_device:  # BGR -> RGB here; otherwise on the device with the jitter
             image = apply_hsv(image, gains, to_rgb=True) if gains is not None else _to_rgb(image)
-        if rng.random() < aug.flipud:
-            image, inst = flip_ud(image, inst)
-        if rng.random() < aug.fliplr:
-            image, inst = flip_lr(image, inst)
         item = self._to_item(image, inst, self.index.im_files[index], shape)
-        if self.options.hsv_on_device:  # per-pixel, so it commutes with the flips
+        if self.options.hsv_on_device:
             item["hsv"] = torch.tensor(IDENTITY_GAINS if gains is None else gains, dtype=torch.float32)
         if unreadable:
             item["unreadable"] = unreadable
