@@ -22,7 +22,7 @@ from utils.data.augment import (
     transform_instances,
 )
 from utils.data.colour import augment_hsv
-from utils.data.polygons import clip_polygon
+from utils.data.polygons import clip_polygon, pack
 
 GREY = 114
 # Corners of the RGB cube: far from the grey background and from every grey/colour blend of another.
@@ -214,14 +214,14 @@ def test_clip_polygon_matches_convex_intersection() -> None:
 def test_from_labels_and_back() -> None:
     labels = np.array([[1, 0.5, 0.5, 0.2, 0.4], [2, 0.25, 0.75, 0.5, 0.5]], np.float32)
     polygon = np.array([[0.0, 0.5], [0.5, 0.5], [0.25, 1.0]], np.float32)
-    inst = Instances.from_labels(labels, [np.zeros((0, 2), np.float32), polygon], width=200, height=100)
+    inst = Instances.from_labels(labels, *pack([np.zeros((0, 2), np.float32), polygon]), width=200, height=100)
     np.testing.assert_allclose(inst.boxes_xyxy, [[80, 30, 120, 70], [0, 50, 100, 100]])
     np.testing.assert_allclose(inst.segments[0], [[80, 30], [120, 30], [120, 70], [80, 70]])  # box corners
     np.testing.assert_allclose(inst.segments[1], [[0, 50], [100, 50], [50, 100]])
     np.testing.assert_allclose(instances_to_labels(inst, 200, 100), labels, atol=1e-6)
-    box_only = Instances.from_labels(labels, None, 200, 100)
+    box_only = Instances.from_labels(labels, *pack([]), 200, 100)
     assert [len(s) for s in box_only.segments] == [4, 4]
-    assert len(Instances.from_labels(np.zeros((0, 5)), None, 10, 10)) == 0
+    assert len(Instances.from_labels(np.zeros((0, 5)), *pack([]), 10, 10)) == 0
     assert instances_to_labels(Instances.empty(), 10, 10).shape == (0, 5)
 
 

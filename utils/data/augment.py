@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from utils.data.polygons import box_corners, clip_packed, gather, pack, packed_bounds, unpack
+from utils.data.polygons import box_corners, clip_packed, gather, pack, packed_bounds, replace, unpack
 
 PAD_VALUE = 114  # grey used for letterbox padding, mosaic canvas and warp borders (YOLOv5 convention)
 _PAD_COLOR = (PAD_VALUE, PAD_VALUE, PAD_VALUE)
@@ -106,37 +106,26 @@ class Instances:
         return Instances(np.zeros(0, np.float32), np.zeros((0, 4), np.float32), *pack([]))
 
     @staticmethod
-    def from_labels(labels: np.ndarray, segments: list[np.ndarray] | None, width: int, height: int) -> Instances:
+    def from_labels(labels: np.ndarray, points: np.ndarray, counts: np.ndarray, width: int, height: int) -> Instances:
         """Build pixel Instances from normalised YOLO labels for an image of `width` x `height`.
 
-        labels: (n, 5) [cls, cx, cy, w, h] normalised; segments: None or n normalised (k, 2)
-        polygons. A missing polygon, or one with fewer than 3 points, becomes the box's 4 corners.
+        labels: (n, 5) [cls, cx, cy, w, h] normalised; points (P, 2) and counts (n,), or (0,) for
+        none: their polygons packed, normalised (`LabelIndex.polygons_of`, `polygons.pack`). A
+        missing polygon, or one with fewer than 3 points, becomes the box's 4 corners.
         """
         labels = np.asarray(labels, np.float32).reshape(-1, 5)
-        if segments is not None and len(segments) not in (0, len(labels)):
-            raise ValueError(f"from_labels: {len(segments)} segments for {len(labels)} labels")
-        points, counts = pack(segments) if segments else (np.zeros((0, 2), np.float32), np.zeros(0, np.int64))
-        return Instances.from_packed_labels(labels, points, counts, width, height)
-
-    @staticmethod
-    def from_packed_labels(
-        labels: np.ndarray, points: np.ndarray, counts: np.ndarray, width: int, height: int
-    ) -> Instances:
-        """`from_labels` with the normalised polygons packed (points (P, 2), counts (n,) or (0,) for none)."""
+        if len(counts) not in (0, len(labels)):
+            raise ValueError(f"from_labels: {len(counts)} polygons for {len(labels)} labels")
         scale = np.array([width, height, width, height], np.float32)
         centre, size = labels[:, 1:3], labels[:, 3:5]
         boxes = (np.concatenate([centre - size / 2, centre + size / 2], axis=1) * scale).astype(np.float32)
-        corners = box_corners(boxes)
-        if not len(counts):
-            counts = np.zeros(len(labels), np.int64)
-        own = counts >= 3  # the others get their box's 4 corners
-        if own.all():
-            return Instances(labels[:, 0].copy(), boxes, (points * scale[:2]).astype(np.float32), counts.copy())
-        kept, kept_counts = gather(points, counts, np.flatnonzero(own))
-        merged = np.concatenate([(kept * scale[:2]).astype(np.float32), corners[~own].reshape(-1, 2)])
-        owner = np.concatenate([np.repeat(np.flatnonzero(own), kept_counts), np.repeat(np.flatnonzero(~own), 4)])
-        order = np.argsort(owner, kind="stable")
-        return Instances(labels[:, 0].copy(), boxes, merged[order], np.where(own, counts, 4).astype(np.int64))
+        counts = counts if len(counts) else np.zeros(len(labels), np.int64)
+        points = (np.asarray(points, np.float32).reshape(-1, 2) * scale[:2]).astype(np.float32)
+        boxed = np.flatnonzero(counts < 3)
+        if len(boxed):
+            corners = box_corners(boxes[boxed]).reshape(-1, 2)
+            points, counts = replace(points, counts, boxed, corners, np.full(len(boxed), 4, np.int64))
+        return Instances(labels[:, 0].copy(), boxes, points, counts.astype(np.int64, copy=True))
 
 
 def _clip_instances(inst: Instances, width: int, height: int) -> Instances:

@@ -266,7 +266,7 @@ class LoadImagesAndLabels(Dataset):
     def _instances(self, index: int, width: int, height: int) -> Instances:
         """Item `index`'s labels and polygons in pixels of an image of `width` x `height`."""
         points, counts = self.index.polygons_of(index)
-        return Instances.from_packed_labels(self.labels_of(index), points, counts, width, height)
+        return Instances.from_labels(self.labels_of(index), points, counts, width, height)
 
     def _load_mosaic(
         self, index: int, rng: np.random.Generator, unreadable: list[str], mirror: tuple[bool, bool]

@@ -43,9 +43,19 @@ def gather(points: np.ndarray, counts: np.ndarray, index: np.ndarray) -> tuple[n
     return points[np.repeat(starts[index], picked) + within], picked
 
 
-def polygon_bounds(segments: list[np.ndarray]) -> np.ndarray:
-    """Tight boxes (n, 4) xyxy of polygons; an empty polygon gets an all-zero box."""
-    return packed_bounds(*pack(segments))
+def replace(
+    points: np.ndarray, counts: np.ndarray, index: np.ndarray, new_points: np.ndarray, new_counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Packed polygons with polygons `index` (ascending) replaced by packed (new_points, new_counts), in that order."""
+    replaced = np.zeros(len(counts), bool)
+    replaced[index] = True
+    owner = np.repeat(np.arange(len(counts)), counts)
+    kept = ~replaced[owner]
+    # The kept vertices, then the new ones; a stable sort by owner puts every polygon back in its place.
+    order = np.argsort(np.concatenate([owner[kept], np.repeat(index, new_counts)]), kind="stable")
+    counts = counts.copy()
+    counts[index] = new_counts
+    return np.concatenate([points[kept], new_points]).astype(np.float32, copy=False)[order], counts
 
 
 def _previous_vertex(owner: np.ndarray, count: int) -> np.ndarray:
@@ -116,14 +126,10 @@ def clip_packed(
     owner = np.repeat(np.arange(len(counts)), counts)
     crossing = ~inside[owner]
     clipped, clipped_owner = _clip_owned(points[crossing], owner[crossing], len(counts), width, height)
-    # Untouched polygons first, then the clipped ones; a stable sort by owner restores the instance order.
-    owner = np.concatenate([owner[~crossing], clipped_owner])
-    order = np.argsort(owner, kind="stable")
-    points = np.concatenate([points[~crossing], clipped])[order]
-    counts = np.bincount(owner, minlength=len(counts)).astype(np.int64)
     outside = np.flatnonzero(~inside)
-    boxes[outside] = packed_bounds(*gather(points, counts, outside))
-    return points, counts, boxes
+    clipped_counts = np.bincount(clipped_owner, minlength=len(counts))[outside]
+    boxes[outside] = packed_bounds(clipped, clipped_counts)
+    return (*replace(points, counts, outside, clipped, clipped_counts), boxes)
 
 
 def clip_polygon(poly: np.ndarray, width: float, height: float) -> np.ndarray:
@@ -134,9 +140,3 @@ def clip_polygon(poly: np.ndarray, width: float, height: float) -> np.ndarray:
     """
     points, _, _ = clip_packed(*pack([poly]), width, height)
     return points if len(points) >= 3 else np.zeros((0, 2), np.float32)
-
-
-def clip_segments(segments: list[np.ndarray], width: int, height: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """Clip a list of polygons to the image; return (clipped polygons, their tight boxes (n, 4)) (see clip_packed)."""
-    points, counts, boxes = clip_packed(*pack(segments), width, height)
-    return unpack(points, counts), boxes
