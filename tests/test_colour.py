@@ -12,10 +12,9 @@ import torch
 from utils.data.augment import AugmentParams
 from utils.data.colour import IDENTITY_GAINS, apply_hsv, draw_hsv_gains, hsv_jitter
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
-from utils.data.loader import collate_batch, to_model_input
+from utils.data.loader import collate_batch, images_on_device, to_model_input
 from utils.distributed import DistContext
 from utils.plots import batch_drawer
-from utils.train.prefetch import images_on_device
 
 CTX = DistContext()
 GAINS = [(1.0, 1.0, 1.0), (1.015, 1.7, 1.4), (0.985, 0.3, 0.6), (1.5, 1.2, 0.8), (0.6, 1.0, 1.0)]

@@ -20,8 +20,7 @@ import cv2
 import numpy as np
 import torch
 
-from utils.data.colour import hsv_jitter
-from utils.data.loader import to_model_input
+from utils.data.loader import images_on_device
 from utils.eval.metrics import RECALL_LEVELS, DetectionMetrics
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ def _colour_jittered(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch with the HSV gains it carries (colour work left to the device on CUDA) applied, in RGB."""
     if "hsv_gains" not in batch:
         return batch
-    images = hsv_jitter(to_model_input(batch["images"], torch.device("cpu"), bgr=True), batch["hsv_gains"])
+    images = images_on_device(batch, torch.device("cpu"))
     return {**batch, "images": (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()}
 
 

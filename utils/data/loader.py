@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, default_collate
 
 from utils.data.batch_slots import BatchSlots
+from utils.data.colour import hsv_jitter
 from utils.data.sampler import ShardedInferenceSampler, SmartDistributedSampler
 from utils.distributed import DistContext, local_cpu_share
 
@@ -128,6 +129,17 @@ def to_model_input(
     """
     pixels = images.to(device, non_blocking=True).permute(0, 3, 1, 2)
     return (pixels.flip(1) if bgr else pixels).to(dtype) / 255
+
+
+def images_on_device(batch: dict[str, Any], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The batch's images as the model's input on `device` (`to_model_input`), with its `hsv_gains` applied there.
+
+    A batch with gains left its colour work to the device: it is still BGR and gets its jitter here.
+    """
+    if "hsv_gains" not in batch:
+        return to_model_input(batch["images"], device, dtype)
+    images = to_model_input(batch["images"], device, dtype, bgr=True)
+    return hsv_jitter(images, batch["hsv_gains"].to(device, non_blocking=True))
 
 
 def _pad_item(item: dict[str, Any], image_hw: tuple[int, int], mask_hw: tuple[int, int]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from utils.boxes import box_iou, non_max_suppression, scale_boxes, xywh_to_xyxy, xyxy_to_xywhn
-from utils.data.loader import image_hw, to_model_input
+from utils.data.loader import image_hw, images_on_device
 from utils.distributed import DistContext, all_gather_objects, all_reduce_sum
 from utils.eval.metrics import ConfusionMatrix, DetectionMetrics, iou_thresholds, match_predictions
 from utils.logs import tqdm_disabled
@@ -231,7 +231,7 @@ def evaluate(
     progress = tqdm(batches, desc=options.description, disable=tqdm_disabled(ctx), leave=False)
     for batch_index, batch in enumerate(progress):
         start = time.perf_counter()
-        images = to_model_input(batch["images"], device, dtype)
+        images = images_on_device(batch, device, dtype)
         targets = batch["targets"].to(device, copy=True)  # scaled in place below; never touch the batch
         _sync(device)
         after_pre = time.perf_counter()

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from models.yolo import memory_format
 from utils.config import AUTO, TrainConfig
 from utils.data.data_config import DataConfig, load_data_config
+from utils.data.loader import images_on_device
 from utils.distributed import (
     DistContext,
     all_reduce_sum,
@@ -47,7 +48,7 @@ from utils.train.optim import (
     scaled_weight_decay,
     warmup_iterations,
 )
-from utils.train.prefetch import DevicePrefetcher, images_on_device
+from utils.train.prefetch import DevicePrefetcher
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV
 from utils.train.saving import prepare_run_dir, restore_state, save_epoch, save_mid_epoch
 from utils.train.setup import (

@@ -7,9 +7,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from utils.data.colour import hsv_jitter
-from utils.data.loader import to_model_input
-
 B = TypeVar("B")
 OnDevice = dict[str, torch.Tensor]
 
@@ -17,7 +14,7 @@ OnDevice = dict[str, torch.Tensor]
 class DevicePrefetcher:
     """Iterate `(batch, to_device(batch))` pairs, with `to_device` run one batch ahead on CUDA.
 
-    `to_device` moves what the step needs (images as float, `images_on_device`; targets, masks) to the
+    `to_device` moves what the step needs (images as float, `utils.data.loader.images_on_device`; targets, masks) to the
     device and returns it as a dict of tensors; the host `batch` is passed along untouched for
     whatever reads it on the host (plots, the progress bar). On CUDA, batch i + 1 is taken from
     the loader and its copy and normalisation are queued on a side stream before batch i is
@@ -57,14 +54,3 @@ class DevicePrefetcher:
             return None
         with torch.cuda.stream(side):
             return batch, self.to_device(batch)
-
-
-def images_on_device(batch: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """The batch's uint8 images as the model's float input on `device`, with its `hsv_gains` applied there if any.
-
-    `to_model_input` copies and converts; a batch with gains is still BGR and gets its jitter after.
-    """
-    if "hsv_gains" not in batch:
-        return to_model_input(batch["images"], device)
-    images = to_model_input(batch["images"], device, bgr=True)
-    return hsv_jitter(images, batch["hsv_gains"].to(device, non_blocking=True))
