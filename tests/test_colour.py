@@ -30,6 +30,29 @@ def _to_float_rgb(images_bgr: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.stack([image[:, :, ::-1].transpose(2, 0, 1) for image in images_bgr])).float() / 255
 
 
+def test_apply_hsv_changes_colours_by_drawn_gains_in_place() -> None:
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)
+    original = image.copy()
+    gains = np.random.default_rng(5).uniform(-1, 1, 3) * [0.0, 0.0, 0.4] + 1
+    out = apply_hsv(image, draw_hsv_gains(np.random.default_rng(5), 0.0, 0.0, 0.4))
+    assert out is image and out.shape == (40, 50, 3) and out.dtype == np.uint8
+    value_before = cv2.cvtColor(original, cv2.COLOR_BGR2HSV)[:, :, 2].astype(float)
+    value_after = cv2.cvtColor(out, cv2.COLOR_BGR2HSV)[:, :, 2].astype(float)
+    expected = np.clip(value_before * gains[2], 0, 255)
+    assert np.abs(value_after - np.floor(expected)).max() <= 2
+    colourful = apply_hsv(original.copy(), draw_hsv_gains(np.random.default_rng(1), 0.5, 0.7, 0.4))
+    assert np.abs(colourful.astype(int) - original).mean() > 5
+    assert draw_hsv_gains(rng, 0.0, 0.0, 0.0) is None  # no gains: nothing to apply (the dataset skips it)
+    strided = original.copy()[:, ::-1]  # a view OpenCV cannot write into directly
+    flip_gains = draw_hsv_gains(np.random.default_rng(2), 0.5, 0.7, 0.4)
+    expected_flipped = apply_hsv(np.ascontiguousarray(strided), flip_gains)
+    assert apply_hsv(strided, flip_gains) is strided
+    np.testing.assert_array_equal(strided, expected_flipped)
+    rgb = apply_hsv(original.copy(), flip_gains, to_rgb=True)  # the same change, written in RGB order
+    np.testing.assert_array_equal(rgb, apply_hsv(original.copy(), flip_gains)[:, :, ::-1])
+
+
 @pytest.mark.parametrize("gains", GAINS)
 def test_device_jitter_matches_the_worker_path_to_its_rounding(gains: tuple[float, float, float]) -> None:
     image = _colourful(0)

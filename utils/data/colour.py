@@ -50,12 +50,6 @@ def apply_hsv(image: np.ndarray, gains: np.ndarray, to_rgb: bool = False) -> np.
     return image
 
 
-def augment_hsv(image: np.ndarray, rng: np.random.Generator, hgain: float, sgain: float, vgain: float) -> np.ndarray:
-    """Draw gains from `rng` and apply them to a BGR uint8 image IN PLACE (see `apply_hsv`); return it."""
-    gains = draw_hsv_gains(rng, hgain, sgain, vgain)
-    return image if gains is None else apply_hsv(image, gains)
-
-
 def hsv_jitter(images: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
     """Return float RGB `images` (B, 3, H, W) in [0, 1] with per-image `gains` (B, 3) applied: batched `apply_hsv`.
 
