@@ -143,7 +143,7 @@ def time_loader(
     batches_seen = 0
     while batches_seen < args.warmup + args.batches:
         loader.set_epoch(epoch)
-        for batch in loader:
+        for batch in loader.lent():  # as train_one_epoch draws them: images read in place, not copied
             batches_seen += 1
             if batches_seen == args.warmup:
                 start = time.perf_counter()

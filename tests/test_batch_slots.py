@@ -54,6 +54,27 @@ def test_batches_from_slots_equal_items_built_here_even_when_all_are_kept(
     assert sorted(loader.slots._mapped) == [0, 1]  # both workers' rings were used (and stay mapped)
 
 
+def test_lent_batches_are_read_in_place_from_the_worker_ring_and_every_slot_comes_back(
+    dataset: LoadImagesAndLabels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    loader = build_train_loader(dataset, BATCH, 2, CTX, seed=0)
+    assert loader.slots is not None
+    for epoch in range(2):  # 12 batches an epoch: every slot is lent and reused
+        loader.set_epoch(epoch)
+        for batch in loader.lent():
+            lent = loader.slots._lent
+            assert lent is not None and loader.slots.busy[lent] == 1 and "slot" not in batch
+            ring = loader.slots._mapped[lent // loader.slots.slots_per_worker]
+            assert batch["images"].untyped_storage().data_ptr() == ring.data_ptr()  # no copy was made
+            assert torch.equal(batch["images"], _expected(dataset, batch["paths"], epoch))
+        assert loader.slots._lent is None and not loader.slots.busy.any()
+    loader.set_epoch(2)
+    for _ in loader.lent():
+        break  # an abandoned epoch still gives back the batch it had lent
+    assert loader.slots._lent is None
+
+
 def test_a_worker_with_no_free_slot_falls_back_to_a_new_buffer(
     dataset: LoadImagesAndLabels, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -78,3 +99,19 @@ def test_take_copies_out_and_frees_and_stack_outside_a_worker_is_plain() -> None
     assert batch["images"].untyped_storage().data_ptr() != shared.untyped_storage().data_ptr()
     assert torch.equal(batch["images"], shared)
     assert slots.take({"images": shared}) == {"images": shared}  # a batch that had no slot passes through
+
+
+def test_a_lent_slot_is_given_back_by_the_next_take_or_release() -> None:
+    slots = BatchSlots(num_workers=1, slots_per_worker=3, slot_shape=(2, 3, 4, 4))
+    shared = torch.arange(96, dtype=torch.uint8).view(2, 3, 4, 4).share_memory_()
+    slots.busy[:] = 1
+    batch = slots.take({"images": shared, "slot": 0}, lend=True)
+    assert batch["images"] is shared and slots.busy.tolist() == [1, 1, 1]  # read in place, still busy
+    slots.take({"images": shared, "slot": 1}, lend=True)
+    assert slots.busy.tolist() == [0, 1, 1]  # the first batch's slot is free once the next is taken
+    slots.take({"images": shared, "slot": 2})  # copied out: its own slot is free at once, the lent one too
+    assert slots.busy.tolist() == [0, 0, 0]
+    slots.busy[0] = 1
+    slots.take({"images": shared, "slot": 0}, lend=True)
+    slots.release()
+    assert slots.busy.tolist() == [0, 0, 0] and slots._lent is None

@@ -322,12 +322,28 @@ class TrainLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         """Yield the epoch's batches; unreadable images they report are warned about once each and counted."""
+        return self._batches(lend=False)
+
+    def lent(self) -> Iterator[Batch]:
+        """Yield the epoch's batches as `__iter__` does, with images valid only until the next batch is drawn.
+
+        They are read in place from the worker's buffer (`BatchSlots`) instead of copied: for a
+        loop that has moved or converted each batch's images before it asks for the next, as
+        `train_one_epoch` does. A batch kept longer may see its pixels overwritten.
+        """
+        return self._batches(lend=True)
+
+    def _batches(self, lend: bool) -> Iterator[Batch]:
         count = 0
-        for batch in self.loader:
+        try:
+            for batch in self.loader:
+                if self.slots is not None:
+                    batch = self.slots.take(batch, lend)
+                count += self.unreadable.note(batch)
+                yield batch
+        finally:
             if self.slots is not None:
-                batch = self.slots.take(batch)
-            count += self.unreadable.note(batch)
-            yield batch
+                self.slots.release()
         self.unreadable.summarise(count, f"training epoch {self.sampler.epoch + 1}")
 
 

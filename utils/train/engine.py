@@ -20,7 +20,7 @@ from tqdm import tqdm
 from models.yolo import memory_format
 from utils.config import AUTO, TrainConfig
 from utils.data.data_config import DataConfig, load_data_config
-from utils.data.loader import images_on_device
+from utils.data.loader import TrainLoader, images_on_device
 from utils.distributed import (
     DistContext,
     all_reduce_sum,
@@ -117,7 +117,8 @@ def train_one_epoch(
     """Train one epoch; return the mean loss items over all ranks' batches.
 
     `on_batch(i, batch)`, when given, sees each batch as the loader yields it, before training
-    on it (fit() draws the first ones); it must not run collectives. `save_mid_epoch(batches_done,
+    on it (fit() draws the first ones); it must not run collectives nor keep the batch's images
+    (a `TrainLoader`'s are lent, `TrainLoader.lent`). `save_mid_epoch(batches_done,
     mean_loss)`, called on every rank right after an optimizer step every --save-period-steps
     steps and when a stop signal was agreed, writes last.pt; after a stop it raises Preempted.
     A resumed epoch (`state.start_batch` > 0) starts at that batch with the saved running mean.
@@ -147,7 +148,10 @@ def train_one_epoch(
     def to_device(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {"images": images_on_device(batch, ctx.device), **state.loss_inputs(batch, ctx.device)}
 
-    batches = DevicePrefetcher(loader, to_device, ctx.device)
+    # No copy of a batch out of its worker's buffer: its images are converted (to_device) and drawn (on_batch)
+    # before the next batch is taken, which is all a lent batch asks. On CUDA, pinning has copied them already.
+    source = loader.lent() if isinstance(loader, TrainLoader) else loader
+    batches = DevicePrefetcher(source, to_device, ctx.device)
     progress = tqdm(batches, total=num_batches, initial=skip, desc=description, disable=tqdm_disabled(ctx))
     for i, (batch, inputs) in enumerate(progress, start=skip):
         if on_batch is not None:
