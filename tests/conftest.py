@@ -12,6 +12,7 @@ import torch.distributed
 import yaml
 
 import utils.cli
+import utils.cpus
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 
 
@@ -23,6 +24,16 @@ def make_tiny_dataset(root: Path, spec: SyntheticSpec) -> Path:
         yaml.safe_dump({"path": "shapes", "train": "images/train", "val": "images/val", "names": list(SHAPE_NAMES)})
     )
     return yaml_file
+
+
+@pytest.fixture(autouse=True)
+def no_cgroup_cpu_quota(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """In-process tests see CPUs as the affinity says, whatever CPU quota the machine running them has.
+
+    Tests that fake the affinity (`os.sched_getaffinity`) expect worker and pool sizes from it alone;
+    tests/test_cpus.py passes its own cgroup files. Spawned processes read the real cgroup.
+    """
+    monkeypatch.setattr(utils.cpus, "PROC", tmp_path_factory.getbasetemp() / "no-such-proc")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from utils.cpus import cap_torch_threads, usable_cpus
 from utils.errors import ConfigError
 from utils.rendezvous import join_generation
 
@@ -89,13 +90,12 @@ def read_launch_env() -> tuple[int, int, int, int]:
 
 
 def local_cpu_share(ctx: DistContext) -> int:
-    """CPUs this process may run on (affinity: SLURM, taskset), divided evenly among the ranks of its node.
+    """CPUs this process may use (`usable_cpus`: affinity, cgroup quota), divided evenly among the ranks of its node.
 
     What one rank may use for loader workers or scan processes without oversubscribing the node;
     0 when the node has fewer CPUs than ranks.
     """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cpus // max(ctx.local_world_size, 1)
+    return usable_cpus() // max(ctx.local_world_size, 1)
 
 
 def select_device(device_arg: str, local_rank: int = 0) -> torch.device:
@@ -124,8 +124,9 @@ def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT
     so a rank that dies makes the others fail with an error instead of waiting forever; work that
     keeps one rank busy while others wait in a collective must stay well below it. Under
     torchrun's agent store the group's keys live in a space all ranks of this start agreed on
-    (utils/rendezvous.py), never in one an earlier, failed start left behind. Called once per
-    entry point.
+    (utils/rendezvous.py), never in one an earlier, failed start left behind. torch's CPU threads
+    are capped to this rank's share of a container's CPU quota (`utils.cpus.cap_torch_threads`).
+    Called once per entry point.
     """
     rank, local_rank, world_size, local_world_size = read_launch_env()
     restart_count = _env_int(("TORCHELASTIC_RESTART_COUNT",), 0)
@@ -147,7 +148,9 @@ def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT
             init_kwargs["device_id"] = device
         dist.init_process_group(**init_kwargs)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return DistContext(rank, local_rank, world_size, device, local_world_size, restart_count, run_id, generation)
+    ctx = DistContext(rank, local_rank, world_size, device, local_world_size, restart_count, run_id, generation)
+    cap_torch_threads(max(1, local_cpu_share(ctx)))
+    return ctx
 
 
 def cleanup() -> None:

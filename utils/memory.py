@@ -14,8 +14,9 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
+from utils.cgroups import cgroup_dirs, read_int
+
 LOGGER = logging.getLogger(__name__)
-UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a number near 2**63
 
 
 @dataclass(frozen=True)
@@ -38,21 +39,6 @@ class MemoryHeadroom:
         named = {"MemAvailable": self.meminfo, "cgroup": self.cgroup, "RLIMIT_AS": self.rlimit_as}
         present = {name: value for name, value in named.items() if value is not None}
         return min(present, key=present.__getitem__) if present else "none"
-
-
-def _read_int(path: Path) -> int | None:
-    """An integer file (cgroup 'max' means no limit -> None); None when absent or unreadable."""
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if not text or text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return None if value >= UNLIMITED else value
 
 
 def _stat_value(path: Path, key: str) -> int:
@@ -78,36 +64,6 @@ def meminfo_available(proc: Path = Path("/proc")) -> int | None:
     return None
 
 
-def _cgroup_dirs(proc: Path, sys_fs: Path) -> list[tuple[Path, str]]:
-    """Memory cgroup folders of this process with their version ('v1'/'v2'), innermost first, ancestors after.
-
-    The path in /proc/self/cgroup may not exist inside a container's cgroup namespace mount;
-    the mount root (the container's own cgroup) is tried as well.
-    """
-    try:
-        lines = (proc / "self" / "cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    found: list[tuple[Path, str]] = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        unified = next(
-            (d for d in (sys_fs / "cgroup", sys_fs / "cgroup" / "unified") if (d / "cgroup.controllers").exists()), None
-        )
-        if controllers == "" and unified is not None:  # v2, alone or beside v1 (hybrid)
-            base, version = unified, "v2"
-        elif "memory" in controllers.split(","):
-            base, version = sys_fs / "cgroup" / "memory", "v1"
-        else:
-            continue
-        folder = base / path.lstrip("/")
-        while folder != base and base in folder.parents:
-            found.append((folder, version))
-            folder = folder.parent
-        found.append((base, version))
-    return found
-
-
 def cgroup_headroom(proc: Path = Path("/proc"), sys_fs: Path = Path("/sys/fs")) -> int | None:
     """Bytes left under the tightest memory cgroup limit (limit minus usage, reclaimable page cache excluded).
 
@@ -115,12 +71,12 @@ def cgroup_headroom(proc: Path = Path("/proc"), sys_fs: Path = Path("/sys/fs")) 
     memory.usage_in_bytes / memory.stat total_inactive_file. None when no limit is set anywhere.
     """
     headrooms: list[int] = []
-    for folder, version in _cgroup_dirs(proc, sys_fs):
+    for folder, version in cgroup_dirs("memory", proc, sys_fs):
         if version == "v2":
-            limit, usage = _read_int(folder / "memory.max"), _read_int(folder / "memory.current")
+            limit, usage = read_int(folder / "memory.max"), read_int(folder / "memory.current")
             reclaimable = _stat_value(folder / "memory.stat", "inactive_file")
         else:
-            limit, usage = _read_int(folder / "memory.limit_in_bytes"), _read_int(folder / "memory.usage_in_bytes")
+            limit, usage = read_int(folder / "memory.limit_in_bytes"), read_int(folder / "memory.usage_in_bytes")
             reclaimable = _stat_value(folder / "memory.stat", "total_inactive_file")
         if limit is not None:
             headrooms.append(limit - max(0, (usage or 0) - reclaimable))

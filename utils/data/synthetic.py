@@ -19,6 +19,8 @@ from typing import Any
 import cv2
 import numpy as np
 
+from utils.cpus import usable_cpus
+
 LOGGER = logging.getLogger(__name__)
 
 # Bump whenever the drawing code changes what a given spec produces: an old dataset then fails the
@@ -145,7 +147,7 @@ def _generate(out: Path, spec: SyntheticSpec) -> None:
             (out / kind / split).mkdir(parents=True, exist_ok=True)
     (out / "annotations").mkdir()
     jobs = [(out, spec, split_id, index) for _, split_id in SPLITS for index in range(spec.split_size(split_id))]
-    num_workers = min(4, len(os.sched_getaffinity(0)), max(1, len(jobs) // 50))
+    num_workers = min(4, usable_cpus(), max(1, len(jobs) // 50))
     if num_workers > 1:
         # Every image has its own RNG, so the output is the same for any worker count. Threads, not
         # processes: OpenCV drawing and JPEG encoding release the GIL, and forking a process that
