@@ -45,13 +45,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python benchmarks/data_pipeline.py`
     sys.path.insert(0, str(ROOT))
 
-from utils.config import DEFAULT_DATA, DEFAULT_HYP, load_hyp  # noqa: E402  (needs the sys.path line above)
+from utils.config import DEFAULT_DATA, DEFAULT_HYP  # noqa: E402  (needs the sys.path line above)
 from utils.data.cache import ImageCache  # noqa: E402
 from utils.data.data_config import load_data_config  # noqa: E402
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels  # noqa: E402
 from utils.data.loader import build_train_loader  # noqa: E402
 from utils.data.scan import VerifierPool, scan_labels, scan_pool_size, scan_workers  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
+from utils.hyp import load_hyp  # noqa: E402  (needs the sys.path line above)
 from utils.logs import setup_logging  # noqa: E402
 from utils.train.setup import augment_params  # noqa: E402
 

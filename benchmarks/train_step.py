@@ -32,10 +32,11 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/train_step.py`
 
 from models.yolo import memory_format  # noqa: E402  (needs the sys.path line above)
 from segment.task import SEGMENT  # noqa: E402
-from utils.config import DEFAULT_DATA, QUICKSTART_BATCH, QUICKSTART_HYP, QUICKSTART_IMGSZ, TrainConfig, load_hyp  # noqa: E402
+from utils.config import DEFAULT_DATA, QUICKSTART_BATCH, QUICKSTART_HYP, QUICKSTART_IMGSZ, TrainConfig  # noqa: E402
 from utils.data.data_config import load_data_config  # noqa: E402
 from utils.data.loader import images_on_device  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
+from utils.hyp import load_hyp  # noqa: E402
 from utils.tasks import DETECT  # noqa: E402
 from utils.train.setup import build_datasets, build_model_bundle  # noqa: E402
 

@@ -13,12 +13,12 @@ from utils.config import (
     build_val_parser,
     config_from_args,
     config_from_dict,
-    load_hyp,
     val_config_from_args,
     validate,
 )
 from utils.distributed import DistContext, per_rank_batch
 from utils.errors import ConfigError
+from utils.hyp import load_hyp
 
 
 def _write_hyp(tmp_path: Path, **changes: object) -> Path:

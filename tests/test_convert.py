@@ -15,12 +15,13 @@ import torch
 
 from models.yolo import ModelSpec, build_model
 from tests import yolov5_fakes as v5
-from utils.config import TrainConfig, load_hyp
+from utils.config import TrainConfig
 from utils.convert import convert_checkpoint, load_weights, main
 from utils.data.data_config import DataConfig
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.eval.checkpoint_val import load_model_for_eval
+from utils.hyp import load_hyp
 from utils.safe_pickle import Placeholder, RestrictedUnpickler, UnsafePickleError, load_untrusted
 from utils.tasks import DETECT
 from utils.train.checkpoint import load_checkpoint

@@ -25,10 +25,11 @@ from torch import nn
 from models.yolo import build_model, spec_from_cfg
 from tests.conftest import make_tiny_dataset
 from tests.dist_helpers import free_port, run_distributed
-from utils.config import DEFAULT_HYP, TrainConfig, build_train_parser, config_from_args, load_hyp
+from utils.config import DEFAULT_HYP, TrainConfig, build_train_parser, config_from_args
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext, average_bn_stats
 from utils.eval.evaluate import DetectionScorer, evaluate
+from utils.hyp import load_hyp
 from utils.tasks import DETECT, Task
 from utils.train.engine import build_train_state, fit, train_one_epoch
 from utils.train.setup import ModelBundle, verify_identical_weights

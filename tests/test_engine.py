@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from models.yolo import build_model, spec_from_cfg
-from utils.config import DEFAULT_HYP, load_hyp
+from utils.config import DEFAULT_HYP
+from utils.hyp import load_hyp
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV
 from utils.train.setup import augment_params, freeze_layers
 

@@ -17,7 +17,7 @@ from PIL import Image
 
 import utils.data.scan as scan_module
 from tests.dist_helpers import run_distributed
-from utils.config import DEFAULT_HYP, TrainConfig, load_hyp
+from utils.config import DEFAULT_HYP, TrainConfig
 from utils.data.data_config import load_data_config
 from utils.data.labels import (
     LabelIndex,
@@ -39,6 +39,7 @@ from utils.data.scan import (
 )
 from utils.distributed import DistContext
 from utils.errors import ConfigError
+from utils.hyp import load_hyp
 from utils.tasks import DETECT
 from utils.train.setup import build_datasets
 

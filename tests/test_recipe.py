@@ -17,12 +17,12 @@ from utils.config import (
     QUICKSTART_HYP,
     TrainConfig,
     config_from_dict,
-    load_hyp,
     save_run_config,
     train_config_from_argv,
 )
 from utils.data.data_config import DataConfig
 from utils.distributed import DistContext
+from utils.hyp import load_hyp
 from utils.tasks import DETECT
 from utils.train.engine import build_train_state
 from utils.train.optim import accumulate_steps

@@ -11,7 +11,8 @@ from models.yolo import SegmentationModel, build_model, spec_from_cfg
 from segment.loss import SegmentationLoss, build_segmentation_loss, overlap_instance_ids
 from segment.ops import assemble_masks, assemble_masks_by_image, crop_mask, process_masks
 from utils.boxes import xywhn_to_xyxy
-from utils.config import DEFAULT_HYP, TrainConfig, load_hyp
+from utils.config import DEFAULT_HYP, TrainConfig
+from utils.hyp import load_hyp
 from utils.train.loss import assign_targets, scale_loss_gains
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -18,9 +18,10 @@ from segment import train as seg_train
 from segment import val as seg_val
 from tests.conftest import make_tiny_dataset, tiny_val_argv
 from tests.test_torchrun import _torchrun
-from utils.config import QUICKSTART_HYP, load_hyp
+from utils.config import QUICKSTART_HYP
 from utils.data.synthetic import SyntheticSpec
 from utils.errors import ConfigError
+from utils.hyp import load_hyp
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.15)

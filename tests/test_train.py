@@ -15,11 +15,12 @@ import yaml
 import train
 import val
 from tests.conftest import make_tiny_dataset, tiny_val_argv
-from utils.config import QUICKSTART_HYP, load_hyp
+from utils.config import QUICKSTART_HYP
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.eval.checkpoint_val import load_model_for_eval
+from utils.hyp import load_hyp
 from utils.tasks import DETECT
 
 TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.15)

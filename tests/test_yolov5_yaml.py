@@ -13,11 +13,12 @@ import pytest
 from models.yolo import DEFAULT_ANCHORS, build_model, scale_width, spec_from_cfg
 from segment.task import SEGMENT
 from tests.conftest import make_tiny_dataset
-from utils.config import ROOT, load_hyp
+from utils.config import ROOT
 from utils.data.data_config import load_data_config
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext
 from utils.errors import ConfigError
+from utils.hyp import load_hyp
 from utils.tasks import DETECT
 
 # ultralytics/yolov5 data/hyps/hyp.scratch-low.yaml, key for key (no nbs, no label_smoothing; anchors commented).

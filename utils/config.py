@@ -1,4 +1,4 @@
-"""Command-line options parsed once into frozen dataclasses (TrainConfig, ValConfig, Hyp), and their checks."""
+"""Command-line options parsed once into frozen dataclasses (TrainConfig, ValConfig), and their checks."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import yaml
 
 from utils.data.cache import CACHE_MODES
 from utils.distributed import DEFAULT_TIMEOUT_MINUTES, DistContext, per_rank_batch
-from utils.errors import ConfigError, read_yaml_mapping
+from utils.errors import ConfigError
+from utils.hyp import Hyp, hyp_overrides, load_hyp
 from utils.train.optim import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,101 +35,6 @@ QUICKSTART_BATCH = 16
 QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)
 LOGGER = logging.getLogger(__name__)
 AMP_MODES = ("auto", "fp16", "bf16", "off")
-
-
-@dataclass(frozen=True)
-class Hyp:
-    """Training hyperparameters, read from a hyp YAML (every key required but YOLOV5_HYP_DEFAULTS; unknown rejected)."""
-
-    lr0: float
-    lrf: float
-    momentum: float
-    weight_decay: float
-    warmup_epochs: float
-    warmup_momentum: float
-    warmup_bias_lr: float
-    box: float
-    cls: float
-    cls_pw: float
-    obj: float
-    obj_pw: float
-    iou_t: float
-    anchor_t: float
-    fl_gamma: float
-    label_smoothing: float
-    hsv_h: float
-    hsv_s: float
-    hsv_v: float
-    degrees: float
-    translate: float
-    scale: float
-    shear: float
-    perspective: float
-    flipud: float
-    fliplr: float
-    mosaic: float
-    mixup: float
-    copy_paste: float
-    nbs: float  # nominal batch: gradients are accumulated up to it, weight decay scales with it
-
-    def to_dict(self) -> dict[str, float]:
-        """Return the hyperparameters as a plain dict (for YAML and checkpoints)."""
-        return dataclasses.asdict(self)
-
-
-# Keys YOLOv5's hyp files leave out, with the values YOLOv5's train.py uses for them: it hard-codes the
-# nominal batch 64, takes label smoothing from a flag (default 0.0), and older files lack fl_gamma.
-YOLOV5_HYP_DEFAULTS = {"nbs": 64.0, "label_smoothing": 0.0, "fl_gamma": 0.0}
-
-
-def hyp_overrides(label_smoothing: float | None) -> dict[str, float]:
-    """The hyp values command-line flags replace: --label-smoothing when given (None: the file's value)."""
-    return {} if label_smoothing is None else {"label_smoothing": label_smoothing}
-
-
-def load_hyp(path: Path, overrides: dict[str, float] | None = None) -> Hyp:
-    """Load a hyp YAML into a Hyp; unknown, missing or non-numeric keys are one-line errors naming the file.
-
-    A YOLOv5 hyp file loads as it is: a missing `nbs`, `label_smoothing` or `fl_gamma` takes
-    YOLOV5_HYP_DEFAULTS, and YOLOv5's `anchors` key (anchors per level for AutoAnchor) is ignored,
-    because anchors come from `--cfg` (or `--weights`) and are refitted only when they fit the labels poorly.
-    One warning line names the file and what was filled in or ignored. `overrides` (flags such as
-    --label-smoothing) replace file values.
-    """
-    raw = read_yaml_mapping(path)
-    overrides = overrides or {}
-    names = {f.name for f in fields(Hyp)}
-    unknown = sorted(set(raw) - names - {"anchors"})
-    if unknown:
-        raise ConfigError(f"{path}: unknown hyperparameter '{unknown[0]}' (known: {', '.join(sorted(names))})")
-    missing = sorted(names - set(raw) - set(YOLOV5_HYP_DEFAULTS))
-    if missing:
-        raise ConfigError(f"{path}: missing hyperparameter '{missing[0]}'")
-    defaults = {key: value for key, value in YOLOV5_HYP_DEFAULTS.items() if key not in raw}
-    values: dict[str, float] = {}
-    for key, value in {**raw, **defaults, **overrides}.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: hyperparameter '{key}' must be a number, got {value!r}")
-        values[key] = float(value)
-    anchors = values.pop("anchors", None)
-    _log_yolov5_hyp(path, {key: value for key, value in defaults.items() if key not in overrides}, anchors)
-    return Hyp(**values)
-
-
-def _log_yolov5_hyp(path: Path, defaults: dict[str, float], anchors: float | None) -> None:
-    """Say in one line which of YOLOv5's train.py values filled `path`'s missing keys and that `anchors` is ignored."""
-    notes = []
-    if defaults:
-        filled = ", ".join(f"{key}={value:g}" for key, value in defaults.items())
-        notes.append(f"missing keys take YOLOv5's train.py values {filled}")
-    if anchors is not None:
-        notes.append(
-            f"'anchors: {anchors:g}' is ignored (anchors come from --cfg or --weights; from scratch, AutoAnchor "
-            "refits them only if they fit the labels poorly)"
-        )
-    if notes:
-        # A warning, not info: this runs before logging is set up, where only warnings reach stderr.
-        LOGGER.warning("%s: YOLOv5 hyp file: %s", path, "; ".join(notes))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from torch import nn
 from utils.boxes import bbox_iou
 
 if TYPE_CHECKING:
-    from utils.config import Hyp
+    from utils.hyp import Hyp
 
 # Objectness weight per level (P3, P4, P5): fine grids have many more cells, mostly background.
 LEVEL_BALANCE = {3: (4.0, 1.0, 0.4)}

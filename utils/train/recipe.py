@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.config import AUTO, DEFAULT_HYP, QUICKSTART_HYP, ROOT, Hyp, TrainConfig, hyp_overrides, load_hyp
+from utils.config import AUTO, DEFAULT_HYP, QUICKSTART_HYP, ROOT, TrainConfig
+from utils.hyp import Hyp, hyp_overrides, load_hyp
 from utils.train.optim import accumulate_steps
 
 

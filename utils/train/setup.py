@@ -14,7 +14,7 @@ from torch import nn
 
 from models.anchors import check_anchors
 from models.yolo import ModelSpec, memory_format, model_info
-from utils.config import AUTO, Hyp, TrainConfig, config_from_dict
+from utils.config import AUTO, TrainConfig, config_from_dict
 from utils.convert import load_weights
 from utils.data.augment import AugmentParams
 from utils.data.data_config import DataConfig
@@ -23,6 +23,7 @@ from utils.data.labels import list_image_files
 from utils.data.loader import build_train_loader, build_val_loader
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch, run_on_main
 from utils.errors import ConfigError
+from utils.hyp import Hyp
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
 from utils.train.faults import find_restarted_run
