@@ -68,5 +68,5 @@ def cap_torch_threads(cpus: int) -> None:
     """
     if "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() <= cpus:
         return
-    LOGGER.info(f"torch threads {torch.get_num_threads()} -> {cpus}: the CPUs this process's cgroup quota allows")
+    LOGGER.info(f"torch threads {torch.get_num_threads()} -> {cpus}: this rank's share of the CPUs it may use")
     torch.set_num_threads(cpus)

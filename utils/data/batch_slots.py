@@ -9,9 +9,9 @@ pin-memory thread's copy into page-locked memory on CUDA, a plain copy elsewhere
 slot free again in a small flag array all processes share. The training loop itself takes no copy
 on CPU: it borrows the slot (`take(..., lend=True)`) until it draws the next batch, having turned
 the images into the model's float input by then. On 2 cores that copy (a fresh 20 MB buffer per
-batch) held the 2-worker loader to 250-480 images/s against 525-540 without it. A worker that finds all its slots in
-use (batches it sent that were never taken, e.g. an epoch abandoned half-way) falls back to a
-new segment, as before: slower, never wrong.
+batch) held the 2-worker loader to 250-480 images/s against 525-540 without it. A worker that
+finds all its slots in use (batches it sent that were never taken, e.g. an epoch abandoned
+half-way) falls back to a new segment, as before: slower, never wrong.
 """
 
 from __future__ import annotations
