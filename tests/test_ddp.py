@@ -141,9 +141,9 @@ def _first_step_gradients(ctx: DistContext) -> dict[str, Any]:
     cfg = TrainConfig(hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
     state = build_train_state(ModelBundle(model, SPEC, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT, ctx, batches=1)
     stepped_with = _record_step_gradients(state.optimizer, model)
-    items = train_one_epoch(state, [_as_batch(*_rank_slice(*_fixed_global_batch(), ctx))], 0, cfg, ctx)
+    trained = train_one_epoch(state, [_as_batch(*_rank_slice(*_fixed_global_batch(), ctx))], 0, cfg, ctx)
     assert len(stepped_with) == 1, "iteration 0 must step"
-    return {"items": items, "grads": stepped_with[0]}
+    return {"items": trained.mean_loss, "images": trained.images, "grads": stepped_with[0]}
 
 
 def _gradients(ctx: DistContext) -> dict[str, Any]:
@@ -346,6 +346,7 @@ def test_two_rank_gradients_equal_one_process_with_the_global_batch(rank_results
     # The epoch's loss items (results.csv) are averaged over ranks: equal on both, and equal to one process.
     np.testing.assert_array_equal(first["items"], second["items"])
     np.testing.assert_allclose(first["items"], reference["items"], rtol=1e-5)
+    assert first["images"] == second["images"] == reference["images"] == GLOBAL_BATCH  # counted over ranks
     assert torch.equal(first["grads"], second["grads"]), "DDP leaves the same averaged gradient on every rank"
     torch.testing.assert_close(first["grads"], reference["grads"], rtol=1e-4, atol=1e-6 * scale)
 

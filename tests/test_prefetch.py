@@ -1,13 +1,16 @@
-"""DevicePrefetcher hands out exactly the batches the plain path would, in order, on CPU and (when present) CUDA."""
+"""DevicePrefetcher hands out exactly the batches the plain path would, in order, on CPU and (when present) CUDA;
+WaitTimer counts the time spent waiting for them."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from utils.train.prefetch import DevicePrefetcher
+from utils.train.prefetch import DevicePrefetcher, WaitTimer
 
 
 def _batches(count: int, pin: bool = False) -> list[dict[str, Any]]:
@@ -73,3 +76,30 @@ def test_on_cuda_the_side_stream_copies_equal_the_plain_path() -> None:
     for batch, on_device in prefetched:
         torch.testing.assert_close(on_device["images"].cpu(), batch["images"].float() / 255, rtol=0, atol=0)
         torch.testing.assert_close(on_device["targets"].cpu(), batch["targets"], rtol=0, atol=0)
+
+
+def test_wait_timer_counts_time_in_next_and_not_the_consumer() -> None:
+    def slow_source() -> Iterator[int]:
+        for value in range(3):
+            time.sleep(0.05)  # the producer: counted
+            yield value
+
+    timer = WaitTimer(slow_source())
+    seen = []
+    for value in timer:
+        seen.append(value)
+        time.sleep(0.1)  # the consumer's step: not counted
+    assert seen == [0, 1, 2]
+    assert 0.15 <= timer.seconds < 0.3  # counting the consumer would make it >= 0.45
+    again = list(timer)  # a second pass over a list-like source adds to the same total
+    assert again == [] and timer.seconds < 0.3
+
+
+def test_wait_timer_passes_a_failure_of_the_source_on() -> None:
+    def failing() -> Iterator[int]:
+        yield 1
+        raise OSError("disk gone")
+
+    timer = WaitTimer(failing())
+    with pytest.raises(OSError, match="disk gone"):
+        list(timer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import re
 from pathlib import Path
 
 import cv2
@@ -96,6 +97,18 @@ def test_startup_line_counts_the_cached_images(trained_run) -> None:
     # --cache auto holds the 16 tiny training images in RAM; the line once said "cached 0" regardless.
     startup = [message for message in ENGINE_LOG if message.startswith("world size")]
     assert len(startup) == 1 and "(this rank's shard 16, cached 16)" in startup[0], startup
+
+
+def test_every_epoch_logs_its_images_per_second_and_data_wait(trained_run) -> None:
+    lines = [message for message in ENGINE_LOG if message.startswith("train: ")]
+    assert len(lines) == 2, lines  # one per epoch
+    pattern = r"train: 16 images in ([\d.]+) s \(([\d.]+) images/s on 1 rank\), ([\d.]+)% of it waiting for data"
+    for line in lines:  # 16 images, batch 8, one rank
+        match = re.fullmatch(pattern, line)
+        assert match is not None, line
+        seconds, rate, share = (float(group) for group in match.groups())
+        assert 16 / (seconds + 0.05) <= rate <= 16 / max(seconds - 0.05, 1e-3)  # seconds is rounded to 0.1
+        assert 0 <= share <= 100
 
 
 def test_train_writes_run_folder_and_finite_results(trained_run) -> None:

@@ -1,7 +1,8 @@
-"""Batches moved to the device ahead of use: on CUDA the next batch's copy overlaps the current step."""
+"""Batches moved to the device ahead of use (on CUDA the next batch's copy overlaps the current step), and timed."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -54,3 +55,29 @@ class DevicePrefetcher:
             return None
         with torch.cuda.stream(side):
             return batch, self.to_device(batch)
+
+
+class WaitTimer:
+    """Iterate `items`, adding up the seconds spent inside their `next()`: how long the consumer waited for each.
+
+    Around a `DevicePrefetcher` over the train loader, that is the time the training loop stood
+    waiting for its next batch (plus, on CPU, converting it): the loader's share of a step, which
+    should be near zero when enough workers feed it. On CUDA the loop reads the loss once per
+    optimizer step, which keeps the host in step with the GPU, so a wait there is mostly GPU time lost.
+    """
+
+    def __init__(self, items: Iterable[B]) -> None:
+        self.items = items
+        self.seconds = 0.0
+
+    def __iter__(self) -> Iterator[B]:
+        iterator = iter(self.items)
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self.seconds += time.perf_counter() - start
+            yield item
