@@ -265,6 +265,32 @@ def test_resumed_batch_is_checked_against_the_new_world_size(trained_run, tmp_pa
     assert cfg.batch_size == 9
 
 
+def _resume_from_own_folder(ctx: DistContext, node_dirs: list[str], relative_last: str) -> dict[str, object]:
+    """A rank of test_resume_needs_the_run_folder_on_rank_0_only: resume `relative_last` from its own folder."""
+    import os
+
+    from utils.config import train_config_from_argv
+    from utils.train.setup import resolve_resume
+
+    os.chdir(node_dirs[ctx.rank])  # each rank's "node" has its own disk; only rank 0's holds the run
+    cfg, checkpoint = resolve_resume(train_config_from_argv(["--resume", relative_last]), ctx)
+    first = next(iter(checkpoint["model"].values()))
+    return {"epoch": checkpoint["epoch"], "imgsz": cfg.imgsz, "tensor": first.float().sum().item()}
+
+
+@pytest.mark.distributed
+def test_resume_needs_the_run_folder_on_rank_0_only(trained_run, tmp_path: Path) -> None:
+    from tests.dist_helpers import run_distributed
+
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node1.mkdir(parents=True)
+    _copy_run(trained_run, node0)  # node0/e2e/weights/last.pt; node1 has no such file
+    results = run_distributed(
+        _resume_from_own_folder, 2, tmp_path / "dist", [str(node0), str(node1)], "e2e/weights/last.pt"
+    )
+    assert results[0] == results[1] and results[0]["epoch"] == 1 and results[0]["imgsz"] == 64
+
+
 def test_a_damaged_last_pt_falls_back_to_the_newest_intact_checkpoint(trained_run, tmp_path: Path, caplog) -> None:
     from utils.config import train_config_from_argv
     from utils.train.setup import resolve_resume

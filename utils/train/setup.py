@@ -67,7 +67,7 @@ def _choose_resume_checkpoint(cfg: TrainConfig) -> str:
 
 
 def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any] | None]:
-    """For --resume, decide the checkpoint on rank 0, load it on every rank, and return the run's options.
+    """For --resume, decide and load the checkpoint on rank 0, give it to every rank, and return the run's options.
 
     The run's options come from the checkpoint; `device`, `workers` and `dist_timeout` from the
     new command line, and `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any
@@ -157,8 +157,14 @@ def _refuse_changed_options(cfg: TrainConfig, stored: TrainConfig) -> None:
 def _load_resumed(
     cfg: TrainConfig, path: Path, ctx: DistContext, is_restart: bool = False
 ) -> tuple[TrainConfig, dict[str, Any]]:
-    """Load checkpoint `path` on every rank and rebuild the run's options from it (see resolve_resume)."""
-    checkpoint = ckpt_io.load_checkpoint(path, for_resume=True)
+    """Load checkpoint `path` on rank 0, give it to every rank, and rebuild the run's options from it (resolve_resume).
+
+    Only rank 0 is sure to see the file: on several nodes the run folder may sit on its node's own
+    disk (only the dataset must be shared), and a file at the same path on another node could be
+    another run's. So rank 0 reads it and broadcasts it (CPU tensors), once per resume.
+    """
+    read = run_on_main(lambda: ckpt_io.load_checkpoint(path, for_resume=True), ctx, f"loading {path}")
+    checkpoint = broadcast_object(read, ctx)
     stored = config_from_dict(checkpoint["train_config"])
     if not is_restart:  # a torchrun restart repeats the first command line, which set up this run
         _refuse_changed_options(cfg, stored)
