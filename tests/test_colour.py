@@ -76,6 +76,20 @@ def test_device_jitter_per_image_gains_grey_and_identity() -> None:
         hsv_jitter(images, torch.ones(3, 3))
 
 
+def test_device_jitter_keeps_the_layout_and_dtype_and_is_finite_in_half_precision() -> None:
+    images = _to_float_rgb([_colourful(3), _colourful(4)]).contiguous()
+    gains = torch.tensor([(1.01, 1.5, 0.7), (0.99, 0.4, 1.3)])
+    plain = hsv_jitter(images, gains)
+    nhwc = hsv_jitter(images.contiguous(memory_format=torch.channels_last), gains)
+    assert nhwc.is_contiguous(memory_format=torch.channels_last) and plain.is_contiguous()
+    torch.testing.assert_close(nhwc, plain)
+    black = torch.zeros((1, 3, 4, 4), dtype=torch.float16)  # value 0: the guarded divisions
+    half = hsv_jitter(black, torch.tensor([(1.02, 1.6, 1.4)], dtype=torch.float16))
+    assert half.dtype == torch.float16 and torch.isfinite(half).all() and not half.any()
+    half = hsv_jitter(images.half(), gains.half())
+    torch.testing.assert_close(half.float(), plain, atol=2e-3, rtol=0)
+
+
 def test_draw_hsv_gains_ranges_and_no_draw_without_gains() -> None:
     rng = np.random.default_rng(0)
     draws = np.stack([draw_hsv_gains(rng, 0.015, 0.7, 0.4) for _ in range(500)])
@@ -114,6 +128,7 @@ def test_dataset_defers_the_jitter_to_the_device_with_the_same_draws(tmp_path: P
     on_device = images_on_device(batch, cpu)
     expected = to_model_input(collate_batch(items_worker)["images"], cpu)
     assert on_device.dtype == torch.float32 and on_device.shape == expected.shape == (len(keys), 3, 64, 64)
+    assert on_device.is_contiguous(memory_format=torch.channels_last)  # the model's layout, jitter or not
     difference = (on_device - expected).abs() * 255
     unjittered = (to_model_input(batch["images"], cpu, bgr=True) - expected).abs() * 255
     assert difference.mean() < 1.5 < unjittered.mean(), (difference.mean(), unjittered.mean())

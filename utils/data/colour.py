@@ -54,11 +54,16 @@ def hsv_jitter(images: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
     """Return float RGB `images` (B, 3, H, W) in [0, 1] with per-image `gains` (B, 3) applied: batched `apply_hsv`.
 
     Float maths, so it differs from the uint8 worker path only by that path's rounding (OpenCV
-    keeps hue in steps of 2 degrees). Runs on whatever device the tensors are on.
+    keeps hue in steps of 2 degrees). Runs on whatever device the tensors are on, in float32
+    whatever the input's float type (in half precision the 1e-12 guards below round to 0 and black
+    pixels would become NaN); the result has the input's dtype and memory format (channels-last
+    stays channels-last, the layout the model runs in).
     """
     if images.ndim != 4 or images.shape[1] != 3 or gains.shape != (images.shape[0], 3):
         raise ValueError(f"hsv_jitter: images {tuple(images.shape)} and gains {tuple(gains.shape)} do not match")
-    gains = gains.to(images.dtype)[:, :, None, None]
+    out = torch.empty_like(images)
+    images = images.float()
+    gains = gains.float()[:, :, None, None]
     red, green, blue = images.unbind(1)
     value, _ = images.max(1)
     spread = value - images.min(1).values
@@ -73,8 +78,8 @@ def hsv_jitter(images: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
     saturation = (saturation * gains[:, 1]).clamp(0, 1)
     value = (value * gains[:, 2]).clamp(0, 1)
     chroma = value * saturation
-    channels = []
-    for offset in (5, 3, 1):  # HSV -> R, G, B: v - v s clamp(min(k, 4 - k), 0, 1), k = (offset + 6 hue) mod 6
+    # HSV -> R, G, B: v - v s clamp(min(k, 4 - k), 0, 1) with k = (offset + 6 hue) mod 6
+    for channel, offset in enumerate((5, 3, 1)):
         k = (offset + 6 * hue) % 6
-        channels.append(value - chroma * torch.minimum(k, 4 - k).clamp(0, 1))
-    return torch.stack(channels, 1)
+        out[:, channel] = value - chroma * torch.minimum(k, 4 - k).clamp(0, 1)
+    return out
