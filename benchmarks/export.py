@@ -65,7 +65,7 @@ def save_untrained(cfg: str, folder: Path) -> Path:
 
 def output_scale(weights: Path, imgsz: int) -> float:
     """The largest absolute value PyTorch outputs for a random image: what the differences compare against."""
-    task = TASKS[torch.load(weights, weights_only=True)["task"]]
+    task = TASKS[torch.load(weights, map_location="cpu", weights_only=True)["task"]]  # saved on any GPU
     model, _ = load_model_for_eval(weights, task, DistContext(), channels_last=False)
     with torch.no_grad():
         outputs = ExportWrapper(model).eval()(torch.rand(1, 3, imgsz, imgsz))

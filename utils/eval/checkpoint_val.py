@@ -86,7 +86,6 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
         iou_thres=cfg.iou_thres,
         max_det=cfg.max_det,
         multi_label=cfg.multi_label,
-        half=cfg.half,
         collect_predictions=cfg.save_json or cfg.save_txt,
         collect_masks=cfg.save_json,  # --save-txt writes boxes only
         confusion=cfg.plots,

@@ -40,7 +40,6 @@ class EvalOptions:
     # mAP: a box is kept once per class scoring above conf_thres (YOLOv5's and Ultralytics' validators);
     # False keeps only each box's best class, as a deployed detector reports it.
     multi_label: bool = True
-    half: bool = False
     collect_predictions: bool = False  # keep per-image boxes in original pixels (COCO JSON, --save-txt)
     collect_masks: bool = True  # with collect_predictions: also keep RLE masks (segmentation, COCO JSON)
     confusion: bool = False  # also count a box confusion matrix (conf > 0.25, IoU > 0.45), summed over ranks
@@ -222,7 +221,7 @@ def evaluate(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    dtype = torch.float16 if options.half and device.type == "cuda" else torch.float32
+    dtype = next(model.parameters()).dtype  # the input in the model's precision (half after val.py --half on CUDA)
     stats, predictions = _Stats(), []
     confusion = ConfusionMatrix(options.num_classes) if options.confusion else None
     loss_sum = torch.zeros(len(getattr(loss_fn, "item_names", ())) or 3, device=device)
