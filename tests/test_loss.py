@@ -89,6 +89,18 @@ def test_zero_target_batch_gives_only_objectness_loss() -> None:
     assert model.head.convs[0].bias.grad.abs().sum() > 0
 
 
+def test_objectness_target_of_a_shared_cell_does_not_depend_on_target_order() -> None:
+    # Two boxes of one image centred alike match the same cells and anchors with different IoUs.
+    model = _model()
+    preds = model(torch.rand(1, 3, 64, 64))
+    pair = torch.tensor([[0, 1, 0.5, 0.5, 0.30, 0.40], [0, 2, 0.5, 0.5, 0.45, 0.25]])
+    loss_fn = DetectionLoss(model, GAINS)
+    forward, backward = loss_fn(preds, pair)[1], loss_fn(preds, pair.flip(0))[1]
+    assert forward[1] == pytest.approx(backward[1].item(), rel=1e-6)  # the best IoU wins, whatever came last
+    alone = [loss_fn(preds, pair[i : i + 1])[1][1].item() for i in range(2)]
+    assert alone[0] != pytest.approx(alone[1], rel=1e-4)  # the two IoUs do differ, so order could have mattered
+
+
 def test_single_class_and_unmatchable_anchors() -> None:
     model = _model(num_classes=1)
     preds = model(torch.rand(2, 3, 64, 64))

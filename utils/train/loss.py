@@ -264,8 +264,12 @@ class DetectionLoss:
             pred_wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * assigned.anchors
             iou = bbox_iou(torch.cat((pred_xy, pred_wh), 1), assigned.boxes_xywh, xywh=True, kind="ciou")
             box_sum = (1.0 - iou).sum()
-            # Objectness learns to predict the box quality; where matches collide the last one wins.
-            obj_target[cells] = iou.detach().clamp(min=0)
+            # Objectness learns to predict the box quality. Where matches share a cell the best IoU wins (YOLOv5's
+            # sort_obj_iou rule): index assignment with repeated indices is unordered on CUDA, so "the last one
+            # wins" would make the target, and with it same-seed runs, differ from run to run there.
+            _, anchors, height, width = obj_target.shape
+            flat = ((assigned.image_index * anchors + assigned.anchor_index) * height + assigned.cell_y) * width
+            obj_target.view(-1).scatter_reduce_(0, flat + assigned.cell_x, iou.detach().clamp(min=0), "amax")
             if num_classes > 1:
                 wanted = class_targets(assigned.classes, num_classes, self.label_smoothing)
                 cls_sum = bce_with_logits(pred[:, 5 : 5 + num_classes], wanted, self.cls_pw, self.fl_gamma, "sum")
