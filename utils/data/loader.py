@@ -184,7 +184,8 @@ def resolve_num_workers(requested: int, ctx: DistContext, per_rank_batch: int) -
 
     CPUs are those this process may use (affinity, e.g. under SLURM, capped by a container's CPU
     quota: `utils.cpus.usable_cpus`), split evenly among the ranks on this node so the node is
-    not oversubscribed; more workers than images per batch would only sit idle. 0 means loading in the main process.
+    not oversubscribed; more workers than images per batch would only sit idle. 0 means loading
+    in the main process.
     """
     return max(0, min(requested, local_cpu_share(ctx), per_rank_batch))
 
