@@ -22,7 +22,7 @@ from utils.data.augment import (
     transform_instances,
 )
 from utils.data.colour import apply_hsv, draw_hsv_gains
-from utils.data.polygons import clip_polygon, pack
+from utils.data.polygons import clip_packed, clip_polygon, pack, unpack
 
 GREY = 114
 # Corners of the RGB cube: far from the grey background and from every grey/colour blend of another.
@@ -209,6 +209,26 @@ def test_clip_polygon_matches_convex_intersection() -> None:
         assert (_area(clipped) if len(clipped) else 0.0) == pytest.approx(max(expected, 0.0), abs=1e-2)
         assert (clipped >= 0).all() and (clipped[:, 0] <= 40).all() and (clipped[:, 1] <= 30).all()
     assert clip_polygon(np.array([[1, 1], [5, 5]], np.float32), 10, 10).shape == (0, 2)  # a line is no polygon
+
+
+def test_clip_packed_mixed_polygons_match_convex_intersection_each() -> None:
+    # Inside, crossing and wholly-beyond polygons clipped in one pack, each against cv2's intersection.
+    rng = np.random.default_rng(1)
+    rect = np.array([[0, 0], [40, 0], [40, 30], [0, 30]], np.float32)
+    hulls = [
+        cv2.convexHull(rng.uniform(-60, 100, (rng.integers(3, 9), 2)).astype(np.float32)).reshape(-1, 2) * 0.5
+        + rng.uniform(-40, 70, 2).astype(np.float32)
+        for _ in range(60)
+    ]
+    points, counts, boxes = clip_packed(*pack(hulls), 40, 30)
+    assert len(counts) == len(hulls) and 0 < (counts == 0).sum() < len(hulls)  # some emptied, some kept
+    for hull, clipped, box in zip(hulls, unpack(points, counts), boxes, strict=True):
+        expected, _ = cv2.intersectConvexConvex(hull, rect)
+        assert (_area(clipped) if len(clipped) else 0.0) == pytest.approx(max(expected, 0.0), abs=1e-2)
+        if len(clipped):
+            np.testing.assert_allclose(box, [*clipped.min(0), *clipped.max(0)])
+        else:
+            assert not box.any()
 
 
 def test_from_labels_and_back() -> None:

@@ -123,8 +123,11 @@ def clip_packed(
     boxes = bounds.astype(np.float32, copy=True)
     if inside.all():
         return points, counts, boxes
+    # Polygons wholly beyond one edge (most of a mosaic's after the warp) are emptied without clipping.
+    beyond = (bounds[:, 2] < 0) | (bounds[:, 0] > width) | (bounds[:, 3] < 0) | (bounds[:, 1] > height)
+    cut = ~inside & ~beyond
     owner = np.repeat(np.arange(len(counts)), counts)
-    crossing = ~inside[owner]
+    crossing = cut[owner]
     clipped, clipped_owner = _clip_owned(points[crossing], owner[crossing], len(counts), width, height)
     outside = np.flatnonzero(~inside)
     clipped_counts = np.bincount(clipped_owner, minlength=len(counts))[outside]
