@@ -14,6 +14,7 @@ from utils.train.loss import (
     class_targets,
     scale_loss_gains,
     smooth_bce_targets,
+    write_last,
 )
 
 GAINS = scale_loss_gains(0.05, 0.5, 1.0, num_classes=3, imgsz=64, num_levels=3)
@@ -89,16 +90,29 @@ def test_zero_target_batch_gives_only_objectness_loss() -> None:
     assert model.head.convs[0].bias.grad.abs().sum() > 0
 
 
-def test_objectness_target_of_a_shared_cell_does_not_depend_on_target_order() -> None:
-    # Two boxes of one image centred alike match the same cells and anchors with different IoUs.
+def test_write_last_gives_each_repeated_index_its_last_value() -> None:
+    index = torch.tensor([3, 1, 3, 0, 1, 3])
+    values = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    target = torch.zeros(5)
+    write_last(target, index, values)
+    expected = torch.zeros(5)
+    for i, v in zip(index.tolist(), values.tolist(), strict=True):  # sequential writes: what YOLOv5's CPU loss does
+        expected[i] = v
+    torch.testing.assert_close(target, expected)  # [0.4, 0.5, 0, 0.6, 0]
+    assert target[2] == 0 and target[4] == 0  # untouched elsewhere
+    write_last(target, torch.zeros(0, dtype=torch.int64), torch.zeros(0))  # no matches: nothing to do
+
+
+def test_objectness_of_a_shared_cell_takes_the_last_listed_target() -> None:
+    # Two boxes of one image centred alike match the same cells and anchors with different IoUs: the target
+    # listed last sets those cells, as in YOLOv5, so swapping the order changes the objectness term.
     model = _model()
     preds = model(torch.rand(1, 3, 64, 64))
     pair = torch.tensor([[0, 1, 0.5, 0.5, 0.30, 0.40], [0, 2, 0.5, 0.5, 0.45, 0.25]])
     loss_fn = DetectionLoss(model, GAINS)
     forward, backward = loss_fn(preds, pair)[1], loss_fn(preds, pair.flip(0))[1]
-    assert forward[1] == pytest.approx(backward[1].item(), rel=1e-6)  # the best IoU wins, whatever came last
-    alone = [loss_fn(preds, pair[i : i + 1])[1][1].item() for i in range(2)]
-    assert alone[0] != pytest.approx(alone[1], rel=1e-4)  # the two IoUs do differ, so order could have mattered
+    assert forward[1] != pytest.approx(backward[1].item(), rel=1e-4)
+    assert torch.equal(loss_fn(preds, pair)[1], forward)  # and the same order gives the same value
 
 
 def test_single_class_and_unmatchable_anchors() -> None:

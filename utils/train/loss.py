@@ -52,6 +52,19 @@ def smooth_bce_targets(label_smoothing: float) -> tuple[float, float]:
     return 1.0 - 0.5 * label_smoothing, 0.5 * label_smoothing
 
 
+def write_last(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """`target[index] = values` in place, where a repeated index takes the value listed last, on every device.
+
+    Plain index assignment with repeated indices writes them sequentially on CPU (the last wins, as
+    YOLOv5's loss relies on) but in no defined order on CUDA, where same-seed runs would then differ.
+    Only each index's last occurrence is written here. target: 1-D; index: (m,) int64; values: (m,).
+    """
+    position = torch.arange(len(index), device=index.device)
+    last = torch.full_like(target, -1, dtype=torch.int64).scatter_reduce_(0, index, position, "amax")
+    keep = last[index] == position
+    target[index[keep]] = values[keep].to(target.dtype)
+
+
 def class_targets(classes: torch.Tensor, num_classes: int, label_smoothing: float = 0.0) -> torch.Tensor:
     """Return (n, num_classes) float BCE targets: the positive value at each `classes` id, negative elsewhere."""
     positive, negative = smooth_bce_targets(label_smoothing)
@@ -264,12 +277,10 @@ class DetectionLoss:
             pred_wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * assigned.anchors
             iou = bbox_iou(torch.cat((pred_xy, pred_wh), 1), assigned.boxes_xywh, xywh=True, kind="ciou")
             box_sum = (1.0 - iou).sum()
-            # Objectness learns to predict the box quality. Where matches share a cell the best IoU wins (YOLOv5's
-            # sort_obj_iou rule): index assignment with repeated indices is unordered on CUDA, so "the last one
-            # wins" would make the target, and with it same-seed runs, differ from run to run there.
+            # Objectness learns to predict the box quality; where matches share a cell the last one wins (YOLOv5).
             _, anchors, height, width = obj_target.shape
             flat = ((assigned.image_index * anchors + assigned.anchor_index) * height + assigned.cell_y) * width
-            obj_target.view(-1).scatter_reduce_(0, flat + assigned.cell_x, iou.detach().clamp(min=0), "amax")
+            write_last(obj_target.view(-1), flat + assigned.cell_x, iou.detach().clamp(min=0))
             if num_classes > 1:
                 wanted = class_targets(assigned.classes, num_classes, self.label_smoothing)
                 cls_sum = bce_with_logits(pred[:, 5 : 5 + num_classes], wanted, self.cls_pw, self.fl_gamma, "sum")
