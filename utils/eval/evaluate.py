@@ -218,10 +218,10 @@ def evaluate(
     `options.on_batch`, when set, sees each batch after NMS (rank 0 draws the first ones).
     """
     scorer = scorer or DetectionScorer()
-    device = next(model.parameters()).device
+    weight = next(model.parameters())
+    device, dtype = weight.device, weight.dtype  # the input in the model's precision (half after val.py --half)
     was_training = model.training
     model.eval()
-    dtype = next(model.parameters()).dtype  # the input in the model's precision (half after val.py --half on CUDA)
     stats, predictions = _Stats(), []
     confusion = ConfusionMatrix(options.num_classes) if options.confusion else None
     loss_sum = torch.zeros(len(getattr(loss_fn, "item_names", ())) or 3, device=device)
