@@ -99,6 +99,25 @@ def test_stop_signals_set_a_flag_and_restore_the_handlers() -> None:
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
+def test_after_an_error_under_torchrun_one_stop_signal_lets_the_exit_finish(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torchrun's SIGTERM to the group must not cut short a rank that is already leaving with an error."""
+    before = signal.getsignal(signal.SIGUSR1)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    with pytest.raises(RuntimeError), StopSignals():
+        raise RuntimeError("a peer is gone")
+    assert signal.getsignal(signal.SIGUSR1) is not before  # still caught while the error unwinds
+    os.kill(os.getpid(), signal.SIGUSR1)  # the default action would end this process
+    assert "SIGUSR1 received while exiting after an error" in caplog.text
+    assert signal.getsignal(signal.SIGUSR1) is before  # a second signal acts as before
+    # Outside torchrun, or without an error, the handlers come back at once.
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    with pytest.raises(RuntimeError), StopSignals():
+        raise RuntimeError("plain run")
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
 def test_restarted_job_finds_its_own_newest_run_folder(tmp_path: Path) -> None:
     for name, run_id in (("exp", "job-a"), ("exp2", "job-b"), ("exp3", "job-a")):
         (tmp_path / name).mkdir()

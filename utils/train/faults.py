@@ -49,7 +49,8 @@ class StopSignals:
 
     Handlers can only be installed from the main thread; elsewhere (a test running fit in a
     thread) entering does nothing and `received` stays None. The previous handlers come back on
-    exit. `request()` sets the flag directly (what a handler does), for tests and callers.
+    exit, except after an error under torchrun (see __exit__). `request()` sets the flag directly
+    (what a handler does), for tests and callers.
     """
 
     def __init__(self) -> None:
@@ -85,11 +86,26 @@ class StopSignals:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
+        if self._watchdog is not None:  # the loop has left: the stop went through
+            self._watchdog.cancel()
+        if kind is not None and os.environ.get("TORCHELASTIC_RUN_ID") and self._previous:
+            # Left by an error under torchrun, whose agent now sends SIGTERM to every rank of the group (this
+            # error is often a peer's death seen in a collective). The default action would end this rank
+            # mid-unwind: no traceback, no exit handlers (--cache shm keeps its segment for the restart in
+            # one). The first signal from here on only lets the exit finish; a second one acts as before.
+            for number in self._previous:
+                signal.signal(number, self._finish_exit)
+            return
+        self._restore()
+
+    def _restore(self) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)  # type: ignore[arg-type]
         self._previous.clear()
-        if self._watchdog is not None:  # the loop has left: the stop went through
-            self._watchdog.cancel()
+
+    def _finish_exit(self, signum: int, _frame: FrameType | None) -> None:
+        LOGGER.warning(f"{signal.Signals(signum).name} received while exiting after an error: finishing the exit")
+        self._restore()
 
 
 def mark_run(run_dir: Path, run_id: str) -> None:
