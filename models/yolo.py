@@ -6,7 +6,7 @@ import logging
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -46,9 +46,11 @@ class ModelSpec:
     `anchors` holds 3 levels (P3, P4, P5) of flat (w1, h1, w2, h2, ...) pixel pairs. Stored in
     checkpoints via `to_dict()` so a model can be rebuilt without the original `--cfg`.
     `num_masks > 0` (mask coefficients per detection) makes it a segmentation model with
-    `num_protos` prototype channels; see `segmentation_spec`.
+    `num_protos` prototype channels; see `segmentation_spec`. `family` names the model family
+    (utils/families.py) whose spec this is; checkpoints record it beside the spec.
     """
 
+    family: ClassVar[str] = "yolov5"
     depth_multiple: float
     width_multiple: float
     anchors: tuple[tuple[float, ...], ...]

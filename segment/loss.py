@@ -12,6 +12,8 @@ from torch import nn
 from segment.ops import assemble_masks_by_image, crop_mask
 from utils.boxes import xywhn_to_xyxy
 from utils.config import TrainConfig
+from utils.errors import ConfigError
+from utils.families import YOLOV5, family_of
 from utils.train.loss import DetectionLoss, LevelTerms, LossGains
 
 
@@ -135,5 +137,11 @@ def overlap_instance_ids(image_index: torch.Tensor) -> torch.Tensor:
 
 
 def build_segmentation_loss(model: nn.Module, cfg: TrainConfig) -> SegmentationLoss:
-    """Build the segmentation loss for `model` from `cfg.hyp`, `cfg.imgsz` and `cfg.overlap_mask`."""
+    """Build the segmentation loss for `model` from `cfg.hyp`, `cfg.imgsz` and `cfg.overlap_mask`.
+
+    The mask term extends the detection loss of the model's family; only YOLOv5's has one here.
+    """
+    family = family_of(model)
+    if family.name != YOLOV5.name:
+        raise ConfigError(f"segmentation training is not available for {family.name} models yet")
     return SegmentationLoss.from_hyp(model, cfg.hyp, cfg.imgsz, overlap=cfg.overlap_mask)

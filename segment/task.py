@@ -7,16 +7,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.yolo import ModelSpec, build_model, segmentation_spec, spec_from_cfg
 from segment.evaluate import SegmentationScorer
 from segment.instance_masks import original_size_masks
 from segment.loss import build_segmentation_loss
+from utils.families import build_model, segmentation_spec, spec_from_cfg
 from utils.tasks import BOX_METRICS, Task, detection_loss_inputs
 
 MASK_METRICS = tuple(f"mask_{name}" for name in BOX_METRICS)
 
 
-def segment_spec_from_cfg(model: str, num_classes: int) -> ModelSpec:
+def segment_spec_from_cfg(model: str, num_classes: int) -> Any:
     """Resolve `--cfg` for segmentation: 'yolov5s' and 'yolov5s-seg' both give the -seg model (32 masks)."""
     spec = spec_from_cfg(model, num_classes)
     return spec if spec.num_masks else segmentation_spec(spec)

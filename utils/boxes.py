@@ -179,13 +179,19 @@ def _check_fraction(name: str, value: float) -> None:
 
 
 def _image_candidates(
-    x: torch.Tensor, num_classes: int, conf_thres: float, classes: list[int] | None, multi_label: bool
+    x: torch.Tensor, num_classes: int, conf_thres: float, classes: list[int] | None, multi_label: bool, objectness: bool
 ) -> torch.Tensor:
-    """Turn one image's raw rows `(N, 5+nc+nm)` into candidates `(n, 6+nm)` xyxy, conf, cls, coeffs."""
-    x = x[x[:, 4] > conf_thres]  # objectness bounds obj*cls from above: a cheap first cut
+    """Turn one image's rows `(N, 4+[1]+nc+nm)` into candidates `(n, 6+nm)` xyxy, conf, cls, coeffs."""
+    first_class = 5 if objectness else 4
+    if objectness:
+        x = x[x[:, 4] > conf_thres]  # objectness bounds obj*cls from above: a cheap first cut
+    else:
+        x = x[x[:, 4 : 4 + num_classes].amax(1) > conf_thres]
     boxes = xywh_to_xyxy(x[:, :4])
-    scores = x[:, 5 : 5 + num_classes] * x[:, 4:5]
-    coeffs = x[:, 5 + num_classes :]
+    scores = x[:, first_class : first_class + num_classes]
+    if objectness:
+        scores = scores * x[:, 4:5]
+    coeffs = x[:, first_class + num_classes :]
     if multi_label:
         rows, cls = (scores > conf_thres).nonzero(as_tuple=True)
         conf = scores[rows, cls]
@@ -209,11 +215,14 @@ def non_max_suppression(
     num_masks: int = 0,
     multi_label: bool = False,
     max_nms: int = 30000,
+    objectness: bool = True,
 ) -> list[torch.Tensor]:
     """Filter decoded predictions by confidence and suppress overlaps, per image.
 
     `pred`: `(B, N, 5 + nc + nm)` rows [cx, cy, w, h (pixels), obj, class probs..., mask coeffs...]
     as given by the model in eval mode. Confidence is obj * class prob and must exceed `conf_thres`.
+    Without `objectness` (anchor-free heads) rows are `(B, N, 4 + nc + nm)` and the class probability
+    is the confidence.
     With `multi_label` a box may appear once per class above threshold, otherwise only with its
     best class. NMS is per class (classes shifted apart by the coordinate span) unless `agnostic`. At most `max_nms`
     highest-confidence candidates enter NMS and `max_det` leave it.
@@ -223,12 +232,12 @@ def non_max_suppression(
     """
     _check_fraction("conf_thres", conf_thres)
     _check_fraction("iou_thres", iou_thres)
-    num_classes = pred.shape[2] - 5 - num_masks
+    num_classes = pred.shape[2] - (5 if objectness else 4) - num_masks
     if num_classes < 1:
         raise ValueError(f"non_max_suppression: pred has {pred.shape[2]} columns, too few for {num_masks} masks")
     output = []
     for x in pred:
-        det = _image_candidates(x, num_classes, conf_thres, classes, multi_label)
+        det = _image_candidates(x, num_classes, conf_thres, classes, multi_label, objectness)
         det = det[det[:, 4].argsort(descending=True)[:max_nms]]
         dtype = torch.float32 if det.dtype in (torch.float16, torch.bfloat16) else det.dtype  # offsets overflow fp16
         boxes = det[:, :4].to(dtype)

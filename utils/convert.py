@@ -180,6 +180,7 @@ def convert_loaded(raw: Any, path: Path) -> Checkpoint:
     return Checkpoint(
         format_version=FORMAT_VERSION,
         task=HEADS[layers[-1].class_name],
+        model_family=spec.family,
         model_spec=spec.to_dict(),
         names=_names(model_node, spec.num_classes),
         model=weights,

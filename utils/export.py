@@ -24,6 +24,7 @@ from utils.convert import load_weights
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.eval.checkpoint_val import model_from_checkpoint
+from utils.families import family_of
 from utils.tasks import Task
 
 LOGGER = logging.getLogger(__name__)
@@ -100,16 +101,21 @@ class ExportWrapper(nn.Module):
     images: (B, 3, H, W) in [0, 1], H and W multiples of 32. Detection returns decoded (B, N, 5 + nc):
     xywh in input pixels, objectness and class probabilities (YOLOv5's `output0`). Segmentation returns
     (decoded (B, N, 5 + nc + nm) with raw mask coefficients, protos (B, nm, H/4, W/4)) (`output0`, `output1`).
+    The model family's output layout (utils/families.py) decides the columns (no objectness for
+    anchor-free heads) and whether `output0` is written channels first, (B, no, N).
     """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
         self.with_protos = model.head.num_masks > 0
+        self.channels_first = family_of(model).output.channels_first
 
     def forward(self, images: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the model and keep what deployment needs (see the class docstring)."""
         decoded, raw = self.model(images)
+        if self.channels_first:
+            decoded = decoded.transpose(1, 2)
         return (decoded, raw[1]) if self.with_protos else decoded
 
 

@@ -26,10 +26,7 @@ class Hyp:
     box: float
     cls: float
     cls_pw: float
-    obj: float
-    obj_pw: float
     iou_t: float
-    anchor_t: float
     fl_gamma: float
     label_smoothing: float
     hsv_h: float
@@ -46,10 +43,24 @@ class Hyp:
     mixup: float
     copy_paste: float
     nbs: float  # nominal batch: gradients are accumulated up to it, weight decay scales with it
+    # Loss keys of one model family only (utils/families.py: Family.hyp_keys says which its loss reads;
+    # a run checks them once its model is known). None: not in the file.
+    obj: float | None = None  # YOLOv5: objectness gain
+    obj_pw: float | None = None  # YOLOv5: objectness BCE positive weight
+    anchor_t: float | None = None  # YOLOv5: anchor-to-label size ratio limit for matching (and AutoAnchor)
+    dfl: float | None = None  # anchor-free: distribution focal loss gain
 
     def to_dict(self) -> dict[str, float]:
-        """Return the hyperparameters as a plain dict (for YAML and checkpoints)."""
-        return dataclasses.asdict(self)
+        """Return the hyperparameters as a plain dict (for YAML and checkpoints); keys the file lacked are left out."""
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+    def missing(self, keys: tuple[str, ...]) -> list[str]:
+        """Return those of `keys` this hyp has no value for, in the given order."""
+        return [key for key in keys if getattr(self, key) is None]
+
+
+# Keys only some model families' losses read (Hyp fields that default to None): a file may leave them out.
+FAMILY_HYP_KEYS = ("obj", "obj_pw", "anchor_t", "dfl")
 
 
 # Keys YOLOv5's hyp files leave out, with the values YOLOv5's train.py uses for them: it hard-codes the
@@ -65,6 +76,8 @@ def hyp_overrides(label_smoothing: float | None) -> dict[str, float]:
 def load_hyp(path: Path, overrides: dict[str, float] | None = None) -> Hyp:
     """Load a hyp YAML into a Hyp; unknown, missing or non-numeric keys are one-line errors naming the file.
 
+    The loss keys of one family (FAMILY_HYP_KEYS) may be absent; the run checks the ones its model's
+    family needs once the model is known (utils/families.py: Family.check_hyp).
     A YOLOv5 hyp file loads as it is: a missing `nbs`, `label_smoothing` or `fl_gamma` takes
     YOLOV5_HYP_DEFAULTS, and YOLOv5's `anchors` key (anchors per level for AutoAnchor) is ignored,
     because anchors come from `--cfg` (or `--weights`) and are refitted only when they fit the labels poorly.
@@ -77,7 +90,7 @@ def load_hyp(path: Path, overrides: dict[str, float] | None = None) -> Hyp:
     unknown = sorted(set(raw) - names - {"anchors"})
     if unknown:
         raise ConfigError(f"{path}: unknown hyperparameter '{unknown[0]}' (known: {', '.join(sorted(names))})")
-    missing = sorted(names - set(raw) - set(YOLOV5_HYP_DEFAULTS))
+    missing = sorted(names - set(raw) - set(YOLOV5_HYP_DEFAULTS) - set(FAMILY_HYP_KEYS))
     if missing:
         raise ConfigError(f"{path}: missing hyperparameter '{missing[0]}'")
     defaults = {key: value for key, value in YOLOV5_HYP_DEFAULTS.items() if key not in raw}

@@ -10,12 +10,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.yolo import ModelSpec, build_model, spec_from_cfg
 from utils.config import TrainConfig
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.eval.evaluate import DetectionScorer, EvalOptions, EvalResult, LossInputs, evaluate
-from utils.train.loss import DetectionLoss
+from utils.families import build_model, family_of, spec_from_cfg
 
 BOX_METRICS = ("precision", "recall", "mAP50", "mAP50-95")
 
@@ -24,9 +23,10 @@ BOX_METRICS = ("precision", "recall", "mAP50", "mAP50-95")
 class Task:
     """The seam between the engine and a task; the engine and the evaluation loop call only these.
 
-    - build_model(spec) -> nn.Module
-    - spec_from_cfg(model, num_classes) -> ModelSpec: resolves `--cfg` (a size name or a model YAML)
-    - build_loss(model, cfg) -> callable (preds, *, targets, [masks,] reduce_counts) -> (loss, items)
+    - build_model(spec) -> nn.Module (the spec's family builds it: utils/families.py)
+    - spec_from_cfg(model, num_classes) -> a family's spec: resolves `--cfg` (a size name or a model YAML)
+    - build_loss(model, cfg) -> callable (preds, *, targets, [masks,] reduce_counts) -> (loss, items); the
+      loss's `item_names` name its items (results.csv columns); `loss_names` are the YOLOv5 family's
     - loss_inputs(batch, device) -> the loss's keyword inputs taken from a batch; training and
       validation both get them here
     - make_scorer(model) -> the evaluation loop's task-specific matching (DetectionScorer or a subclass)
@@ -38,8 +38,8 @@ class Task:
     with_masks: bool  # the dataset emits polygons and masks, the collate concatenates them
     loss_names: tuple[str, ...]
     metric_names: tuple[str, ...]  # keys of EvalResult.as_dict() logged per epoch (besides fitness)
-    build_model: Callable[[ModelSpec], nn.Module]
-    spec_from_cfg: Callable[[str, int], ModelSpec]
+    build_model: Callable[[Any], nn.Module]
+    spec_from_cfg: Callable[[str, int], Any]
     build_loss: Callable[[nn.Module, TrainConfig], Callable[..., Any]]
     loss_inputs: LossInputs
     make_scorer: Callable[[nn.Module], DetectionScorer]
@@ -63,7 +63,7 @@ def detection_loss_inputs(batch: dict[str, Any], device: torch.device) -> dict[s
     return {"targets": batch["targets"].to(device, non_blocking=True)}
 
 
-def detect_spec_from_cfg(model: str, num_classes: int) -> ModelSpec:
+def detect_spec_from_cfg(model: str, num_classes: int) -> Any:
     """Resolve `--cfg` for detection; a segmentation model ('-seg', num_masks) is a one-line ConfigError."""
     spec = spec_from_cfg(model, num_classes)
     if spec.num_masks:
@@ -71,9 +71,9 @@ def detect_spec_from_cfg(model: str, num_classes: int) -> ModelSpec:
     return spec
 
 
-def build_detection_loss(model: nn.Module, cfg: TrainConfig) -> DetectionLoss:
-    """Build the YOLOv5-style detection loss with gains scaled for this model, class count and image size."""
-    return DetectionLoss.from_hyp(model, cfg.hyp, cfg.imgsz)
+def build_detection_loss(model: nn.Module, cfg: TrainConfig) -> Any:
+    """Build the detection loss of the model's family, with gains scaled for its head, class count and image size."""
+    return family_of(model).build_loss(model, cfg.hyp, cfg.imgsz)
 
 
 DETECT = Task(

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from models.yolo import ModelSpec, memory_format
+from models.yolo import memory_format
 from utils.boxes import xyxy_to_xywhn
 from utils.config import ValConfig
 from utils.convert import load_weights
@@ -21,6 +21,7 @@ from utils.distributed import DistContext, all_gather_objects, per_rank_batch
 from utils.errors import ConfigError
 from utils.eval.coco import CocoTarget, check_coco_target, coco_evaluate
 from utils.eval.evaluate import EvalOptions, EvalResult, format_results
+from utils.families import spec_from_checkpoint
 from utils.plots import plot_evaluation, val_batch_drawer
 from utils.runs import create_run_dir
 from utils.tasks import Task
@@ -47,7 +48,7 @@ def model_from_checkpoint(
     checkpoint: dict, task: Task, ctx: DistContext, half: bool = False, channels_last: bool = True
 ) -> nn.Module:
     """The eval model of an already loaded checkpoint (see load_model_for_eval), for callers that read it first."""
-    model = task.build_model(ModelSpec.from_dict(checkpoint["model_spec"]))
+    model = task.build_model(spec_from_checkpoint(checkpoint))
     model.load_state_dict(checkpoint.get("ema") or checkpoint["model"])
     model = model.fuse().eval().to(ctx.device, memory_format=memory_format(channels_last))
     if half and ctx.device.type == "cuda":

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from utils.boxes import box_iou, non_max_suppression, scale_boxes, xywh_to_xyxy, xyxy_to_xywhn
+from utils.boxes import box_iou, scale_boxes, xywh_to_xyxy, xyxy_to_xywhn
 from utils.data.loader import image_hw, images_on_device
 from utils.distributed import DistContext, all_gather_objects, all_reduce_sum
 from utils.eval.metrics import ConfusionMatrix, DetectionMetrics, iou_thresholds, match_predictions
+from utils.families import family_of
 from utils.logs import tqdm_disabled
 
 LOGGER = logging.getLogger(__name__)
@@ -218,6 +219,7 @@ def evaluate(
     `options.on_batch`, when set, sees each batch after NMS (rank 0 draws the first ones).
     """
     scorer = scorer or DetectionScorer()
+    select = family_of(model).select_detections  # NMS over the family's output layout
     weight = next(model.parameters())
     device, dtype = weight.device, weight.dtype  # the input in the model's precision (half after val.py --half)
     was_training = model.training
@@ -242,9 +244,7 @@ def evaluate(
             seen[1] += 1
         height, width = images.shape[2:]  # the model input, (B, 3, H, W)
         targets[:, 2:6] *= torch.tensor((width, height, width, height), device=device)
-        nms = functools.partial(
-            non_max_suppression, decoded.float(), iou_thres=options.iou_thres, max_det=options.max_det
-        )
+        nms = functools.partial(select, decoded.float(), iou_thres=options.iou_thres, max_det=options.max_det)
         outputs = nms(options.conf_thres, num_masks=scorer.num_masks, multi_label=options.multi_label)
         after_nms = time.perf_counter()
         timings += (after_pre - start, after_inference - after_pre, after_nms - after_inference)

@@ -22,12 +22,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from utils.boxes import non_max_suppression, scale_boxes
+from utils.boxes import scale_boxes
 from utils.data.augment import bgr_to_rgb_chw, letterbox
 from utils.data.loader import ShapeInfo
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, run_on_main
 from utils.errors import ConfigError
 from utils.eval.checkpoint_val import load_model_for_eval
+from utils.families import family_of
 from utils.predict.config import PredictConfig
 from utils.predict.draw import annotate
 from utils.predict.outputs import RunWriter, VideoSink, write_image
@@ -102,6 +103,7 @@ class FramePredictor:
         self.device, self.dtype = parameter.device, parameter.dtype
         self.stride = int(model.stride.max())
         self.num_masks = int(model.head.num_masks)
+        self.select = family_of(model).select_detections  # NMS over the family's output layout
         self.predict_masks = task.predict_masks
         self.cfg = cfg
 
@@ -118,7 +120,7 @@ class FramePredictor:
         _sync(self.device)
         after_inference = time.perf_counter()
         cfg = self.cfg
-        detections = non_max_suppression(
+        detections = self.select(
             decoded.float(),
             cfg.conf_thres,
             cfg.iou_thres,

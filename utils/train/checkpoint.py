@@ -61,6 +61,7 @@ class Checkpoint(_RequiredCheckpoint, total=False):
     """
 
     git_hash: str | None
+    model_family: str  # utils/families.py: which family's spec `model_spec` is; absent in older files = "yolov5"
     # Mid-epoch checkpoints only: batches of epoch + 1 already trained, and per rank (index = rank)
     # {"mean_loss": [...], "model_buffers": {...}, "ema_buffers": {...}} to continue exactly.
     batches_done: int
@@ -79,6 +80,7 @@ class RunInfo:
     names: list[str]
     train_config: Any  # TrainConfig (converted with plain_data) or a plain dict
     hyp: Any  # Hyp or a plain dict
+    model_family: str = "yolov5"  # the family whose spec `model_spec` is (utils/families.py)
 
 
 def plain_data(value: Any) -> Any:
@@ -154,6 +156,7 @@ def build_checkpoint(
     return Checkpoint(
         format_version=FORMAT_VERSION,
         task=run.task,
+        model_family=run.model_family,
         model_spec=plain_data(run.model_spec),
         names=[str(name) for name in run.names],
         model=unwrap_model(model).state_dict(),

@@ -32,6 +32,7 @@ from utils.distributed import (
 )
 from utils.eval.coco import check_coco_target, coco_evaluate
 from utils.eval.evaluate import EvalOptions, EvalResult
+from utils.families import family_of
 from utils.logs import tqdm_disabled
 from utils.plots import batch_drawer, plot_run, plot_start, val_batch_drawer
 from utils.runs import create_run_dir
@@ -59,7 +60,6 @@ from utils.train.setup import (
     log_startup,
     resolve_resume,
     resolve_run_recipe,
-    run_anchor_check,
     verify_identical_weights,
 )
 from utils.train.tensorboard import TensorBoardLogger
@@ -337,8 +337,8 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     bundle = build_model_bundle(cfg, task, data, ctx, resume_ckpt)
     datasets = build_datasets(cfg, task, data, bundle, ctx)
     run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir)
-    if resume_ckpt is None and not cfg.weights:
-        run_anchor_check(bundle, datasets.train, cfg, ctx)
+    if resume_ckpt is None and not cfg.weights:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
+        family_of(bundle.model).prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx)
     state = build_train_state(bundle, cfg, task, ctx, len(datasets.train_loader))
     verify_identical_weights(state.model, ctx)
     if resume_ckpt is not None:
@@ -357,7 +357,7 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
         with state.stop:
             for epoch in range(state.start_epoch, cfg.epochs):
                 summary = _run_epoch(run, state, epoch, board)
-                row = summary.as_row(task)
+                row = summary.as_row(task, state.loss_fn.item_names)
                 run_on_main(lambda row=row: results.append(row), ctx, "writing results.csv")
                 board.log_epoch(row)
                 if not cfg.nosave or epoch + 1 == cfg.epochs:

@@ -74,7 +74,7 @@ class EpochSummary:
     """One epoch's figures, as results.csv records them."""
 
     epoch: int  # 0-based
-    train_loss: np.ndarray  # mean of the task's loss_names over all ranks' batches
+    train_loss: np.ndarray  # mean of the loss items over all ranks' batches
     val_loss: np.ndarray | None  # None when the epoch was not validated (--noval)
     metrics: dict[str, float]  # EvalResult.as_dict(); empty when not validated
     lrs: list[float]  # per param group, as used during the epoch
@@ -85,14 +85,19 @@ class EpochSummary:
         """The number best.pt and early stopping compare (0 when not validated)."""
         return self.metrics.get("fitness", 0.0)
 
-    def as_row(self, task: Task) -> dict[str, Any]:
-        """Return the results.csv row: epoch (1-based), train/val losses, metrics, learning rates, time."""
+    def as_row(self, task: Task, loss_names: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """Return the results.csv row: epoch (1-based), train/val losses, metrics, learning rates, time.
+
+        `loss_names` are the run's loss items (its loss's `item_names`, which depend on the model family);
+        None takes the task's YOLOv5 names.
+        """
+        names = loss_names if loss_names is not None else task.loss_names
         row: dict[str, Any] = {"epoch": self.epoch + 1}
-        row.update({f"train/{name}_loss": float(v) for name, v in zip(task.loss_names, self.train_loss, strict=True)})
+        row.update({f"train/{name}_loss": float(v) for name, v in zip(names, self.train_loss, strict=True)})
         for key in (*task.metric_names, "fitness"):
             row[f"metrics/{key}"] = float(self.metrics.get(key, float("nan")))
-        values = self.val_loss if self.val_loss is not None else [float("nan")] * len(task.loss_names)
-        row.update({f"val/{name}_loss": float(v) for name, v in zip(task.loss_names, values, strict=True)})
+        values = self.val_loss if self.val_loss is not None else [float("nan")] * len(names)
+        row.update({f"val/{name}_loss": float(v) for name, v in zip(names, values, strict=True)})
         row.update({f"lr/pg{i}": float(lr) for i, lr in enumerate(self.lrs)})
         row["time_s"] = round(self.seconds, 2)
         return row

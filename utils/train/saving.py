@@ -53,7 +53,9 @@ def restore_state(
 def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Checkpoint:
     """Return the checkpoint for the end of `epoch`: plain data and state dicts only."""
     cfg, bundle = run.cfg, run.bundle
-    info = ckpt_io.RunInfo(run.task.name, bundle.spec.to_dict(), list(bundle.names), cfg.to_dict(), cfg.hyp.to_dict())
+    info = ckpt_io.RunInfo(
+        run.task.name, bundle.spec.to_dict(), list(bundle.names), cfg.to_dict(), cfg.hyp.to_dict(), bundle.spec.family
+    )
     return ckpt_io.build_checkpoint(
         run=info,
         model=state.model,

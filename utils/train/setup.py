@@ -1,4 +1,4 @@
-"""Training set-up before the loop: resume, recipe, model, datasets and loaders, anchor check, weight check, log."""
+"""Training set-up before the loop: resume, recipe, model, datasets and loaders, weight check, start-up log."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.anchors import check_anchors
-from models.yolo import ModelSpec, memory_format, model_info
+from models.yolo import memory_format, model_info
 from utils.config import AUTO, TrainConfig, config_from_dict
 from utils.convert import load_weights
 from utils.data.augment import AugmentParams
@@ -23,6 +22,7 @@ from utils.data.labels import list_image_files
 from utils.data.loader import build_train_loader, build_val_loader
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch, run_on_main
 from utils.errors import ConfigError
+from utils.families import family_of, spec_from_checkpoint
 from utils.hyp import Hyp
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
@@ -34,10 +34,10 @@ LOGGER = logging.getLogger(__name__)
 
 @dataclass
 class ModelBundle:
-    """The unwrapped model with what rebuilds it: its spec and class names."""
+    """The unwrapped model with what rebuilds it: its spec (any family's) and class names."""
 
     model: nn.Module
-    spec: ModelSpec
+    spec: Any
     names: tuple[str, ...]
 
 
@@ -239,25 +239,26 @@ def build_model_bundle(
     """Build the model (from scratch, from --weights, or from the resume checkpoint) on ctx.device.
 
     Initial weights come from the shared seed, so they are identical on every rank before DDP
-    even broadcasts them.
+    even broadcasts them. A hyp that lacks a key the model family's loss reads is a one-line error.
     """
     names = ("item",) if cfg.single_cls else data.names
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         if resume is not None:
             ckpt_io.check_checkpoint_task(resume, task.name, cfg.resume, "train")
-            spec = ModelSpec.from_dict(resume["model_spec"])
+            spec = spec_from_checkpoint(resume, cfg.resume)
             model = task.build_model(spec)
             model.load_state_dict(resume["model"])
         elif cfg.weights:
             source = load_weights(cfg.weights)  # ours, or YOLOv5 / Ultralytics converted in memory
             ckpt_io.check_checkpoint_task(source, task.name, cfg.weights, "train")
-            spec = dataclasses.replace(ModelSpec.from_dict(source["model_spec"]), num_classes=len(names))
+            spec = dataclasses.replace(spec_from_checkpoint(source, cfg.weights), num_classes=len(names))
             model = task.build_model(spec)
             _transfer_weights(model, source.get("ema") or source["model"], cfg.weights)
         else:
             spec = task.spec_from_cfg(cfg.model, len(names))
             model = task.build_model(spec)
+    family_of(spec).check_hyp(cfg.hyp, cfg.hyp_path)
     freeze_layers(model, cfg.freeze)
     return ModelBundle(model.to(ctx.device, memory_format=memory_format(cfg.channels_last)), spec, tuple(names))
 
@@ -328,18 +329,6 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
     train_loader = build_train_loader(train, per_rank, cfg.workers, ctx, cfg.seed, shuffle=not cfg.rect)
     val_loader = build_val_loader(val, per_rank * 2, cfg.workers, ctx)
     return Datasets(train, val, train_loader, val_loader, per_rank)
-
-
-def run_anchor_check(bundle: ModelBundle, train: LoadImagesAndLabels, cfg: TrainConfig, ctx: DistContext) -> None:
-    """Check (and if poor, recompute) anchors on rank 0 and give every rank rank 0's anchors."""
-    head = bundle.model.head
-    labels_wh = train.label_wh_at(cfg.imgsz)
-    # run_on_main: a failure on rank 0 reaches every rank instead of leaving them in the broadcast below.
-    run_on_main(
-        lambda: check_anchors(labels_wh, bundle.model, threshold=cfg.hyp.anchor_t, imgsz=cfg.imgsz), ctx, "AutoAnchor"
-    )
-    anchors = broadcast_object(head.anchors.detach().cpu(), ctx)
-    head.anchors.copy_(anchors.to(head.anchors.device))
 
 
 def verify_identical_weights(model: nn.Module, ctx: DistContext) -> None:
