@@ -19,19 +19,30 @@ def autopad(kernel: int, padding: int | None = None, dilation: int = 1) -> int:
 
 
 class Conv(nn.Module):
-    """Conv2d (no bias) -> BatchNorm2d -> SiLU, the basic unit of every YOLOv5 stage.
+    """Conv2d (no bias) -> BatchNorm2d -> SiLU, the basic unit of every YOLO stage.
 
-    `fuse()` folds the batch norm into the convolution for inference; afterwards `bn` is an
-    Identity and the convolution carries the bias, so outputs are unchanged (eval mode).
+    `groups` > 1 makes a grouped (depthwise when equal to the channels) convolution; `activation`
+    False leaves the output linear (attention projections, YOLO26's SPPF input). `fuse()` folds the
+    batch norm into the convolution for inference; afterwards `bn` is an Identity and the
+    convolution carries the bias, so outputs are unchanged (eval mode).
     """
 
     def __init__(
-        self, in_channels: int, out_channels: int, kernel: int = 1, stride: int = 1, padding: int | None = None
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel: int = 1,
+        stride: int = 1,
+        padding: int | None = None,
+        *,
+        groups: int = 1,
+        activation: bool = True,
     ) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel, stride, autopad(kernel, padding), bias=False)
+        padding = autopad(kernel, padding)
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel, stride, padding, groups=groups, bias=False)
         self.bn: nn.Module = nn.BatchNorm2d(out_channels)
-        self.act = nn.SiLU()
+        self.act: nn.Module = nn.SiLU() if activation else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply conv, norm and activation: (B, C_in, H, W) -> (B, C_out, H / stride, W / stride)."""

@@ -362,20 +362,36 @@ def build_model(spec: ModelSpec) -> DetectionModel:
 
 @torch.no_grad()
 def estimate_gflops(model: nn.Module, imgsz: int | tuple[int, int] = 640, probe_size: int = 64) -> float:
-    """Estimate forward GFLOPs (2 x conv multiply-adds) for one (imgsz) image by counting conv MACs with hooks.
+    """Estimate forward GFLOPs (2 x multiply-adds) for one (imgsz) image, counted with hooks on a probe image.
 
-    The count is taken on a probe_size square and scaled by area, which is exact for convs
-    when the image sides are multiples of 32.
+    Convolutions (transposed ones per input pixel) are counted on a `probe_size` square and scaled
+    by area, exact when the sides are multiples of 32. Attention modules (`quadratic_macs(h, w)`)
+    cost the square of their pixel count and are counted at the real size. A model whose
+    `counts_norm_flops` is True also counts its batch norms (4 operations per element), the
+    convention its publisher's figures use; YOLOv5's figures count convolutions only.
     """
     height, width = (imgsz, imgsz) if isinstance(imgsz, int) else imgsz
-    macs = 0
+    area_scale = (height * width) / probe_size**2
+    count_norms = bool(getattr(model, "counts_norm_flops", False))
+    macs, quadratic = 0.0, 0.0
 
-    def count(module: nn.Conv2d, _inputs: Any, output: torch.Tensor) -> None:
-        nonlocal macs
-        kernel_h, kernel_w = module.kernel_size
-        macs += output[0].numel() * (module.in_channels // module.groups) * kernel_h * kernel_w
+    def count(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        nonlocal macs, quadratic
+        if isinstance(module, nn.ConvTranspose2d):
+            macs += inputs[0][0].numel() * module.out_channels // module.groups * math.prod(module.kernel_size)
+        elif isinstance(module, nn.Conv2d):
+            kernel_h, kernel_w = module.kernel_size
+            macs += output[0].numel() * (module.in_channels // module.groups) * kernel_h * kernel_w
+        elif isinstance(module, nn.BatchNorm2d):
+            macs += 4 * output[0].numel()
+        else:  # attention: its cost at the probe scales with the area squared; count it at the real size
+            probe_h, probe_w = output.shape[-2:]
+            full_h, full_w = round(probe_h * height / probe_size), round(probe_w * width / probe_size)
+            quadratic += module.quadratic_macs(full_h, full_w)
 
-    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, nn.Conv2d)]
+    kinds = (nn.Conv2d, nn.ConvTranspose2d) + ((nn.BatchNorm2d,) if count_norms else ())
+    counted = [m for m in model.modules() if isinstance(m, kinds) or hasattr(m, "quadratic_macs")]
+    hooks = [m.register_forward_hook(count) for m in counted]
     was_training = model.training
     try:
         model.eval()
@@ -385,7 +401,7 @@ def estimate_gflops(model: nn.Module, imgsz: int | tuple[int, int] = 640, probe_
         model.train(was_training)
         for hook in hooks:
             hook.remove()
-    return 2 * macs * (height * width) / probe_size**2 / 1e9
+    return 2 * (macs * area_scale + quadratic) / 1e9
 
 
 def model_info(model: nn.Module, imgsz: int | tuple[int, int] = 640) -> str:
