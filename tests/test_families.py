@@ -43,7 +43,7 @@ def test_yolov5_models_specs_and_ddp_wrappers_report_the_yolov5_family() -> None
     wrapper.module = model  # what DDP exposes
     assert family_of(wrapper) is YOLOV5
     assert family_of(nn.Linear(2, 2)) is YOLOV5  # a module with no spec is taken as YOLOv5's, as old files are
-    assert list(FAMILIES) == ["yolov5"]
+    assert list(FAMILIES) == ["anchor_free", "yolov5"]  # YOLOv5 last: it claims every --cfg no other family takes
 
 
 def test_cfg_resolution_through_the_families_equals_the_yolov5_resolver() -> None:
@@ -66,7 +66,7 @@ def test_checkpoints_record_the_family_and_older_files_read_as_yolov5(tmp_path: 
     del loaded["model_family"]  # a file written before families were recorded
     assert checkpoint_family(loaded) is YOLOV5 and spec_from_checkpoint(loaded) == spec
     loaded["model_family"] = "yolov99"
-    with pytest.raises(ConfigError, match=r"^best\.pt: unknown model family 'yolov99' \(known: yolov5\)$"):
+    with pytest.raises(ConfigError, match=r"^best\.pt: unknown model family 'yolov99' \(known: anchor_free, yolov5\)$"):
         spec_from_checkpoint(loaded, "best.pt")
 
 

@@ -249,3 +249,47 @@ def non_max_suppression(
         keep = torchvision.ops.nms(boxes, det[:, 4].to(dtype), iou_thres)
         output.append(det[keep[:max_det]])  # torchvision returns keep sorted by score, descending
     return output
+
+
+def top_detections(
+    pred: torch.Tensor,
+    conf_thres: float = 0.001,
+    iou_thres: float = 0.6,
+    classes: list[int] | None = None,
+    agnostic: bool = False,
+    max_det: int = 300,
+    num_masks: int = 0,
+    multi_label: bool = False,
+    max_nms: int = 30000,
+) -> list[torch.Tensor]:
+    """Select detections from an end-to-end (one-to-one) head: the best `max_det` scores, no suppression.
+
+    `pred`: (B, N, 4 + nc + nm) rows [cx, cy, w, h (pixels), class probabilities, mask coefficients].
+    A head trained one-to-one predicts each object once, so the highest (point, class) scores are the
+    detections; `iou_thres`, `agnostic` and `max_nms` are accepted for the NMS signature and unused.
+    With `multi_label` a point may give one row per class, otherwise only its best class.
+    Returns B tensors (n, 6 + nm) [x1, y1, x2, y2, conf, cls, coeffs...], conf descending.
+    """
+    _check_fraction("conf_thres", conf_thres)
+    num_classes = pred.shape[2] - 4 - num_masks
+    if num_classes < 1:
+        raise ValueError(f"top_detections: pred has {pred.shape[2]} columns, too few for {num_masks} masks")
+    output = []
+    for x in pred:
+        scores = x[:, 4 : 4 + num_classes]
+        if classes is not None:
+            allowed = torch.zeros(num_classes, dtype=torch.bool, device=x.device)
+            allowed[torch.tensor(classes, device=x.device)] = True
+            scores = scores.masked_fill(~allowed, 0)
+        if multi_label:
+            conf, flat = scores.flatten().topk(min(max_det, scores.numel()))
+            rows, cls = flat // num_classes, flat % num_classes
+        else:
+            best, best_cls = scores.max(1)
+            conf, rows = best.topk(min(max_det, len(best)))
+            cls = best_cls[rows]
+        keep = conf > conf_thres
+        rows, conf, cls = rows[keep], conf[keep], cls[keep]
+        boxes = xywh_to_xyxy(x[rows, :4])
+        output.append(torch.cat((boxes, conf[:, None], cls[:, None].to(x.dtype), x[rows, 4 + num_classes :]), 1))
+    return output

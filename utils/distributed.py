@@ -248,6 +248,26 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return tensor
 
 
+@dataclass(frozen=True)
+class RankMean:
+    """A loss's `reduce_counts`: the mean of a tensor over ranks (all-reduce, / world size). Every rank must call it.
+
+    `world_size` lets a loss clamp a normaliser where one process would: a floor of 1 on a global
+    total is a floor of 1 / world_size on the mean.
+    """
+
+    ctx: DistContext
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the mean is taken over."""
+        return self.ctx.world_size
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Return the mean of `tensor` over ranks (a new tensor; the argument is summed in place)."""
+        return all_reduce_sum(tensor, self.ctx) / self.ctx.world_size
+
+
 def seed_everything(seed: int, deterministic: bool = False) -> None:
     """Seed Python, NumPy and torch; with `deterministic`, also ask torch for repeatable kernels.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -11,13 +12,16 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from models import yolo
+from models import anchor_free, yolo
 from models.anchors import check_anchors
-from utils.boxes import non_max_suppression
+from utils.boxes import non_max_suppression, top_detections
+from utils.config import ROOT
 from utils.distributed import DistContext, broadcast_object, run_on_main
 from utils.errors import ConfigError
 from utils.hyp import Hyp
+from utils.train.dense_loss import DenseLoss
 from utils.train.loss import DetectionLoss
+from utils.train.recipe import YOLOV5_RECIPES, RecipeFiles
 
 LOGGER = logging.getLogger(__name__)
 
@@ -58,8 +62,10 @@ class Family:
     - build_loss(model, hyp, imgsz) -> the detection loss (segmentation's loss builds on it, segment/loss.py)
     - prepare_run(model, train_set, hyp, imgsz, ctx): per-run preparation before DDP and EMA (every rank)
     - hyp_keys: the family-only Hyp keys its loss reads (utils/hyp.py FAMILY_HYP_KEYS)
-    - output: the decoded/exported layout; select_detections turns decoded rows into detections
-      with `non_max_suppression`'s arguments and result
+    - recipe_files: the short-run (AdamW) and long-run (SGD) hyp files `--optimizer auto` chooses from
+    - output: the decoded/exported layout; detection_selector(model) gives the function that turns the
+      model's decoded rows into detections (`non_max_suppression`'s arguments and result): NMS, or the
+      top scores of an end-to-end head
     """
 
     name: str
@@ -71,8 +77,9 @@ class Family:
     build_loss: Callable[[nn.Module, Hyp, int], Any]
     prepare_run: Callable[[nn.Module, Any, Hyp, int, DistContext], None]
     hyp_keys: tuple[str, ...]
+    recipe_files: RecipeFiles
     output: OutputLayout
-    select_detections: Callable[..., list[torch.Tensor]]
+    detection_selector: Callable[[nn.Module], Callable[..., list[torch.Tensor]]]
 
     def spec_from_dict(self, data: Mapping[str, Any]) -> Any:
         """Rebuild this family's spec from `spec.to_dict()` output (a checkpoint's `model_spec`)."""
@@ -113,12 +120,43 @@ YOLOV5 = Family(
     build_loss=DetectionLoss.from_hyp,
     prepare_run=run_anchor_check,
     hyp_keys=("obj", "obj_pw", "anchor_t"),
+    recipe_files=YOLOV5_RECIPES,
     output=OutputLayout(objectness=True, channels_first=False),
-    select_detections=non_max_suppression,
+    detection_selector=lambda model: non_max_suppression,
+)
+
+
+def prepare_nothing(model: nn.Module, train_set: Any, hyp: Hyp, imgsz: int, ctx: DistContext) -> None:
+    """Anchor-free models need no per-run preparation: points come from the strides, not from the labels."""
+
+
+def dense_selector(model: nn.Module) -> Callable[..., list[torch.Tensor]]:
+    """NMS without objectness, or, for an end-to-end model decoding its one-to-one branch, the top scores."""
+    head = getattr(model, "module", model).head
+    if head.end_to_end and head.use_one_to_one:
+        return top_detections
+    return functools.partial(non_max_suppression, objectness=False)
+
+
+ANCHOR_FREE = Family(
+    name="anchor_free",
+    spec_type=anchor_free.AnchorFreeSpec,
+    claims_cfg=anchor_free.claims_cfg,
+    spec_from_cfg=anchor_free.spec_from_cfg,
+    segmentation_spec=anchor_free.segmentation_spec,
+    build_model=anchor_free.build_model,
+    build_loss=DenseLoss.from_hyp,
+    prepare_run=prepare_nothing,
+    hyp_keys=("dfl",),
+    recipe_files=RecipeFiles(
+        ROOT / "data/hyps/hyp.anchor-free.quickstart.yaml", ROOT / "data/hyps/hyp.anchor-free.scratch.yaml"
+    ),
+    output=OutputLayout(objectness=False, channels_first=True),
+    detection_selector=dense_selector,
 )
 
 # In the order `--cfg` values are offered to them; a checkpoint without `model_family` is YOLOv5's.
-FAMILIES: dict[str, Family] = {family.name: family for family in (YOLOV5,)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (ANCHOR_FREE, YOLOV5)}
 DEFAULT_FAMILY = YOLOV5.name
 
 

@@ -219,7 +219,7 @@ def evaluate(
     `options.on_batch`, when set, sees each batch after NMS (rank 0 draws the first ones).
     """
     scorer = scorer or DetectionScorer()
-    select = family_of(model).select_detections  # NMS over the family's output layout
+    select = family_of(model).detection_selector(model)  # NMS over the family's layout, or an end-to-end top-k
     weight = next(model.parameters())
     device, dtype = weight.device, weight.dtype  # the input in the model's precision (half after val.py --half)
     was_training = model.training

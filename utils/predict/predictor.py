@@ -103,7 +103,7 @@ class FramePredictor:
         self.device, self.dtype = parameter.device, parameter.dtype
         self.stride = int(model.stride.max())
         self.num_masks = int(model.head.num_masks)
-        self.select = family_of(model).select_detections  # NMS over the family's output layout
+        self.select = family_of(model).detection_selector(model)  # NMS, or an end-to-end head's top scores
         self.predict_masks = task.predict_masks
         self.cfg = cfg
 

@@ -23,6 +23,7 @@ from utils.data.data_config import DataConfig, load_data_config
 from utils.data.loader import TrainLoader, images_on_device
 from utils.distributed import (
     DistContext,
+    RankMean,
     all_reduce_sum,
     average_bn_stats,
     broadcast_object,
@@ -156,7 +157,7 @@ def train_one_epoch(
     skip = state.start_batch if epoch == state.start_epoch else 0
     num_batches = len(loader) + skip  # the loader yields only the batches after `skip`
     # Every rank runs the same number of steps, so the loss may all-reduce its match counts.
-    reduce_counts = (lambda counts: all_reduce_sum(counts, ctx) / ctx.world_size) if ctx.is_distributed else None
+    reduce_counts = RankMean(ctx) if ctx.is_distributed else None
     mean_loss = np.zeros(len(state.loss_fn.item_names))
     if skip and state.resumed_mean_loss is not None:
         mean_loss = state.resumed_mean_loss.copy()
@@ -328,17 +329,19 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     if ctx.device.type == "cuda" and not cfg.deterministic and not cfg.rect:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: cuDNN times its kernels once and keeps the best
     data = load_data_config(cfg.data, ctx)
+    bundle = build_model_bundle(cfg, task, data, ctx, resume_ckpt)
+    family = family_of(bundle.model)
     # Before the run folder: opt.yaml and hyp.yaml record the concrete optimizer and hyp, never "auto".
-    cfg = resolve_run_recipe(cfg, data, ctx, resumed=resume_ckpt is not None)
+    cfg = resolve_run_recipe(cfg, data, ctx, resume_ckpt is not None, family.recipe_files)
+    family.check_hyp(cfg.hyp, cfg.hyp_path)  # a hyp file without a key this family's loss reads
     run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resume_ckpt is not None, ctx, subdirs=("weights",))
     run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx), ctx, f"writing the run folder {run_dir}")
     # A bad annotations file fails now, not after training; the parsed file is not kept (it can be large).
     check_coco_target(data, "val", ctx, cfg.single_cls)
-    bundle = build_model_bundle(cfg, task, data, ctx, resume_ckpt)
     datasets = build_datasets(cfg, task, data, bundle, ctx)
     run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir)
     if resume_ckpt is None and not cfg.weights:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
-        family_of(bundle.model).prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx)
+        family.prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx)
     state = build_train_state(bundle, cfg, task, ctx, len(datasets.train_loader))
     verify_identical_weights(state.model, ctx)
     if resume_ckpt is not None:
@@ -392,6 +395,7 @@ def _run_epoch(run: TrainRun, state: TrainState, epoch: int, board: TensorBoardL
     def save_now(batches_done: int, mean_loss: np.ndarray) -> Path:
         return save_mid_epoch(run, state, epoch, batches_done, mean_loss)
 
+    state.loss_fn.start_epoch(epoch, cfg.epochs)  # e.g. an end-to-end model's branch weights (resume-safe)
     trained = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx, draw, save_now)
     LOGGER.info(f"train: {trained.describe(ctx.world_size)}")
     lrs = [group["lr"] for group in state.optimizer.param_groups]

@@ -211,6 +211,9 @@ class DetectionLoss:
         options = {"anchor_t": hyp.anchor_t, "fl_gamma": hyp.fl_gamma, "cls_pw": hyp.cls_pw, "obj_pw": hyp.obj_pw}
         return cls(model, gains, label_smoothing=hyp.label_smoothing, **options, **kwargs)
 
+    def start_epoch(self, epoch: int, epochs: int) -> None:
+        """Called by the engine before each epoch; YOLOv5's loss does not change over the run."""
+
     def __call__(
         self,
         preds: list[torch.Tensor],

@@ -24,8 +24,17 @@ class Recipe:
 # start-up line names is exactly what runs (hyp.yaml in the run folder equals it, --label-smoothing
 # aside), a user can pass either pair to get the same run on purpose, and YOLOv5's file stays YOLOv5's.
 # Both files share every augmentation and loss value; they differ in lr0, momentum, warmup and nbs.
+@dataclass(frozen=True)
+class RecipeFiles:
+    """A model family's two recipe files: the short-run (AdamW) and the long-run (SGD) one (utils/families.py)."""
+
+    short: Path
+    long: Path
+
+
 SHORT_RUN = Recipe("AdamW", QUICKSTART_HYP)  # lr0 0.001, nbs 16: one optimizer step per batch of 16
 LONG_RUN = Recipe("SGD", DEFAULT_HYP)  # YOLOv5's scratch-low: lr0 0.01, accumulating to nbs 64
+YOLOV5_RECIPES = RecipeFiles(SHORT_RUN.hyp_path, LONG_RUN.hyp_path)
 LONG_RUN_NBS = 64  # LONG_RUN's nbs, so the rule needs no file (tests/test_recipe.py checks they agree)
 
 # The fewest optimizer steps (at nbs 64) at which auto picks SGD, from benchmarks/recipes.py (README,
@@ -74,9 +83,10 @@ def optimizer_for_lr0(lr0: float) -> str:
     return LONG_RUN.optimizer if lr0 >= SGD_MIN_LR0 else SHORT_RUN.optimizer
 
 
-def hyp_file_for(optimizer: str) -> Path:
-    """The recipe file that goes with an explicit --optimizer: YOLOv5's scratch-low for SGD, ours for Adam/AdamW."""
-    return LONG_RUN.hyp_path if optimizer == LONG_RUN.optimizer else SHORT_RUN.hyp_path
+def hyp_file_for(optimizer: str, files: RecipeFiles = YOLOV5_RECIPES) -> Path:
+    """The recipe file that goes with an explicit --optimizer: the long-run one for SGD (YOLOv5's scratch-low for
+    YOLOv5 models), the short-run one for Adam/AdamW."""
+    return files.long if optimizer == LONG_RUN.optimizer else files.short
 
 
 def needs_image_count(cfg: TrainConfig) -> bool:
@@ -84,7 +94,9 @@ def needs_image_count(cfg: TrainConfig) -> bool:
     return cfg.optimizer == AUTO and cfg.hyp is None
 
 
-def resolve_recipe(cfg: TrainConfig, num_train_images: int | None = None) -> tuple[TrainConfig, str]:
+def resolve_recipe(
+    cfg: TrainConfig, num_train_images: int | None = None, files: RecipeFiles = YOLOV5_RECIPES
+) -> tuple[TrainConfig, str]:
     """Return `cfg` with a concrete optimizer and hyp, and the one start-up line that says why.
 
     - both given (or restored by --resume): unchanged;
@@ -93,6 +105,7 @@ def resolve_recipe(cfg: TrainConfig, num_train_images: int | None = None) -> tup
     - `--optimizer NAME` only: the recipe file for NAME (`hyp_file_for`);
     - neither: `auto_recipe` on `num_train_images` (the images listed in the train split), the global
       batch and the epochs. Raises ValueError when that count is needed and not given.
+    `files` are the model family's recipe files (the rule is the same for every family).
     --label-smoothing applies to whichever file is loaded here.
     """
     if cfg.optimizer != AUTO and cfg.hyp is not None:
@@ -104,17 +117,18 @@ def resolve_recipe(cfg: TrainConfig, num_train_images: int | None = None) -> tup
         chosen = _describe(optimizer, cfg.hyp, cfg.hyp_path)
         return dataclasses.replace(cfg, optimizer=optimizer), f"optimizer auto -> {chosen}: {reason}"
     if cfg.optimizer != AUTO:
-        path = hyp_file_for(cfg.optimizer)
+        path = hyp_file_for(cfg.optimizer, files)
         hyp = load_hyp(path, hyp_overrides(cfg.label_smoothing))
         line = f"hyp auto -> {_describe(cfg.optimizer, hyp, path)}: the recipe file for --optimizer {cfg.optimizer}"
         return dataclasses.replace(cfg, hyp=hyp, hyp_path=path), line
     if num_train_images is None:
         raise ValueError("resolve_recipe: --optimizer auto and --hyp auto need the number of train images")
     recipe, long_steps = auto_recipe(num_train_images, cfg.batch_size, cfg.epochs)
+    recipe = Recipe(recipe.optimizer, files.long if recipe == LONG_RUN else files.short)
     hyp = load_hyp(recipe.hyp_path, hyp_overrides(cfg.label_smoothing))
     resolved = dataclasses.replace(cfg, optimizer=recipe.optimizer, hyp=hyp, hyp_path=recipe.hyp_path)
     sizes = f"{num_train_images:,} images / batch {cfg.batch_size} x {cfg.epochs} epochs"
-    if recipe == LONG_RUN:
+    if recipe.optimizer == LONG_RUN.optimizer:
         why = f"{long_steps:,} optimizer steps at nominal batch {LONG_RUN_NBS} ({sizes}) >= {AUTO_SGD_MIN_STEPS:,}"
     else:
         own = optimizer_steps(num_train_images, cfg.batch_size, hyp.nbs, cfg.epochs)

@@ -22,12 +22,12 @@ from utils.data.labels import list_image_files
 from utils.data.loader import build_train_loader, build_val_loader
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch, run_on_main
 from utils.errors import ConfigError
-from utils.families import family_of, spec_from_checkpoint
+from utils.families import spec_from_checkpoint
 from utils.hyp import Hyp
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
 from utils.train.faults import find_restarted_run
-from utils.train.recipe import needs_image_count, resolve_recipe, restored_recipe_line
+from utils.train.recipe import YOLOV5_RECIPES, RecipeFiles, needs_image_count, resolve_recipe, restored_recipe_line
 
 LOGGER = logging.getLogger(__name__)
 
@@ -205,13 +205,16 @@ def _check_resumed_batch(resumed: TrainConfig, stored: TrainConfig, ctx: DistCon
         ) from None
 
 
-def resolve_run_recipe(cfg: TrainConfig, data: DataConfig, ctx: DistContext, resumed: bool) -> TrainConfig:
+def resolve_run_recipe(
+    cfg: TrainConfig, data: DataConfig, ctx: DistContext, resumed: bool, files: RecipeFiles = YOLOV5_RECIPES
+) -> TrainConfig:
     """Return `cfg` with `--optimizer auto` / `--hyp auto` resolved, and log the choice in one line on rank 0.
 
     Every rank must call it. The rule (utils/train/recipe.py) needs the train set's size only when
     both are auto: rank 0 counts the images the train split lists and broadcasts the count, so every
     rank resolves the same recipe. A resumed run keeps the optimizer and hyp of its checkpoint, even
     when --epochs or --batch-size change its number of steps: its optimizer state belongs to them.
+    `files` are the model family's recipe files (YOLOv5's by default).
     """
     if resumed and cfg.optimizer != AUTO and cfg.hyp is not None:
         LOGGER.info(restored_recipe_line(cfg))
@@ -220,7 +223,7 @@ def resolve_run_recipe(cfg: TrainConfig, data: DataConfig, ctx: DistContext, res
     if needs_image_count(cfg):
         listed = run_on_main(lambda: len(list_image_files(data.split("train"))), ctx, "counting the train images")
         count = broadcast_object(listed, ctx)
-    resolved, line = resolve_recipe(cfg, count)
+    resolved, line = resolve_recipe(cfg, count, files)
     LOGGER.info(line)
     return resolved
 
@@ -239,7 +242,7 @@ def build_model_bundle(
     """Build the model (from scratch, from --weights, or from the resume checkpoint) on ctx.device.
 
     Initial weights come from the shared seed, so they are identical on every rank before DDP
-    even broadcasts them. A hyp that lacks a key the model family's loss reads is a one-line error.
+    even broadcasts them.
     """
     names = ("item",) if cfg.single_cls else data.names
     with torch.random.fork_rng(devices=[]):
@@ -258,7 +261,6 @@ def build_model_bundle(
         else:
             spec = task.spec_from_cfg(cfg.model, len(names))
             model = task.build_model(spec)
-    family_of(spec).check_hyp(cfg.hyp, cfg.hyp_path)
     freeze_layers(model, cfg.freeze)
     return ModelBundle(model.to(ctx.device, memory_format=memory_format(cfg.channels_last)), spec, tuple(names))
 

@@ -1,0 +1,238 @@
+"""Anchor-free loss: task-aligned assignment, BCE on aligned scores, CIoU + DFL (or L1) boxes, one-to-one branch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.dense_head import DenseRaw, anchor_points, distribution_to_distances
+from utils.boxes import bbox_iou, xywh_to_xyxy
+from utils.train.assign import AlignOptions, Assignment, assign
+
+if TYPE_CHECKING:
+    from utils.hyp import Hyp
+
+# One-to-one branch (YOLOv10 / YOLO26): its labels take 7 candidates and keep the single best, the
+# one-to-many branch 10 (TOOD). The one-to-many weight falls from 0.8 to 0.1 over the run and the
+# one-to-one weight rises to match, so early training shapes the features and late training the
+# NMS-free outputs.
+ONE_TO_ONE = AlignOptions(topk=7, topk2=1)
+ONE_TO_MANY_WEIGHT = (0.8, 0.1)
+
+
+@dataclass(frozen=True)
+class DenseGains:
+    """Weights of the box (CIoU), class (BCE) and distribution (DFL, or L1 with reg_max 1) terms."""
+
+    box: float
+    cls: float
+    dfl: float
+
+
+@dataclass(frozen=True)
+class PaddedLabels:
+    """A batch's labels padded per image: classes (B, M) long, boxes (B, M, 4) xyxy input pixels, valid (B, M)
+    bool, and `rows` (B, M) long, each label's row in the batch's `targets` (-1 on padding)."""
+
+    classes: torch.Tensor
+    boxes: torch.Tensor
+    valid: torch.Tensor
+    rows: torch.Tensor
+
+
+def pad_labels(targets: torch.Tensor, batch_size: int, input_hw: tuple[int, int]) -> PaddedLabels:
+    """targets (N, 6) [image, cls, cx, cy, w, h] normalised -> PaddedLabels, M = the most labels of one image.
+
+    Vectorised: each row's slot is its rank among its image's rows (rows of an image need not be contiguous).
+    """
+    device = targets.device
+    image = targets[:, 0].long()
+    counts = torch.bincount(image, minlength=batch_size)
+    width = int(counts.max()) if len(targets) else 0
+    order = torch.sort(image, stable=True).indices
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(image)
+    slot[order] = torch.arange(len(image), device=device) - starts[image[order]]
+    height, width_px = input_hw
+    scale = targets.new_tensor([width_px, height, width_px, height])
+    classes = torch.zeros(batch_size, width, dtype=torch.long, device=device)
+    boxes = torch.zeros(batch_size, width, 4, dtype=targets.dtype, device=device)
+    valid = torch.zeros(batch_size, width, dtype=torch.bool, device=device)
+    rows = torch.full((batch_size, width), -1, dtype=torch.long, device=device)
+    classes[image, slot] = targets[:, 1].long()
+    boxes[image, slot] = xywh_to_xyxy(targets[:, 2:6] * scale)
+    valid[image, slot] = True
+    rows[image, slot] = torch.arange(len(targets), device=device)
+    return PaddedLabels(classes, boxes, valid, rows)
+
+
+@dataclass
+class BranchTerms:
+    """One branch's loss sums before normalisation, and what a mask term needs of its assignment."""
+
+    box_sum: torch.Tensor
+    cls_sum: torch.Tensor
+    dist_sum: torch.Tensor
+    score_sum: torch.Tensor  # the normaliser: sum of the soft class targets (this rank)
+    assignment: Assignment
+    flat: torch.Tensor  # (B, N, no) float32 raw outputs
+    point_boxes: torch.Tensor  # (B, N, 4) xyxy input pixels, predicted
+
+
+def distribution_loss(logits: torch.Tensor, target: torch.Tensor, reg_max: int) -> torch.Tensor:
+    """DFL (GFL, Li et al. 2020): cross-entropy pulling the two bins around each target distance, per point.
+
+    logits: (n, 4 * reg_max); target: (n, 4) distances in grid units. The target is clamped just below
+    the last bin; its neighbours floor(t) and floor(t) + 1 are weighted by closeness. Returns (n,) the
+    mean over the 4 sides.
+    """
+    target = target.clamp(0, reg_max - 1 - 0.01)
+    left = target.long()
+    right_weight = target - left
+    logits = logits.view(-1, reg_max)
+    left_loss = F.cross_entropy(logits, left.view(-1), reduction="none").view(left.shape)
+    right_loss = F.cross_entropy(logits, (left + 1).view(-1), reduction="none").view(left.shape)
+    return (left_loss * (1 - right_weight) + right_loss * right_weight).mean(-1)
+
+
+LossT = TypeVar("LossT", bound="DenseLoss")
+
+
+class DenseLoss:
+    """Anchor-free detection loss over DenseHead outputs; items [box, cls, dfl] ([box, cls, l1] at reg_max 1).
+
+    Per branch: labels are assigned to points by task alignment (utils/train/assign.py); the class
+    term is BCE of every point's logits against the soft targets; the box term is (1 - CIoU) and the
+    distribution term DFL (reg_max > 1) or L1 on the side distances over the image size (reg_max 1),
+    both over foreground points weighted by their target score. All three are divided by the sum of
+    target scores: under DDP pass `reduce_counts`, which turns each rank's sum into the mean over
+    ranks, so N ranks give one process's gradients on the global batch. An end-to-end model adds its
+    one-to-one branch with the epoch's weight (`start_epoch`). Returns (loss (1,) x batch size, items
+    (3,) detached), as DetectionLoss does.
+    """
+
+    def __init__(
+        self, model: nn.Module, gains: DenseGains, *, label_smoothing: float = 0.0, align: AlignOptions | None = None
+    ) -> None:
+        self.head = getattr(model, "module", model).head
+        self.gains = gains
+        self.label_smoothing = label_smoothing
+        self.align = align or AlignOptions()
+        self.one_to_one_weight = 1 - ONE_TO_MANY_WEIGHT[0] if self.head.end_to_end else 0.0
+        self.item_names = ("box", "cls", "dfl" if self.head.reg_max > 1 else "l1")
+
+    @classmethod
+    def from_hyp(cls: type[LossT], model: nn.Module, hyp: Hyp, imgsz: int, **kwargs: Any) -> LossT:
+        """Build the loss with the hyp file's box, cls and dfl gains (no scaling by image size or classes)."""
+        gains = DenseGains(hyp.box, hyp.cls, float(hyp.dfl))
+        return cls(model, gains, label_smoothing=hyp.label_smoothing, **kwargs)
+
+    def start_epoch(self, epoch: int, epochs: int) -> None:
+        """Set the branch weights for `epoch` (0-based) of `epochs`: one-to-many 0.8 -> 0.1, one-to-one the rest."""
+        if not self.head.end_to_end:
+            return
+        start, end = ONE_TO_MANY_WEIGHT
+        progress = min(epoch / max(epochs - 1, 1), 1.0)
+        self.one_to_one_weight = 1 - (start + (end - start) * progress)
+
+    def __call__(
+        self,
+        preds: DenseRaw,
+        targets: torch.Tensor,
+        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute the loss for one batch; see the class docstring."""
+        branches, denominators = self._branches(preds, targets, reduce_counts)
+        items = self._weighted_items(branches, denominators)
+        return items.sum().view(1) * preds.levels[0].shape[0], items.detach()
+
+    def _branches(
+        self,
+        preds: DenseRaw,
+        targets: torch.Tensor,
+        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> tuple[list[tuple[float, BranchTerms]], torch.Tensor]:
+        """Every trained branch as (weight, terms), and their normalisers (reduced over ranks when asked)."""
+        levels = preds.levels
+        batch = levels[0].shape[0]
+        finest = int(self.head.level_strides[0])
+        input_hw = (levels[0].shape[2] * finest, levels[0].shape[3] * finest)
+        labels = pad_labels(targets.to(device=levels[0].device, dtype=torch.float32), batch, input_hw)
+        weighted = []
+        if preds.one_to_one is not None:
+            weighted.append((1 - self.one_to_one_weight, self._branch(levels, labels, input_hw, self.align)))
+            one_to_one = replace(ONE_TO_ONE, max_elements=self.align.max_elements)
+            weighted.append((self.one_to_one_weight, self._branch(preds.one_to_one, labels, input_hw, one_to_one)))
+        else:
+            weighted.append((1.0, self._branch(levels, labels, input_hw, self.align)))
+        sums = torch.stack([terms.score_sum for _, terms in weighted])
+        if reduce_counts is not None:
+            sums = reduce_counts(sums)
+        # A floor of 1 on the global sum (few, poorly predicted labels early on), the same on any world size.
+        return weighted, sums.clamp(min=1.0 / getattr(reduce_counts, "world_size", 1))
+
+    def _weighted_items(self, branches: list[tuple[float, BranchTerms]], denominators: torch.Tensor) -> torch.Tensor:
+        """(3,) [box, cls, dist] gained, normalised and summed over branches by weight."""
+        items = []
+        for (weight, terms), denominator in zip(branches, denominators, strict=True):
+            sums = torch.stack((terms.box_sum, terms.cls_sum, terms.dist_sum)) / denominator
+            items.append(weight * sums)
+        gains = denominators.new_tensor([self.gains.box, self.gains.cls, self.gains.dfl])
+        return torch.stack(items).sum(0) * gains
+
+    def _branch(
+        self, levels: list[torch.Tensor], labels: PaddedLabels, input_hw: tuple[int, int], options: AlignOptions
+    ) -> BranchTerms:
+        """Assign and compute one branch's sums; math in fp32 even under AMP."""
+        head, reg_max = self.head, self.head.reg_max
+        flat = head.flatten([level.float() for level in levels])  # (B, N, no)
+        sizes = [tuple(level.shape[2:]) for level in levels]
+        points, strides = anchor_points(sizes, head.level_strides, flat.device, flat.dtype)  # grid units
+        box_end = 4 * reg_max
+        bins = head.bins.weight if head.bins is not None else None
+        distances = distribution_to_distances(flat[..., :box_end], reg_max, bins)  # (B, N, 4) grid units
+        pixel_points = points * strides
+        boxes = torch.cat(
+            (pixel_points - distances[..., :2] * strides, pixel_points + distances[..., 2:] * strides), -1
+        )
+        logits = flat[..., box_end : box_end + head.num_classes]
+        assignment = assign(
+            logits.detach().sigmoid(),
+            boxes.detach(),
+            pixel_points,
+            labels.classes,
+            labels.boxes,
+            labels.valid,
+            options,
+        )
+        target_scores = assignment.target_scores
+        if self.label_smoothing:  # as YOLOv5's smoothing: positives towards 1 - eps/2, negatives eps/2
+            target_scores = target_scores * (1 - self.label_smoothing) + 0.5 * self.label_smoothing
+        cls_sum = F.binary_cross_entropy_with_logits(logits, target_scores, reduction="sum")
+        foreground = assignment.foreground
+        score_sum = assignment.target_scores.sum()
+        box_sum = dist_sum = flat.new_zeros(())
+        if bool(foreground.any()):
+            image, point = foreground.nonzero(as_tuple=True)
+            weight = assignment.target_scores[image, point].sum(-1)
+            target_boxes = labels.boxes[image, assignment.label_index[image, point]]
+            iou = bbox_iou(boxes[image, point], target_boxes, xywh=False, kind="ciou")
+            box_sum = ((1.0 - iou) * weight).sum()
+            stride = strides[point]
+            target_ltrb = torch.cat(
+                (pixel_points[point] - target_boxes[:, :2], target_boxes[:, 2:] - pixel_points[point]), -1
+            )
+            if reg_max > 1:
+                dist = distribution_loss(flat[image, point, :box_end], target_ltrb / stride, reg_max)
+            else:  # YOLO26: the distances themselves, in pixels over the image size
+                scale = target_ltrb.new_tensor([input_hw[1], input_hw[0], input_hw[1], input_hw[0]])
+                dist = ((distances[image, point] * stride - target_ltrb).abs() / scale).mean(-1)
+            dist_sum = (dist * weight).sum()
+        else:  # keep every output in the graph: DDP expects gradients for all parameters
+            box_sum = dist_sum = flat[..., :box_end].sum() * 0.0
+        return BranchTerms(box_sum, cls_sum, dist_sum, score_sum, assignment, flat, boxes)
