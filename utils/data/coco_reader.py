@@ -62,9 +62,6 @@ class CocoParse:
     problems: dict[str, int]
 
 
-NUMBER_TYPES = (int, float)
-
-
 def _is_int(value: Any) -> bool:
     return type(value) is int
 
@@ -120,30 +117,35 @@ class _Entries:
             self.problems[CROWD] = self.problems.get(CROWD, 0) + 1  # not a bad entry: counted, not warned
             return
         ann_id, image_id, category_id = ann.get("id"), ann.get("image_id"), ann.get("category_id")
-        bbox = ann.get("bbox")
         if not (type(ann_id) is int and type(image_id) is int and type(category_id) is int):
             name = f"annotation {ann_id}" if type(ann_id) is int else f"annotations[{position}]"
             self.note(BAD_ANNOTATION, f"{name} lacks an integer 'id', 'image_id' or 'category_id'; left out")
             return
-        if not (type(bbox) is list and len(bbox) == 4 and all(type(v) in NUMBER_TYPES for v in bbox)):
+        bbox, boxes = ann.get("bbox"), self.boxes
+        try:  # the array's conversion checks the values are numbers
+            if type(bbox) is not list or len(bbox) != 4:
+                raise TypeError
+            boxes.extend(bbox)
+        except TypeError:
+            del boxes[4 * len(self.ann_ids) :]
             self.note(BAD_ANNOTATION, f"annotation {ann_id}: 'bbox' is not [x, y, width, height]; left out")
             return
-        num_values = len(self.points)
+        points = self.points
+        num_values = len(points)
         segmentation = ann.get("segmentation")
-        if type(segmentation) is list and len(segmentation) == 1 and type(segmentation[0]) is list:
-            try:  # the common case, kept fast: one polygon, its values checked by the array's conversion
-                self.points.extend(segmentation[0])
+        if segmentation:
+            part = segmentation[0] if type(segmentation) is list and len(segmentation) == 1 else None
+            try:  # the common case, kept fast: one polygon of 3+ points
+                if type(part) is not list or len(part) < 6 or len(part) % 2:
+                    raise TypeError
+                points.extend(part)
             except TypeError:
-                del self.points[num_values:]
-        if len(self.points) == num_values or (len(self.points) - num_values) % 2 or len(self.points) - num_values < 6:
-            del self.points[num_values:]
-            if segmentation:
-                self.points.frombytes(self._outline(ann_id, segmentation).tobytes())
+                del points[num_values:]
+                points.frombytes(self._outline(ann_id, segmentation).tobytes())
         self.ann_ids.append(ann_id)
         self.ann_images.append(image_id)
         self.ann_categories.append(category_id)
-        self.boxes.extend(bbox)
-        self.point_counts.append((len(self.points) - num_values) // 2)
+        self.point_counts.append((len(points) - num_values) >> 1)
 
     def _outline(self, ann_id: int, segmentation: Any) -> np.ndarray:
         """A segmentation other than one plain polygon as flat float32 pixel x, y values; empty when unusable."""

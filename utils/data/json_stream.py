@@ -105,15 +105,36 @@ class JsonStream:
             return
 
     def elements(self) -> Iterator[Any]:
-        """Walk an array, yielding each element decoded."""
+        """Walk an array, yielding each element decoded.
+
+        Called per annotation of a COCO file (860k), so an object or array element followed by a
+        comma inside the chunk is decoded by the C scanner directly; anything else (whitespace, a
+        chunk boundary, the end) takes the general path through value() and peek().
+        """
         self.expect("[")
         if self.peek() == "]":
             self.pos += 1
             return
+        scan = self.decoder.scan_once
         while True:
+            buffer, pos = self.buffer, self.pos
+            if pos < len(buffer) and buffer[pos] in "{[":
+                try:
+                    value, end = scan(buffer, pos)
+                except (StopIteration, json.JSONDecodeError):
+                    value = end = None  # cut by the chunk's end, or malformed: the general path decides
+                if end is not None and end + 1 < len(buffer) and buffer[end] == ",":
+                    self.pos = end + 1
+                    if buffer[end + 1] not in " \t\n\r":
+                        yield value
+                        continue
+                    yield value
+                    self.peek()
+                    continue
             yield self.value()
             if self.peek() == ",":
                 self.pos += 1
+                self.peek()
                 continue
             self.expect("]")
             return
