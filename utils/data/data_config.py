@@ -6,6 +6,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from utils.data.coco_labels import CocoSource
+from utils.data.coco_node import load_coco_parse
 from utils.distributed import DistContext, main_first
 from utils.errors import ConfigError, read_yaml_mapping
 
@@ -16,6 +18,7 @@ KNOWN_KEYS = {
     "test",
     "names",
     "nc",
+    "train_annotations",
     "val_annotations",
     "test_annotations",
     "category_ids",
@@ -31,9 +34,11 @@ class DataConfig:
     """A dataset description: where each split's images are, the class names, optional COCO annotations.
 
     Split entries are folders or `.txt` image lists (absolute paths); `annotations` maps a split
-    name to its COCO-format instances JSON when the YAML names one. `category_ids` (YAML key
-    `category_ids:`, one int per class) is the explicit class index -> COCO category id mapping,
-    e.g. COCO's 80 classes -> ids 1..90; None lets utils/eval/coco.py derive it from the annotations.
+    name to its COCO-format instances JSON when the YAML names one (`<split>_annotations:`); such a
+    split takes its labels from the JSON (`coco_source`) and is scored against it by pycocotools.
+    `category_ids` (YAML key `category_ids:`, one int per class) is the explicit class index -> COCO
+    category id mapping, e.g. COCO's 80 classes -> ids 1..90; None derives it from the annotations
+    (utils/data/coco_labels.py: category_mapping).
     """
 
     yaml_file: Path
@@ -53,6 +58,12 @@ class DataConfig:
         if name not in self.splits:
             raise ConfigError(f"{self.yaml_file}: no '{name}' split defined")
         return self.splits[name]
+
+    def coco_source(self, name: str) -> CocoSource | None:
+        """How split `name` reads its labels from a COCO JSON (file, folder, classes); None: from YOLO txt files."""
+        if name not in self.annotations:
+            return None
+        return CocoSource(self.annotations[name], self.split(name)[0], self.names, self.category_ids)
 
 
 def parse_names(raw: dict, yaml_file: Path) -> tuple[str, ...]:
@@ -146,9 +157,34 @@ def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
             if not source.exists():
                 raise ConfigError(f"{yaml_file}: '{key}' path {source} does not exist{hint}")
     annotations = {}
-    for key in ("val", "test"):
+    for key in ("train", "val", "test"):
         ann = raw.get(f"{key}_annotations")
         if ann:
             annotations[key] = _resolve(ann, root, yaml_file, f"{key}_annotations")[0]
-    names = parse_names(raw, yaml_file)
+            sources = splits.get(key, ())
+            if len(sources) != 1 or not sources[0].is_dir():
+                raise ConfigError(
+                    f"{yaml_file}: '{key}_annotations' needs '{key}' to be one image folder (the JSON's file_names "
+                    "are looked up under it)"
+                )
+    if raw.get("names") is None and annotations:
+        names = names_from_categories(raw, annotations, yaml_file, ctx)
+    else:
+        names = parse_names(raw, yaml_file)
     return DataConfig(yaml_file, root, splits, names, annotations, parse_category_ids(raw, yaml_file, len(names)))
+
+
+def names_from_categories(
+    raw: dict, annotations: dict[str, Path], yaml_file: Path, ctx: DistContext
+) -> tuple[str, ...]:
+    """Class names of a YAML without `names`: the categories of its (train, else val, else test) COCO JSON, by id.
+
+    Every rank must call it; the JSON is read once per node (and kept parsed beside it for the
+    label scan that follows). An `nc` that differs from the number of categories is a ConfigError.
+    """
+    split = next(key for key in ("train", "val", "test") if key in annotations)
+    names = tuple(load_coco_parse(annotations[split], ctx).category_names)
+    num_classes = raw.get("nc")
+    if num_classes is not None and num_classes != len(names):
+        raise ConfigError(f"{yaml_file}: nc={num_classes} but {annotations[split]} has {len(names)} categories")
+    return names

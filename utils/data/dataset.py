@@ -24,6 +24,7 @@ from utils.data.augment import (
     transform_instances,
 )
 from utils.data.cache import CACHE_MODES, ImageCache, rank_shard, read_image, resize_long_side
+from utils.data.coco_labels import CocoSource, scan_coco_labels
 from utils.data.colour import IDENTITY_GAINS, apply_hsv, draw_hsv_gains
 from utils.data.copy_paste import copy_paste, is_box_outline
 from utils.data.labels import LabelIndex, list_image_files
@@ -129,7 +130,10 @@ def _warn_if_copy_paste_idle(aug: AugmentParams, use_mosaic: bool, index: LabelI
 class LoadImagesAndLabels(Dataset):
     """The training/validation dataset: images and YOLO labels from `sources` as item dicts (docs/CONTRACTS.md).
 
-    `sources` are folders, .txt image lists or image files (`list_image_files`).
+    `sources` are folders, .txt image lists or image files (`list_image_files`). With `coco` the
+    images and labels are instead those of a COCO instances JSON (utils/data/coco_labels.py: the
+    JSON's images under its folder, bbox rows for detection, polygons with `with_masks`); the
+    items are the same as from the same labels written as YOLO txt.
 
     Every rank must construct it (the label scan waits for the local main rank). Training
     (`augment`) uses `self.shard = rank_shard(...)`: the image cache holds only these items and
@@ -146,14 +150,23 @@ class LoadImagesAndLabels(Dataset):
     item's `unreadable` key lists the paths, which the loaders warn about and count.
     """
 
-    def __init__(self, sources: str | Path | Sequence[str | Path], options: DatasetOptions, ctx: DistContext) -> None:
+    def __init__(
+        self,
+        sources: str | Path | Sequence[str | Path],
+        options: DatasetOptions,
+        ctx: DistContext,
+        coco: CocoSource | None = None,
+    ) -> None:
         if options.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache mode '{options.cache_mode}' is not one of {', '.join(CACHE_MODES)}")
         if options.mask_ratio < 1:
             raise ValueError(f"mask ratio {options.mask_ratio} must be a positive integer")
         self.options = options
         self.ctx = ctx
-        index = scan_labels(list_image_files(sources), options.num_classes, ctx)
+        if coco is not None:
+            index = scan_coco_labels(coco, options.with_masks, ctx)
+        else:
+            index = scan_labels(list_image_files(sources), options.num_classes, ctx)
         self.batch_shapes: np.ndarray | None = None  # (num_batches, 2) (h, w) in rect mode
         if options.rect:
             order, batch_shapes = rect_batch_shapes(

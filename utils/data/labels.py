@@ -9,7 +9,6 @@ import os
 import pickle
 import signal
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from utils.data.mapped_npz import load_npz_mapped, save_npz_atomic
 from utils.data.masks import polygon_areas
 
 LOGGER = logging.getLogger(__name__)
@@ -240,20 +240,21 @@ def _drop_degenerate(labels: np.ndarray, segments: list[np.ndarray]) -> tuple[np
     return labels[keep], [segments[i] for i in keep], len(segments) - len(keep)
 
 
-def verify_image_label(image_path: str, label_path: str, num_classes: int) -> LabelRecord:
+def verify_image_label(image_path: str, label_path: str | None, num_classes: int) -> LabelRecord:
     """Check one image and its label file and return what the dataset should use.
 
     Never raises for bad data: an unusable image or label gives status "corrupt" with a
     one-line reason naming the file; fixable labels are repaired and the repair described.
     Degenerate (zero-area) instances are dropped, counted and named in that line; a file left
-    with no instance is "empty" (background).
+    with no instance is "empty" (background). `label_path` None checks the image alone (its
+    labels come from a COCO JSON): a usable image is then "missing" (no label file read).
     """
     try:
         shape_wh, image_note = _check_image(image_path)
     except BadInputError as error:
         return LabelRecord(image_path, "corrupt", message=f"corrupt image {image_path}: {error}; skipped")
     image_message = f"image {image_path}: {image_note}" if image_note else ""
-    if not os.path.lexists(label_path):
+    if label_path is None or not os.path.lexists(label_path):
         return LabelRecord(image_path, "missing", shape_wh, message=image_message)
     try:
         rows, fixes = _check_rows(_read_label_rows(label_path), num_classes)
@@ -268,14 +269,20 @@ def verify_image_label(image_path: str, label_path: str, num_classes: int) -> La
     return LabelRecord(image_path, status, shape_wh, labels, segments, message, num_degenerate)
 
 
-def verify_files(image_files: Sequence[str], num_classes: int) -> LabelIndex:
+def verify_files(image_files: Sequence[str], num_classes: int | None) -> LabelIndex:
     """Verify a run of images with their label files and pack the records: one job of a label scan.
 
     Returns build_index of the verify_image_label records in file order, so indices of
     consecutive runs concatenate (utils/data/scan.py: concatenate_indices) to the index of the
     whole list. Packed, a job's answer is a few arrays, not one Python object per polygon.
+    `num_classes` None verifies the images only (labels from a COCO JSON; no label file is read).
     """
-    return build_index([verify_image_label(path, image_to_label_path(path), num_classes) for path in image_files])
+    return build_index(
+        [
+            verify_image_label(path, None if num_classes is None else image_to_label_path(path), num_classes or 0)
+            for path in image_files
+        ]
+    )
 
 
 def serve_verification() -> None:
@@ -312,7 +319,9 @@ class LabelIndex:
     [cls, cx, cy, w, h] normalised; image i owns rows label_offsets[i]:label_offsets[i+1].
     `seg_points`: (P, 2) float32 normalised; instance j owns rows seg_offsets[j]:seg_offsets[j+1].
     `counts` maps found/missing/empty/corrupt to numbers of images; `messages` holds one line per
-    bad or repaired file; `num_degenerate` is how many zero-area instances were left out in all.
+    bad or repaired file (or COCO JSON entry); `num_degenerate` is how many zero-area instances were
+    left out in all; `problems` counts a COCO JSON's entries repaired or left out, by reason (empty
+    for YOLO txt labels). Arrays read from a label cache are read-only memory maps of the file.
     """
 
     im_files: list[str]
@@ -324,6 +333,7 @@ class LabelIndex:
     counts: dict[str, int]
     messages: list[str]
     num_degenerate: int = 0
+    problems: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.im_files)
@@ -349,7 +359,9 @@ class LabelIndex:
         records = [(self.labels_of(i), self.segments_of(i)) for i in order]
         packed = _pack([r[0] for r in records], [r[1] for r in records])
         files = [self.im_files[i] for i in order]
-        return LabelIndex(files, self.shapes[order], *packed, self.counts, self.messages, self.num_degenerate)
+        return LabelIndex(
+            files, self.shapes[order], *packed, self.counts, self.messages, self.num_degenerate, self.problems
+        )
 
 
 def _pack(
@@ -396,53 +408,54 @@ def files_hash(image_files: Sequence[str], label_files: Sequence[str], num_class
 
 def save_label_cache(path: Path, index: LabelIndex, digest: str) -> bool:
     """Write `index` to `path` as a pickle-free .npz, atomically; warn and return False if it cannot be written."""
-    tmp: Path | None = None
     try:
-        # mkstemp names are unique even when the local main ranks of several nodes share the folder.
-        handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        tmp = Path(tmp_name)
-        with os.fdopen(handle, "wb") as file:
-            np.savez(
-                file,
-                version=np.array(CACHE_VERSION),
-                digest=np.array(digest),
-                im_files=np.array(index.im_files, dtype=str),
-                shapes=index.shapes,
-                labels=index.labels,
-                label_offsets=index.label_offsets,
-                seg_points=index.seg_points,
-                seg_offsets=index.seg_offsets,
-                counts=np.array([index.counts[s] for s in STATUSES], dtype=np.int64),
-                messages=np.array(index.messages, dtype=str),
-                num_degenerate=np.array(index.num_degenerate, dtype=np.int64),
-            )
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the other ranks' users must read it
-        os.replace(tmp, path)
+        save_npz_atomic(
+            path,
+            {
+                "version": np.array(CACHE_VERSION),
+                "digest": np.array(digest),
+                "im_files": np.array(index.im_files, dtype=str),
+                "shapes": index.shapes,
+                "labels": index.labels,
+                "label_offsets": index.label_offsets,
+                "seg_points": index.seg_points,
+                "seg_offsets": index.seg_offsets,
+                "counts": np.array([index.counts[s] for s in STATUSES], dtype=np.int64),
+                "messages": np.array(index.messages, dtype=str),
+                "num_degenerate": np.array(index.num_degenerate, dtype=np.int64),
+                "problem_reasons": np.array(list(index.problems), dtype=str),
+                "problem_counts": np.array(list(index.problems.values()), dtype=np.int64),
+            },
+        )
         return True
     except OSError as error:
         LOGGER.warning(f"label cache {path} is not writable ({error.strerror or error}); continuing without it")
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
         return False
 
 
 def load_label_cache(path: Path, digest: str) -> LabelIndex | None:
-    """Return the index stored at `path` if its version and digest match, else None (rebuild)."""
+    """Return the index stored at `path` if its version and digest match, else None (rebuild).
+
+    The arrays are memory maps of the file (load_npz_mapped): every rank of a node that reads
+    the same cache shares its pages instead of holding a copy each.
+    """
     try:
-        with np.load(path, allow_pickle=False) as data:
-            if int(data["version"]) != CACHE_VERSION or str(data["digest"]) != digest:
-                return None
-            counts = dict(zip(STATUSES, data["counts"].tolist(), strict=True))
-            return LabelIndex(
-                data["im_files"].tolist(),
-                data["shapes"],
-                data["labels"],
-                data["label_offsets"],
-                data["seg_points"],
-                data["seg_offsets"],
-                counts,
-                data["messages"].tolist(),
-                int(data["num_degenerate"]),
-            )
+        data = load_npz_mapped(path)
+        if int(data["version"]) != CACHE_VERSION or str(data["digest"]) != digest:
+            return None
+        reasons = data["problem_reasons"].tolist() if "problem_reasons" in data else []
+        problems = dict(zip(reasons, data["problem_counts"].tolist() if reasons else [], strict=True))
+        return LabelIndex(
+            data["im_files"].tolist(),
+            data["shapes"],
+            data["labels"],
+            data["label_offsets"],
+            data["seg_points"],
+            data["seg_offsets"],
+            dict(zip(STATUSES, data["counts"].tolist(), strict=True)),
+            data["messages"].tolist(),
+            int(data["num_degenerate"]),
+            problems,
+        )
     except Exception:  # missing, truncated or foreign file: treat as no cache and rebuild
         return None

@@ -119,7 +119,7 @@ class VerifierPool:
         """Worker processes in use; 0 when files are verified in this process."""
         return len(self.workers)
 
-    def verify(self, image_files: Sequence[str], num_classes: int) -> LabelIndex:
+    def verify(self, image_files: Sequence[str], num_classes: int | None) -> LabelIndex:
         """Return exactly verify_files(image_files, num_classes), computed in jobs of CHUNK_FILES files."""
         if self.threads is None:
             return verify_files(image_files, num_classes)
@@ -127,7 +127,7 @@ class VerifierPool:
         job = functools.partial(self._verify_chunk, num_classes=num_classes)
         return concatenate_indices(list(self.threads.map(job, chunks)))
 
-    def _verify_chunk(self, image_files: Sequence[str], num_classes: int) -> LabelIndex:
+    def _verify_chunk(self, image_files: Sequence[str], num_classes: int | None) -> LabelIndex:
         """Send one job to an idle worker and return its answer; a worker that stopped is a RuntimeError."""
         worker = self.idle.get()  # as many threads as workers: one is idle whenever a thread gets here
         assert worker.stdin is not None and worker.stdout is not None  # both are pipes
@@ -173,7 +173,9 @@ def _start_pool(num_workers: int, ctx: DistContext) -> VerifierPool:
         return VerifierPool(0)
 
 
-def _scan_in_rounds(image_files: Sequence[str], num_classes: int, ctx: DistContext, num_workers: int) -> LabelIndex:
+def _scan_in_rounds(
+    image_files: Sequence[str], num_classes: int | None, ctx: DistContext, num_workers: int
+) -> LabelIndex:
     """Verify every image/label pair, split across ranks in rounds, and return the same index on every rank.
 
     Every rank must call it with the same `image_files`. Each round covers the next world_size x
@@ -216,6 +218,20 @@ def _scan_in_rounds(image_files: Sequence[str], num_classes: int, ctx: DistConte
     return concatenate_indices(parts)
 
 
+def scan_in_rounds(
+    image_files: Sequence[str], num_classes: int | None, ctx: DistContext, num_gathered: int, num_workers: int | None
+) -> LabelIndex:
+    """Verify every image (and, unless `num_classes` is None, its YOLO label file) split across ranks in rounds.
+
+    Every rank must call it with the same list and the number of entries its last all-gather
+    returned (`num_gathered`): a hand-built context (tests) without a process group gathers from
+    this rank alone, which then scans everything. Returns the same index on every rank.
+    """
+    scan_ctx = ctx if num_gathered == ctx.world_size else dataclasses.replace(ctx, rank=0, world_size=1)
+    workers = scan_workers(len(image_files), scan_ctx, num_workers)
+    return _scan_in_rounds(image_files, num_classes, scan_ctx, workers)
+
+
 def _block_of_rank(start: int, stop: int, ctx: DistContext) -> slice:
     """Return this rank's contiguous share of positions [start, stop); in rank order the shares tile the range."""
     size = -(-(stop - start) // ctx.world_size)  # ceil: the last ranks' blocks may be shorter or empty
@@ -241,7 +257,17 @@ def concatenate_indices(parts: Sequence[LabelIndex]) -> LabelIndex:
         {status: sum(part.counts[status] for part in parts) for status in STATUSES},
         [message for part in parts for message in part.messages],
         sum(part.num_degenerate for part in parts),
+        _summed([part.problems for part in parts]),
     )
+
+
+def _summed(counts: Sequence[dict[str, int]]) -> dict[str, int]:
+    """Add up per-reason counts, keeping the reasons in the order they first appear."""
+    total: dict[str, int] = {}
+    for part in counts:
+        for reason, count in part.items():
+            total[reason] = total.get(reason, 0) + count
+    return total
 
 
 def image_list_digest(image_files: Sequence[str]) -> str:
@@ -279,17 +305,21 @@ def check_same_image_files(image_files: Sequence[str], what: str, ctx: DistConte
         raise ConfigError(message)
 
 
-def _report(index: LabelIndex, source: str) -> None:
-    """Log the first bad files one per line, how many more there were, and the summary counts."""
+def report_scan(index: LabelIndex, source: str) -> None:
+    """Log the first bad files (or COCO entries) one per line, how many more there were, and the summary counts.
+
+    Called on rank 0 by every label scan, so the txt and COCO JSON paths report alike.
+    """
     for message in index.messages[:MAX_LOGGED_MESSAGES]:
         LOGGER.warning(message)
     if len(index.messages) > MAX_LOGGED_MESSAGES:
         LOGGER.warning(f"... and {len(index.messages) - MAX_LOGGED_MESSAGES} more label/image warnings not shown")
     c = index.counts
     dropped = f", {index.num_degenerate} degenerate instance(s) dropped" if index.num_degenerate else ""
+    problems = "".join(f", {count} {reason}" for reason, count in index.problems.items())
     LOGGER.info(
         f"{source}: {c['found']} found, {c['missing']} missing (background), {c['empty']} empty, "
-        f"{c['corrupt']} corrupt{dropped}"
+        f"{c['corrupt']} corrupt{dropped}{problems}"
     )
 
 
@@ -324,10 +354,7 @@ def scan_labels(
         raise ConfigError(message)
     source = f"{cache_path} (cached)"
     if not all(has_cache for _, _, has_cache in facts):
-        # A hand-built context (tests) without a process group gathers from this rank alone: it scans everything.
-        scan_ctx = ctx if len(facts) == ctx.world_size else dataclasses.replace(ctx, rank=0, world_size=1)
-        workers = scan_workers(len(image_files), scan_ctx, num_workers)
-        index = _scan_in_rounds(image_files, num_classes, scan_ctx, workers)
+        index = scan_in_rounds(image_files, num_classes, ctx, len(facts), num_workers)
         source = f"scanned {cache_path.parent}"
         if ctx.is_local_main:
             save_label_cache(cache_path, index, digest)
@@ -335,7 +362,7 @@ def scan_labels(
         # train set) finds the cache instead of starting a second scan for every rank.
         barrier(ctx)
     if ctx.is_main:
-        _report(index, source)
+        report_scan(index, source)
     if not len(index):
         raise ValueError(f"{cache_path.parent}: no usable images (all {index.counts['corrupt']} are corrupt)")
     return index

@@ -136,7 +136,8 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
         num_classes=len(data.names),
         workers=cfg.workers,
     )
-    loader = build_val_loader(LoadImagesAndLabels(data.split(cfg.split), options, ctx), per_rank, cfg.workers, ctx)
+    dataset = LoadImagesAndLabels(data.split(cfg.split), options, ctx, data.coco_source(cfg.split))
+    loader = build_val_loader(dataset, per_rank, cfg.workers, ctx)
     return ValSetup(model, loader, data, names, save_dir, coco_target)
 
 

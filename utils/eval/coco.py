@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from utils.data.coco_labels import category_mapping
 from utils.data.data_config import DataConfig
 from utils.distributed import DistContext, broadcast_object, gather_objects, run_on_main
 from utils.errors import ConfigError, read_json_mapping
@@ -92,33 +93,6 @@ def _check_annotation_entries(dataset: dict[str, Any], path: Path) -> None:
         if "area" not in ann:
             ann["area"] = float(ann["bbox"][2]) * float(ann["bbox"][3])
         ann.setdefault("iscrowd", 0)
-
-
-def category_mapping(
-    names: Sequence[str], categories: list[dict[str, Any]], explicit: Sequence[int] | None, source: Path
-) -> tuple[int, ...]:
-    """Return the COCO category id of each class index.
-
-    An `explicit` list (dataset YAML `category_ids:`) wins, each id must exist in the file. Else,
-    when the class names equal the categories' names (any order), classes map by name. Else class
-    i maps to the i-th category by ascending id (COCO's 80 classes -> its 91-id list). A differing
-    class/category count without an explicit mapping is a one-line ConfigError naming `source`.
-    """
-    ids = sorted(category["id"] for category in categories)
-    if explicit is not None:
-        unknown = [cid for cid in explicit if cid not in set(ids)]
-        if unknown:
-            raise ConfigError(f"{source}: category_ids lists category {unknown[0]}, which is not in the file")
-        return tuple(int(cid) for cid in explicit)
-    by_name = {str(category.get("name")): category["id"] for category in categories}
-    if len(by_name) == len(names) == len(set(names)) and set(by_name) == set(names):
-        return tuple(int(by_name[name]) for name in names)
-    if len(ids) != len(names):
-        raise ConfigError(
-            f"{source}: {len(ids)} categories but the dataset has {len(names)} classes; "
-            "set 'category_ids:' (one category id per class) in the dataset YAML"
-        )
-    return tuple(int(cid) for cid in ids)
 
 
 def load_coco_target(data: DataConfig, split: str, single_cls: bool = False) -> CocoTarget | None:

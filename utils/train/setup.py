@@ -322,9 +322,9 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
         hsv_on_device=ctx.device.type == "cuda",  # the GPU jitters a batch in microseconds, a worker 1.5 ms/image
         **common,
     )
-    train = LoadImagesAndLabels(data.split("train"), train_options, ctx)
+    train = LoadImagesAndLabels(data.split("train"), train_options, ctx, data.coco_source("train"))
     val_options = DatasetOptions.for_evaluation(batch_size=per_rank * 2, **common)
-    val = LoadImagesAndLabels(data.split("val"), val_options, ctx)
+    val = LoadImagesAndLabels(data.split("val"), val_options, ctx, data.coco_source("val"))
     # Shards and sharded validation assume one dataset: nodes with differing copies fail here, not later.
     train.check_same_on_every_rank("train set")
     val.check_same_on_every_rank("val set")

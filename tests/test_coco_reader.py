@@ -1,0 +1,136 @@
+"""Tests for the streamed COCO JSON reader (utils/data/coco_reader.py, json_stream.py, coco_polygons.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import utils.data.json_stream as json_stream
+from tests.coco_fakes import (
+    CLIPPED_ID,
+    CROWD_ID,
+    OUTSIDE_ID,
+    SIZES_WH,
+    UNKNOWN_CATEGORY_ID,
+    UNKNOWN_IMAGE_ID,
+    ZERO_AREA_ID,
+    write_coco_dataset,
+)
+from utils.data.coco_polygons import join_parts, rle_to_polygon
+from utils.data.coco_reader import (
+    BAD_IMAGE,
+    CLIPPED,
+    CROWD,
+    OUTSIDE,
+    UNKNOWN_CATEGORY,
+    UNKNOWN_IMAGE,
+    ZERO_AREA,
+    read_coco_json,
+)
+from utils.data.json_stream import JsonStream
+from utils.errors import ConfigError
+
+
+def test_stream_decodes_elements_cut_by_every_chunk_boundary() -> None:
+    document = {"a": [1, 2.5, -3e-2, "x]y", {"k": [True, None]}], "b": {"c": 12345}, "d": []}
+    text = json.dumps(document, indent=2)
+    for chunk in range(1, 12):  # tiny chunks: numbers, strings and objects are split everywhere
+        stream = JsonStream(io.StringIO(text), Path("f.json"), chunk_chars=chunk)
+        seen = {}
+        for key in stream.items():
+            seen[key] = list(stream.elements()) if stream.next_is("[") else stream.value()
+        assert seen == document, chunk
+
+
+def test_stream_reports_malformed_json_with_file_and_offset() -> None:
+    stream = JsonStream(io.StringIO('{"a": [1, 2,, 3]}'), Path("bad.json"), chunk_chars=4)
+    with pytest.raises(ConfigError, match=r"bad\.json: not valid JSON .* at character 12"):
+        for _ in stream.items():
+            list(stream.elements())
+
+
+def test_reader_keeps_good_instances_and_names_every_bad_entry_once(tmp_path: Path, monkeypatch) -> None:
+    write_coco_dataset(tmp_path)
+    monkeypatch.setattr(json_stream, "CHUNK_CHARS", 97)  # many chunk boundaries in a 20 kB file
+    parse = read_coco_json(tmp_path / "annotations" / "instances_train.json")
+    assert parse.category_ids.tolist() == [3, 7, 9] and parse.category_names == ["cat", "dog", "cow"]
+    assert parse.image_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]  # the duplicate id 2 is left out
+    assert parse.problems == {
+        CROWD: 1,
+        BAD_IMAGE: 1,
+        UNKNOWN_IMAGE: 1,
+        UNKNOWN_CATEGORY: 1,
+        ZERO_AREA: 1,
+        OUTSIDE: 1,
+        CLIPPED: 1,
+    }
+    for bad_id in (CLIPPED_ID, OUTSIDE_ID, ZERO_AREA_ID, UNKNOWN_CATEGORY_ID, UNKNOWN_IMAGE_ID):
+        lines = [m for m in parse.messages if f"annotation {bad_id}:" in m]
+        assert len(lines) == 1 and lines[0].startswith(str(tmp_path / "annotations" / "instances_train.json"))
+    assert not any(f"annotation {CROWD_ID}" in m for m in parse.messages)  # crowd is counted, not a bad entry
+    kept = set(parse.annotation_ids.tolist())
+    assert CLIPPED_ID in kept and not kept & {OUTSIDE_ID, ZERO_AREA_ID, UNKNOWN_CATEGORY_ID, CROWD_ID}
+    # Grouped by image, JSON order within an image; image 7 (background) owns none.
+    owners = np.repeat(parse.image_ids, np.diff(parse.instance_offsets))
+    assert (np.diff(owners) >= 0).all() and np.diff(parse.instance_offsets)[6] == 0
+    clipped = int(np.flatnonzero(parse.annotation_ids == CLIPPED_ID)[0])
+    np.testing.assert_allclose(parse.boxes_xywhn[clipped], [0.875, 0.8125, 0.25, 0.375])  # 60..80 x 40..64 of 80x64
+    assert (parse.points >= 0).all() and (parse.points <= 1).all()
+
+
+def test_polygons_are_normalised_and_parts_joined(tmp_path: Path) -> None:
+    write_coco_dataset(tmp_path)
+    parse = read_coco_json(tmp_path / "annotations" / "instances_train.json")
+    joined = int(np.flatnonzero(parse.annotation_ids == 13)[0])  # image 2's two-part polygon
+    points = parse.points[parse.polygon_offsets[joined] : parse.polygon_offsets[joined + 1]]
+    width, height = SIZES_WH[2]
+    assert len(points) == 4 + 1 + 4 + 1  # both parts, each walked round and closed at its link vertex
+    np.testing.assert_allclose(points.min(0), [4 / width, 4 / height], rtol=1e-6)
+    np.testing.assert_allclose(points.max(0), [60 / width, 80 / height], rtol=1e-6)
+    box_only = int(np.flatnonzero(parse.annotation_ids == 2)[0])
+    assert parse.polygon_offsets[box_only + 1] == parse.polygon_offsets[box_only]  # no segmentation: no polygon
+
+
+def test_join_parts_links_closest_vertices_and_keeps_every_vertex() -> None:
+    square = np.array([[0, 0], [2, 0], [2, 2], [0, 2]], float)
+    parts = [square, square + [10, 0], square + [20, 0]]
+    joined = join_parts(parts)
+    assert len(joined) == (4 + 1) + (4 + 2) + (4 + 1)  # end parts closed; the middle one split at entry and exit
+    for part in parts:
+        assert {tuple(p) for p in part} <= {tuple(p) for p in joined}
+    jumps = np.linalg.norm(np.diff(np.vstack([joined, joined[:1]]), axis=0), axis=1)
+    assert sorted(jumps)[-4:] == pytest.approx([8.0, 8.0, 8.0, 8.0])  # each link (closest vertices) twice
+
+
+def test_rle_mask_is_traced_into_one_polygon() -> None:
+    from pycocotools import mask as mask_utils
+
+    mask = np.zeros((30, 40), np.uint8)
+    mask[5:15, 5:15] = 1
+    mask[20:28, 25:35] = 1
+    rle = mask_utils.encode(np.asfortranarray(mask))
+    polygon = rle_to_polygon({"size": [30, 40], "counts": rle["counts"].decode()})
+    assert polygon.min(0).tolist() == [5, 5] and polygon.max(0).tolist() == [34, 27]
+    uncompressed = {
+        "size": [30, 40],
+        "counts": [30 * 5 + 5] + [10, 20] * 9 + [10, 1200 - 30 * 5 - 5 - 19 * 10 - 9 * 20],
+    }
+    assert len(rle_to_polygon(uncompressed)) >= 4  # list counts (as crowd regions use) decode too
+    with pytest.raises(ValueError, match="RLE"):
+        rle_to_polygon({"size": [30], "counts": "x"})
+
+
+def test_not_a_coco_file_is_one_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "x.json"
+    path.write_text('{"images": []}')
+    with pytest.raises(ConfigError, match=r"x\.json: not a COCO instances file \(no 'annotations' list\)"):
+        read_coco_json(path)
+    path.write_text('{"images": [], "annotations": [], "categories": []}')
+    with pytest.raises(ConfigError, match="no usable category"):
+        read_coco_json(path)
+    with pytest.raises(ConfigError, match="not found"):
+        read_coco_json(tmp_path / "absent.json")
