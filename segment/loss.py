@@ -6,18 +6,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from segment.ops import assemble_masks_by_image, crop_mask
-from utils.boxes import xywhn_to_xyxy
+from segment.dense_loss import DenseSegmentationLoss
+from segment.mask_targets import MaskTargets
 from utils.config import TrainConfig
-from utils.errors import ConfigError
-from utils.families import YOLOV5, family_of
+from utils.families import family_of
 from utils.train.loss import DetectionLoss, LevelTerms, LossGains
 
 
-class SegmentationLoss(DetectionLoss):
+class SegmentationLoss(MaskTargets, DetectionLoss):
     """YOLOv5-seg loss: DetectionLoss's box/obj/cls terms plus a mask term; items [box, seg, obj, cls].
 
     `__call__((raw, protos), targets, reduce_counts=None, *, masks)`: raw [(B, na, H_l, W_l, 5+nc+nm)],
@@ -60,32 +58,6 @@ class SegmentationLoss(DetectionLoss):
         losses = torch.stack((box, seg * self.gains.box, obj, cls))
         return losses.sum().view(1) * len(protos), losses.detach()
 
-    def _prepare_masks(
-        self, masks: torch.Tensor, targets: torch.Tensor, batch_size: int, size: tuple[int, int]
-    ) -> torch.Tensor:
-        """Check the masks' layout against the targets and resize them (nearest) to the prototypes' (h, w)."""
-        expected, layout = (batch_size, "overlap (one per image)") if self.overlap else (len(targets), "per-instance")
-        if masks.dim() != 3 or len(masks) != expected:
-            raise ValueError(f"SegmentationLoss: {layout} masks need {expected} rows, got shape {tuple(masks.shape)}")
-        if len(masks) == 0:  # no instances: nothing to resize (interpolate rejects empty input)
-            return masks.new_zeros((0, *size))
-        if tuple(masks.shape[-2:]) != size:
-            masks = F.interpolate(masks[None].float(), size=size, mode="nearest")[0]
-        return masks
-
-    @staticmethod
-    def _instance_masks(
-        masks: torch.Tensor, target_rows: torch.Tensor, targets: torch.Tensor, row_ids: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Return (m, h, w) float 0/1 ground-truth masks of the instances at `target_rows` (rows of `targets`).
-
-        `row_ids` (overlap masks only): every target row's value in its image's index mask.
-        """
-        if row_ids is None:
-            return masks[target_rows].float()
-        image_index = targets[target_rows, 0].long()
-        return (masks[image_index] == row_ids[target_rows].view(-1, 1, 1)).float()
-
     def _mask_term(
         self,
         levels: list[LevelTerms],
@@ -111,37 +83,18 @@ class SegmentationLoss(DetectionLoss):
         coeffs = torch.cat([terms.matched_preds[:, 5 + self.head.num_classes :] for terms, _ in matched])[order]
         # Each match is divided by its level's (rank-averaged) match count, as the box term is.
         level_counts = torch.cat([count.expand(terms.num_matches) for terms, count in matched])[order]
-        height, width = protos.shape[-2:]
-        boxes_xywhn = targets[target_index, 2:6]
-        boxes_xyxy = xywhn_to_xyxy(boxes_xywhn, width, height)  # prototype pixels
-        areas = boxes_xywhn[:, 2:].prod(dim=1).clamp(min=1e-9)
-        logits = assemble_masks_by_image(coeffs, torch.bincount(image_index, minlength=len(protos)).tolist(), protos)
-        row_ids = overlap_instance_ids(targets[:, 0].long()) if self.overlap else None
-        truth = self._instance_masks(masks, target_index, targets, row_ids)
-        bce = F.binary_cross_entropy_with_logits(logits, truth, reduction="none")
-        return total + (crop_mask(bce, boxes_xyxy).mean(dim=(1, 2)) / (areas * level_counts)).sum()
+        mean_bce, areas = self.box_mask_bce(coeffs, image_index[order], target_index, protos, masks, targets)
+        return total + (mean_bce / (areas * level_counts)).sum()
 
 
-def overlap_instance_ids(image_index: torch.Tensor) -> torch.Tensor:
-    """Return each target row's value in its image's overlap mask: 1 + its position among that image's rows.
-
-    image_index: (N,) long, the targets' column 0. Rows of one image must be contiguous and in the
-    image's instance order (the collate guarantees it), so the position is the row minus the
-    image's first row.
-    """
-    rows = torch.arange(len(image_index), device=image_index.device)
-    num_images = int(image_index.max()) + 1 if len(image_index) else 0
-    first_row = rows.new_full((num_images,), len(image_index))
-    first_row = first_row.scatter_reduce(0, image_index, rows, reduce="amin")
-    return rows - first_row[image_index] + 1
+# Each family's segmentation loss: its detection loss plus the mask term on its own matches.
+SEGMENTATION_LOSSES: dict[str, type] = {"yolov5": SegmentationLoss, "anchor_free": DenseSegmentationLoss}
 
 
 def build_segmentation_loss(model: nn.Module, cfg: TrainConfig) -> SegmentationLoss:
     """Build the segmentation loss for `model` from `cfg.hyp`, `cfg.imgsz` and `cfg.overlap_mask`.
 
-    The mask term extends the detection loss of the model's family; only YOLOv5's has one here.
+    The mask term extends the detection loss of the model's family (SEGMENTATION_LOSSES).
     """
-    family = family_of(model)
-    if family.name != YOLOV5.name:
-        raise ConfigError(f"segmentation training is not available for {family.name} models yet")
-    return SegmentationLoss.from_hyp(model, cfg.hyp, cfg.imgsz, overlap=cfg.overlap_mask)
+    loss_type = SEGMENTATION_LOSSES[family_of(model).name]
+    return loss_type.from_hyp(model, cfg.hyp, cfg.imgsz, overlap=cfg.overlap_mask)

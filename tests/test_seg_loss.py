@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from models.yolo import SegmentationModel, build_model, spec_from_cfg
-from segment.loss import SegmentationLoss, build_segmentation_loss, overlap_instance_ids
+from segment.loss import SegmentationLoss, build_segmentation_loss
+from segment.mask_targets import overlap_instance_ids
 from segment.ops import assemble_masks, assemble_masks_by_image, crop_mask, process_masks
 from utils.boxes import xywhn_to_xyxy
 from utils.config import DEFAULT_HYP, TrainConfig

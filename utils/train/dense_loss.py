@@ -147,7 +147,7 @@ class DenseLoss:
         reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute the loss for one batch; see the class docstring."""
-        branches, denominators = self._branches(preds, targets, reduce_counts)
+        branches, denominators, _ = self._branches(preds, targets, reduce_counts)
         items = self._weighted_items(branches, denominators)
         return items.sum().view(1) * preds.levels[0].shape[0], items.detach()
 
@@ -156,8 +156,8 @@ class DenseLoss:
         preds: DenseRaw,
         targets: torch.Tensor,
         reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
-    ) -> tuple[list[tuple[float, BranchTerms]], torch.Tensor]:
-        """Every trained branch as (weight, terms), and their normalisers (reduced over ranks when asked)."""
+    ) -> tuple[list[tuple[float, BranchTerms]], torch.Tensor, PaddedLabels]:
+        """Every trained branch as (weight, terms), their normalisers (reduced over ranks when asked), the labels."""
         levels = preds.levels
         batch = levels[0].shape[0]
         finest = int(self.head.level_strides[0])
@@ -174,7 +174,7 @@ class DenseLoss:
         if reduce_counts is not None:
             sums = reduce_counts(sums)
         # A floor of 1 on the global sum (few, poorly predicted labels early on), the same on any world size.
-        return weighted, sums.clamp(min=1.0 / getattr(reduce_counts, "world_size", 1))
+        return weighted, sums.clamp(min=1.0 / getattr(reduce_counts, "world_size", 1)), labels
 
     def _weighted_items(self, branches: list[tuple[float, BranchTerms]], denominators: torch.Tensor) -> torch.Tensor:
         """(3,) [box, cls, dist] gained, normalised and summed over branches by weight."""

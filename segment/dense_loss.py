@@ -1,0 +1,103 @@
+"""Anchor-free segmentation loss: the dense detection loss plus box-cropped mask BCE on its assignment."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from segment.mask_targets import MaskTargets, overlap_instance_ids
+from utils.train.dense_loss import BranchTerms, DenseGains, DenseLoss, PaddedLabels
+
+
+class DenseSegmentationLoss(MaskTargets, DenseLoss):
+    """DenseLoss plus a mask term; items [box, seg, cls, dfl|l1], and [.., sem] for YOLO26-seg's semantic branch.
+
+    `__call__((raw, protos), targets, reduce_counts=None, *, masks)`: masks as for SegmentationLoss
+    (per-instance, or one index map per image with `overlap`). Mask term: for every foreground point,
+    its coefficients times the prototypes against its assigned instance's mask, BCE cropped to the
+    instance box and averaged over the box; summed and divided by the foreground count (averaged over
+    ranks, floored as the score sums are); gain: the box gain, for each branch by its weight. The
+    semantic term (training only) is half BCE, half soft Dice between the per-pixel class logits and
+    the union of each class's instance masks; gain: the box gain.
+    """
+
+    def __init__(self, model: nn.Module, gains: DenseGains, *, overlap: bool = False, **kwargs: Any) -> None:
+        super().__init__(model, gains, **kwargs)
+        self.overlap = overlap
+        box, cls, dist = self.item_names
+        has_semantic = hasattr(self.head.proto, "semantic")
+        self.item_names = (box, "seg", cls, dist, *(("sem",) if has_semantic else ()))
+
+    def __call__(  # type: ignore[override]  # takes (raw, protos) and the masks, unlike detection
+        self,
+        outputs: tuple[Any, torch.Tensor],
+        targets: torch.Tensor,
+        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        *,
+        masks: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute the loss for one batch: (loss (1,) multiplied by the batch size, items detached)."""
+        raw, protos = outputs
+        branches, denominators, labels = self._branches(raw, targets, reduce_counts)
+        box, cls, dist = self._weighted_items(branches, denominators)
+        targets = targets.to(device=protos.device, dtype=torch.float32)
+        with torch.autocast(protos.device.type, enabled=False):
+            protos = protos.float()
+            masks = self._prepare_masks(masks.to(protos.device), targets, len(protos), tuple(protos.shape[-2:]))
+            seg = self._mask_terms(branches, labels, protos, masks, targets, reduce_counts) * self.gains.box
+            terms = [box, seg, cls, dist]
+            if len(self.item_names) == 5:
+                semantic = raw.semantic
+                sem = protos.new_zeros(()) if semantic is None else self._semantic_term(semantic, masks, targets)
+                terms.append(sem * self.gains.box)
+        items = torch.stack(terms)
+        return items.sum().view(1) * len(protos), items.detach()
+
+    def _mask_terms(
+        self,
+        branches: list[tuple[float, BranchTerms]],
+        labels: PaddedLabels,
+        protos: torch.Tensor,
+        masks: torch.Tensor,
+        targets: torch.Tensor,
+        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Sum over branches of weight x (mean-in-box mask BCE summed over foreground points) / foreground count."""
+        counts = torch.stack([terms.assignment.foreground.sum().float() for _, terms in branches])
+        if reduce_counts is not None:
+            counts = reduce_counts(counts)
+        counts = counts.clamp(min=1.0 / getattr(reduce_counts, "world_size", 1))
+        coeff_start = 4 * self.head.reg_max + self.head.num_classes
+        # The zero terms keep the prototype and coefficient outputs in the graph when nothing is foreground.
+        total = protos.sum() * 0.0
+        for (weight, terms), count in zip(branches, counts, strict=True):
+            total = total + terms.flat[..., coeff_start:].sum() * 0.0
+            image, point = terms.assignment.foreground.nonzero(as_tuple=True)  # row-major: grouped by image
+            if not len(image):
+                continue
+            rows = labels.rows[image, terms.assignment.label_index[image, point]]
+            coeffs = terms.flat[image, point, coeff_start:]
+            mean_bce, areas = self.box_mask_bce(coeffs, image, rows, protos, masks, targets)
+            total = total + weight * (mean_bce / areas).sum() / count
+        return total
+
+    def _semantic_term(self, logits: torch.Tensor, masks: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Half BCE, half soft Dice between (B, nc, h, w) logits and each class's instance-mask union."""
+        batch, num_classes = logits.shape[:2]
+        truth = torch.zeros(batch, num_classes, *masks.shape[-2:], device=logits.device)
+        if len(targets):
+            rows = torch.arange(len(targets), device=logits.device)
+            row_ids = overlap_instance_ids(targets[:, 0].long()) if self.overlap else None
+            instance = self._instance_masks(masks, rows, targets, row_ids)
+            truth.index_put_((targets[:, 0].long(), targets[:, 1].long()), instance, accumulate=True)
+            truth.clamp_(max=1.0)
+        truth = F.interpolate(truth, size=logits.shape[-2:], mode="nearest")
+        bce = F.binary_cross_entropy_with_logits(logits, truth)
+        probs = logits.sigmoid()
+        overlap = (probs * truth).sum(dim=(2, 3))
+        dice = 1 - (2 * overlap + 1) / (probs.sum(dim=(2, 3)) + truth.sum(dim=(2, 3)) + 1)
+        return 0.5 * bce + 0.5 * dice.mean()
