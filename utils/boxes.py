@@ -293,3 +293,20 @@ def top_detections(
         boxes = xywh_to_xyxy(x[rows, :4])
         output.append(torch.cat((boxes, conf[:, None], cls[:, None].to(x.dtype), x[rows, 4 + num_classes :]), 1))
     return output
+
+
+def best_detections(decoded: torch.Tensor, num_classes: int, max_det: int = 300) -> torch.Tensor:
+    """An end-to-end head's final detections as one traceable tensor (what its exported file outputs).
+
+    decoded: (B, N, 4 + nc + nm) rows [cx, cy, w, h, class probabilities, mask coefficients]. Returns
+    (B, k, 6 + nm) [x1, y1, x2, y2, score, class, coeffs...], k = min(max_det, N x nc): the k best
+    (point, class) scores, best first; no threshold (consumers apply theirs), no NMS.
+    """
+    scores = decoded[..., 4 : 4 + num_classes]
+    k = min(max_det, scores.shape[1] * num_classes)
+    best, flat_index = scores.flatten(1).topk(k, dim=1)
+    point = torch.div(flat_index, num_classes, rounding_mode="floor")
+    rows = decoded.gather(1, point.unsqueeze(-1).expand(-1, -1, decoded.shape[-1]))
+    classes = (flat_index - point * num_classes).to(decoded.dtype)
+    boxes = xywh_to_xyxy(rows[..., :4])
+    return torch.cat((boxes, best.unsqueeze(-1), classes.unsqueeze(-1), rows[..., 4 + num_classes :]), dim=-1)

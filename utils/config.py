@@ -338,6 +338,7 @@ class ValConfig:
     plots: bool = False
     channels_last: bool = True
     multi_label: bool = True  # see TrainConfig.multi_label
+    nms: bool = False  # end-to-end models: the one-to-many head and NMS instead of the one-to-one head
     dist_timeout: float = DEFAULT_TIMEOUT_MINUTES  # see TrainConfig.dist_timeout
     project: Path = ROOT / "runs" / "val"
     name: str = "exp"
@@ -358,6 +359,11 @@ def build_val_parser(task: str = "detect") -> argparse.ArgumentParser:
     parser.add_argument("--half", action="store_true", help="FP16 inference (CUDA only)")
     parser.add_argument("--save-json", action="store_true", help="write COCO-format predictions.json")
     parser.add_argument("--save-txt", action="store_true", help="write YOLO-format predictions per image")
+    parser.add_argument(
+        "--nms",
+        action="store_true",
+        help="end-to-end models (yolo26): NMS on the one-to-many head instead of the NMS-free one-to-one head",
+    )
     parser.add_argument(
         "--plots", action="store_true", help="write PR/F1/P/R curves and the confusion matrix to the run folder"
     )

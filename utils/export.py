@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import datetime
 import importlib
 import json
 import logging
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from utils.boxes import best_detections
 from utils.convert import load_weights
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -49,6 +51,7 @@ class ExportConfig:
     dynamic: bool = False  # ONNX: batch, height and width are free axes
     simplify: bool = False  # ONNX: run onnxsim on the graph
     opset: int = DEFAULT_OPSET
+    nms: bool = False  # end-to-end models: export the one-to-many head's rows (for NMS) instead of final detections
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,10 @@ class ExportMetadata(TypedDict):
     batch: int
     dynamic: bool  # ONNX only: batch, height and width are free
     half: bool
+    end2end: bool  # output0 holds final detections (B, max_det, 6 [+ nm]), no NMS needed
+    channels: int  # input channels
+    description: str
+    date: str  # ISO 8601, when the file was written
 
 
 @dataclass(frozen=True)
@@ -102,19 +109,27 @@ class ExportWrapper(nn.Module):
     xywh in input pixels, objectness and class probabilities (YOLOv5's `output0`). Segmentation returns
     (decoded (B, N, 5 + nc + nm) with raw mask coefficients, protos (B, nm, H/4, W/4)) (`output0`, `output1`).
     The model family's output layout (utils/families.py) decides the columns (no objectness for
-    anchor-free heads) and whether `output0` is written channels first, (B, no, N).
+    anchor-free heads: (B, 4 + nc [+ nm], N), channels first, as Ultralytics' consumers read it). An
+    end-to-end model decoding its one-to-one head returns its final detections instead:
+    (B, max_det, 6 [+ nm]) rows [x1, y1, x2, y2, score, class], best first, no NMS needed.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, max_det: int = 300) -> None:
         super().__init__()
         self.model = model
-        self.with_protos = model.head.num_masks > 0
+        head = model.head
+        self.with_protos = head.num_masks > 0
         self.channels_first = family_of(model).output.channels_first
+        self.end_to_end = bool(getattr(head, "end_to_end", False) and getattr(head, "use_one_to_one", False))
+        self.num_classes = head.num_classes
+        self.max_det = max_det
 
     def forward(self, images: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the model and keep what deployment needs (see the class docstring)."""
         decoded, raw = self.model(images)
-        if self.channels_first:
+        if self.end_to_end:
+            decoded = best_detections(decoded, self.num_classes, self.max_det)
+        elif self.channels_first:
             decoded = decoded.transpose(1, 2)
         return (decoded, raw[1]) if self.with_protos else decoded
 
@@ -131,6 +146,9 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dynamic", action="store_true", help="ONNX: dynamic batch, height and width")
     parser.add_argument("--simplify", action="store_true", help="ONNX: simplify the graph (needs onnxsim)")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset version")
+    parser.add_argument(
+        "--nms", action="store_true", help="end-to-end models (yolo26): write the one-to-many head's rows for NMS"
+    )
     return parser
 
 
@@ -160,6 +178,7 @@ def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
         dynamic=args.dynamic,
         simplify=args.simplify,
         opset=args.opset,
+        nms=args.nms,
     )
 
 
@@ -200,7 +219,7 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
     check_export_dependencies(cfg, ctx)
     checkpoint = load_weights(cfg.weights)  # read once; a YOLOv5 file is converted, its task included
     task = tasks[checkpoint["task"]]
-    model = model_from_checkpoint(checkpoint, task, ctx, half=cfg.half, channels_last=False)
+    model = model_from_checkpoint(checkpoint, task, ctx, half=cfg.half, channels_last=False, nms=cfg.nms)
     wrapper = ExportWrapper(model).eval()  # eval: exporters restore the wrapper's mode, and with it the model's
     metadata = ExportMetadata(
         stride=int(model.stride.max()),
@@ -210,6 +229,10 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
         batch=cfg.batch_size,
         dynamic=cfg.dynamic,
         half=cfg.half,
+        end2end=wrapper.end_to_end,
+        channels=3,
+        description=f"{task.name} model ({family_of(model).name}) exported from {cfg.weights.name}",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
     dtype = torch.float16 if cfg.half else torch.float32
     example = torch.zeros(cfg.batch_size, 3, *cfg.imgsz, device=ctx.device, dtype=dtype)
@@ -280,9 +303,11 @@ def check_parity(
             expected = wrapper(images)
         expected_arrays = [t.float().cpu().numpy() for t in (expected if isinstance(expected, tuple) else (expected,))]
         got_arrays = [np.asarray(array, dtype=np.float32) for array in runner(images)]
-        for want, got in zip(expected_arrays, got_arrays, strict=True):
+        for index, (want, got) in enumerate(zip(expected_arrays, got_arrays, strict=True)):
             if want.shape != got.shape:
                 raise ExportMismatchError(f"{path}: output shape {got.shape} differs from PyTorch's {want.shape}")
+            if index == 0 and getattr(wrapper, "end_to_end", False):
+                got = np.stack([match_detection_rows(w, g, tolerance) for w, g in zip(want, got, strict=True)])
             diff = float(np.abs(want - got).max()) if want.size else 0.0
             worst = max(worst, diff)
             if not np.allclose(got, want, rtol=tolerance.rtol, atol=tolerance.atol):
@@ -291,6 +316,26 @@ def check_parity(
                     f"{tolerance.atol:g} + {tolerance.rtol:g} * |value|; the file was not written"
                 )
     return worst
+
+
+def match_detection_rows(want: np.ndarray, got: np.ndarray, tolerance: Tolerance) -> np.ndarray:
+    """Reorder one image's exported detection rows (k, 6 [+ nm]) onto PyTorch's, for an order-free comparison.
+
+    A file ranks (point, class) scores that are equal to float rounding in whatever order its runtime
+    gives them, so rows are paired greedily by their largest column difference. Rows scoring within
+    the tolerance of the last one kept may have been swapped for others at the cut: only their score
+    is compared (their columns are taken from PyTorch's row).
+    """
+    remaining = list(range(len(got)))
+    paired = np.empty_like(got)
+    boundary = want[:, 4].min() + tolerance.atol + tolerance.rtol * abs(want[:, 4].min()) if len(want) else 0.0
+    for row in range(len(want)):
+        costs = np.abs(got[remaining] - want[row]).max(axis=1)
+        best = remaining.pop(int(costs.argmin()))
+        paired[row] = got[best]
+        if want[row, 4] <= boundary:
+            paired[row, :4], paired[row, 5:] = want[row, :4], want[row, 5:]
+    return paired
 
 
 def export_torchscript(
@@ -338,7 +383,8 @@ def export_onnx(
     output_names = ["output0", "output1"] if wrapper.with_protos else ["output0"]
     dynamic_axes = None
     if cfg.dynamic:
-        dynamic_axes = {"images": {0: "batch", 2: "height", 3: "width"}, "output0": {0: "batch", 1: "anchors"}}
+        points_axis = {} if wrapper.end_to_end else {2 if wrapper.channels_first else 1: "anchors"}
+        dynamic_axes = {"images": {0: "batch", 2: "height", 3: "width"}, "output0": {0: "batch", **points_axis}}
         if wrapper.with_protos:
             dynamic_axes["output1"] = {0: "batch", 2: "mask_height", 3: "mask_width"}
     with torch.no_grad(), warnings.catch_warnings():

@@ -65,7 +65,7 @@ class Family:
     - recipe_files: the short-run (AdamW) and long-run (SGD) hyp files `--optimizer auto` chooses from
     - output: the decoded/exported layout; detection_selector(model) gives the function that turns the
       model's decoded rows into detections (`non_max_suppression`'s arguments and result): NMS, or the
-      top scores of an end-to-end head
+      top scores of an end-to-end head; force_nms(model) (--nms) makes an end-to-end model use NMS
     """
 
     name: str
@@ -80,6 +80,7 @@ class Family:
     recipe_files: RecipeFiles
     output: OutputLayout
     detection_selector: Callable[[nn.Module], Callable[..., list[torch.Tensor]]]
+    force_nms: Callable[[nn.Module], None]
 
     def spec_from_dict(self, data: Mapping[str, Any]) -> Any:
         """Rebuild this family's spec from `spec.to_dict()` output (a checkpoint's `model_spec`)."""
@@ -123,6 +124,7 @@ YOLOV5 = Family(
     recipe_files=YOLOV5_RECIPES,
     output=OutputLayout(objectness=True, channels_first=False),
     detection_selector=lambda model: non_max_suppression,
+    force_nms=lambda model: None,  # always NMS
 )
 
 
@@ -136,6 +138,11 @@ def dense_selector(model: nn.Module) -> Callable[..., list[torch.Tensor]]:
     if head.end_to_end and head.use_one_to_one:
         return top_detections
     return functools.partial(non_max_suppression, objectness=False)
+
+
+def use_one_to_many(model: nn.Module) -> None:
+    """--nms: an end-to-end model decodes its one-to-many head (for NMS) instead of its one-to-one head."""
+    getattr(model, "module", model).head.use_one_to_one = False
 
 
 ANCHOR_FREE = Family(
@@ -153,6 +160,7 @@ ANCHOR_FREE = Family(
     ),
     output=OutputLayout(objectness=False, channels_first=True),
     detection_selector=dense_selector,
+    force_nms=use_one_to_many,
 )
 
 # In the order `--cfg` values are offered to them; a checkpoint without `model_family` is YOLOv5's.

@@ -43,6 +43,7 @@ class PredictConfig:
     max_det: int = 1000
     classes: tuple[int, ...] | None = None  # keep only these class ids
     agnostic_nms: bool = False
+    nms: bool = False  # end-to-end models: the one-to-many head and NMS instead of the one-to-one head
     device: str = ""
     half: bool = False  # FP16 on CUDA; ignored with a warning on CPU
     channels_last: bool = True
@@ -69,6 +70,11 @@ def build_predict_parser(task: str = "detect") -> argparse.ArgumentParser:
     add("--device", default="", help="cuda device, e.g. 0, or cpu (default: GPU if present)")
     add("--classes", type=int, nargs="+", help="keep only these classes: --classes 0, or --classes 0 2 3")
     add("--agnostic-nms", action="store_true", help="class-agnostic NMS")
+    add(
+        "--nms",
+        action="store_true",
+        help="end-to-end models (yolo26): NMS on the one-to-many head instead of the NMS-free one-to-one head",
+    )
     add("--half", action="store_true", help="FP16 inference (CUDA only)")
     add("--channels-last", action=argparse.BooleanOptionalAction, default=True, help="NHWC layout (faster on CPU)")
     add("--vid-stride", type=int, default=1, help="video frame-rate stride")
@@ -112,6 +118,7 @@ def predict_config_from_args(args: argparse.Namespace) -> PredictConfig:
         max_det=args.max_det,
         classes=tuple(args.classes) if args.classes is not None else None,
         agnostic_nms=args.agnostic_nms,
+        nms=args.nms,
         device=args.device,
         half=args.half,
         channels_last=args.channels_last,

@@ -251,7 +251,9 @@ def load_predictor_model(cfg: PredictConfig, task: Task, ctx: DistContext) -> tu
     """Load the fused eval model of `cfg.weights` and its class names; check --half and --classes against them."""
     if cfg.half and ctx.device.type != "cuda":
         LOGGER.warning("--half needs CUDA; predicting in FP32 on CPU")
-    model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, half=cfg.half, channels_last=cfg.channels_last)
+    model, checkpoint = load_model_for_eval(
+        cfg.weights, task, ctx, half=cfg.half, channels_last=cfg.channels_last, nms=cfg.nms
+    )
     stored = checkpoint["names"]
     names = tuple(str(stored[key]) for key in sorted(stored)) if isinstance(stored, dict) else tuple(map(str, stored))
     if cfg.classes is not None and max(cfg.classes) >= len(names):

@@ -22,7 +22,7 @@ from utils.data.labels import list_image_files
 from utils.data.loader import build_train_loader, build_val_loader
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch, run_on_main
 from utils.errors import ConfigError
-from utils.families import spec_from_checkpoint
+from utils.families import checkpoint_family, family_of, spec_from_checkpoint
 from utils.hyp import Hyp
 from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
@@ -255,6 +255,7 @@ def build_model_bundle(
         elif cfg.weights:
             source = load_weights(cfg.weights)  # ours, or YOLOv5 / Ultralytics converted in memory
             ckpt_io.check_checkpoint_task(source, task.name, cfg.weights, "train")
+            _check_weights_family(cfg, task, source, len(names))
             spec = dataclasses.replace(spec_from_checkpoint(source, cfg.weights), num_classes=len(names))
             model = task.build_model(spec)
             _transfer_weights(model, source.get("ema") or source["model"], cfg.weights)
@@ -263,6 +264,23 @@ def build_model_bundle(
             model = task.build_model(spec)
     freeze_layers(model, cfg.freeze)
     return ModelBundle(model.to(ctx.device, memory_format=memory_format(cfg.channels_last)), spec, tuple(names))
+
+
+def _check_weights_family(cfg: TrainConfig, task: Task, source: dict[str, Any], num_classes: int) -> None:
+    """A --cfg given beside --weights must name a model of the checkpoint's family (one line otherwise).
+
+    The network comes from the checkpoint; a --cfg of another family would otherwise be silently ignored.
+    """
+    if "model" not in cfg.explicit:
+        return
+    stored = checkpoint_family(source, cfg.weights).name
+    wanted = family_of(task.spec_from_cfg(cfg.model, num_classes)).name
+    if wanted != stored:
+        raise ConfigError(
+            f"--weights {cfg.weights} holds a model of the {stored} family but --cfg {cfg.model} is of the {wanted} "
+            "family; "
+            "drop --cfg to fine-tune the checkpoint's network"
+        )
 
 
 def freeze_layers(model: nn.Module, freeze: tuple[int, ...]) -> None:
