@@ -6,6 +6,12 @@ Usage (from the repository root):
     python benchmarks/recipes.py --synthetic-images 100       # a generated set of 100 train images
     python benchmarks/recipes.py --synthetic-images 2000 --epochs 30
     python benchmarks/recipes.py --data my.yaml --epochs 60 --imgsz 320 -- --cfg yolov5s   # after --: train.py
+    python benchmarks/recipes.py --cfg yolov5n yolov8n yolo11n yolo26n --seeds 0 1   # the model table
+
+With `--cfg`, the candidates are models instead of recipes: each trains with `--optimizer auto` (its
+family's recipe files) once per `--seeds` value, and the table gives parameters, GFLOPs at 640, CPU
+milliseconds per 640 px image (fused, batch 1, median of 5), and mAP50-95 / mAP50 as the mean over the
+seeds with the spread (max - min) beside it.
 
 Each candidate is `python train.py` (segment/train.py with --task segment) in its own subprocess, so
 one that crashes leaves a "failed" row and the others still run. Every candidate gets the same
@@ -196,6 +202,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=QUICKSTART_BATCH, help="global batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--recipes", nargs="+", default=None, help="candidate names to run (default: all)")
+    parser.add_argument("--cfg", nargs="+", default=None, help="compare these models (auto recipe) instead")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="with --cfg: train each model per seed")
     parser.add_argument("--project", type=Path, default=ROOT / "runs" / "recipes", help="parent of this run's folder")
     parser.add_argument("train_args", nargs="*", help="extra flags for every train.py run, after `--`")
     return parser.parse_args(argv)
@@ -210,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
         else args.data
     )
     num_images = len(list_image_files(load_data_config(data, DistContext()).split("train")))
+    if args.cfg:
+        compare_models(args, data, num_images)
+        return
     every = candidates(args.epochs)
     unknown = sorted(set(args.recipes or ()) - {c.name for c in every})
     if unknown:
@@ -234,6 +245,70 @@ def main(argv: list[str] | None = None) -> None:
     )
     print_table(list(outcomes.values()), header)
     sys.exit(1 if any(item.map50_95 is None for item in outcomes.values()) else 0)
+
+
+def model_figures(cfg: str, task: str) -> tuple[int, float, float]:
+    """(parameters, GFLOPs at 640, CPU ms per 640 px image: fused, batch 1, median of 5 after 2 warm-ups)."""
+    import torch
+
+    from models.yolo import estimate_gflops
+    from utils.families import build_model, segmentation_spec, spec_from_cfg
+
+    spec = spec_from_cfg(cfg, len(SHAPE_NAMES))
+    spec = segmentation_spec(spec) if task == "segment" and not spec.num_masks else spec
+    model = build_model(spec).eval()
+    params = sum(p.numel() for p in model.parameters())
+    gflops = estimate_gflops(model, 640)
+    model = model.fuse()
+    images = torch.rand(1, 3, 640, 640)
+    times = []
+    with torch.inference_mode():
+        for rep in range(7):
+            start = time.perf_counter()
+            model(images)
+            if rep >= 2:
+                times.append(1000 * (time.perf_counter() - start))
+    return params, gflops, sorted(times)[len(times) // 2]
+
+
+def compare_models(args: argparse.Namespace, data: Path, num_images: int) -> None:
+    """--cfg: train every model once per seed with the auto recipe and print the model table."""
+    project = args.project / time.strftime("%Y%m%d-%H%M%S")
+    project.mkdir(parents=True)
+    seeds = args.seeds or [args.seed]
+    rows = []
+    for cfg in args.cfg:
+        candidate = Candidate(cfg, cfg, ("--cfg", cfg))
+        outcomes = []
+        for seed in seeds:
+            run_args = argparse.Namespace(**vars(args))
+            run_args.seed = seed
+            argv = train_argv(run_args, data, project / f"seed{seed}", candidate)
+            log = project / f"{cfg}-seed{seed}.log"
+            outcomes.append(run_candidate(candidate, argv, SCRIPTS[args.task], log, num_images))
+        rows.append((cfg, model_figures(cfg, args.task), outcomes))
+    print(
+        f"\n{SCRIPTS[args.task]} on {data} ({num_images:,} train images), {args.epochs} epochs, {args.imgsz} px, "
+        f"global batch {args.batch_size}, seeds {' '.join(map(str, seeds))}; runs in {project}\n"
+    )
+    print("| model | parameters | GFLOPs (640) | CPU ms/img (640) | recipe | mAP50-95 | mAP50 | wall per run |")
+    print("|---|---|---|---|---|---|---|---|")
+    failed = False
+    for cfg, (params, gflops, ms), outcomes in rows:
+        scored = [o for o in outcomes if o.map50_95 is not None]
+        failed |= len(scored) < len(outcomes)
+        if not scored:
+            print(f"| {cfg} | {params:,} | {gflops:.1f} | {ms:.0f} | failed | | | |")
+            continue
+        strict = [o.map50_95 for o in scored]
+        loose = [o.map50 for o in scored]
+        spread = f" ({max(strict) - min(strict):.3f})" if len(strict) > 1 else ""
+        minutes = sum(o.seconds for o in scored) / len(scored) / 60
+        print(
+            f"| {cfg} | {params:,} | {gflops:.1f} | {ms:.0f} | {scored[0].resolved} | "
+            f"{sum(strict) / len(strict):.3f}{spread} | {sum(loose) / len(loose):.3f} | {minutes:.1f} min |"
+        )
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
