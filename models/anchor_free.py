@@ -6,6 +6,7 @@ import logging
 import math
 import re
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from models.blocks import Concat, Conv, upsample2x
 from models.csp_blocks import C2PSA, C2f, C3k2, PoolPyramid
 from models.dense_head import DenseHead, DenseRaw, SegmentDenseHead
+from models.ultralytics_yaml import is_ultralytics_yaml, read_ultralytics_yaml
 from utils.errors import ConfigError
 
 LOGGER = logging.getLogger(__name__)
@@ -101,9 +103,12 @@ class AnchorFreeSpec:
         return max(round(repeats * self.depth_multiple), 1) if repeats > 1 else repeats
 
 
-def segmentation_spec(spec: AnchorFreeSpec, num_masks: int = SEG_NUM_MASKS) -> AnchorFreeSpec:
-    """Return `spec` with `num_masks` mask coefficients and 256 prototypes, capped and width-scaled like a layer."""
-    return replace(spec, num_masks=num_masks, num_protos=spec.width(SEG_BASE_PROTOS))
+def segmentation_spec(
+    spec: AnchorFreeSpec, num_masks: int = SEG_NUM_MASKS, base_protos: int = SEG_BASE_PROTOS
+) -> AnchorFreeSpec:
+    """Return `spec` with `num_masks` mask coefficients and `base_protos` (256) prototypes, capped and width-scaled
+    like a layer."""
+    return replace(spec, num_masks=num_masks, num_protos=spec.width(base_protos))
 
 
 def spec_for_name(name: str, num_classes: int) -> AnchorFreeSpec:
@@ -122,16 +127,46 @@ def spec_for_name(name: str, num_classes: int) -> AnchorFreeSpec:
     return segmentation_spec(spec) if seg else spec
 
 
+def _model_yaml(cfg: str) -> Path | None:
+    """`cfg` as an existing .yaml/.yml file, else None."""
+    path = Path(cfg)
+    return path if path.suffix in (".yaml", ".yml") and path.is_file() else None
+
+
 def claims_cfg(cfg: str) -> bool:
-    """Whether `--cfg` names an anchor-free model (a published name, optionally with .yaml)."""
+    """Whether `--cfg` names an anchor-free model: a published name (optionally .yaml), or an Ultralytics model YAML."""
     stem = cfg.lower().removesuffix(".yaml").removesuffix(".yml").rsplit("/", 1)[-1]
-    return CFG_NAME.match(stem) is not None
+    path = _model_yaml(cfg)
+    return CFG_NAME.match(stem) is not None or (path is not None and is_ultralytics_yaml(path))
 
 
 def spec_from_cfg(cfg: str, num_classes: int) -> AnchorFreeSpec:
-    """Resolve an anchor-free `--cfg` (a published size name, with or without .yaml) to its spec."""
+    """Resolve an anchor-free `--cfg`: an existing model YAML is read and checked (models/ultralytics_yaml.py),
+    otherwise a published size name, with or without .yaml, gives its spec."""
+    path = _model_yaml(cfg)
+    if path is not None:
+        return _spec_from_yaml(path, num_classes)
     stem = cfg.lower().removesuffix(".yaml").removesuffix(".yml").rsplit("/", 1)[-1]
     return spec_for_name(stem, num_classes)
+
+
+def _spec_from_yaml(path: Path, num_classes: int) -> AnchorFreeSpec:
+    """The spec a checked Ultralytics model YAML describes (one-line ConfigError for a bad value)."""
+    read = read_ultralytics_yaml(path, num_classes)
+    try:
+        spec = AnchorFreeSpec(
+            read.layout,
+            read.depth_multiple,
+            read.width_multiple,
+            read.max_channels,
+            num_classes,
+            reg_max=read.reg_max,
+            end_to_end=read.end_to_end,
+            scale=read.scale,
+        )
+    except ValueError as error:
+        raise ConfigError(f"{path}: {error}") from None
+    return segmentation_spec(spec, read.num_masks, read.base_protos) if read.num_masks else spec
 
 
 class AnchorFreeBackbone(nn.Module):

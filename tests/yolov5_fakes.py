@@ -10,6 +10,7 @@ Each has a forward, so converted weights can be checked against the original net
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import sys
 import types
@@ -187,16 +188,25 @@ YOLO = (Detect, Segment, DetectionModel, SegmentationModel)
 
 
 @contextlib.contextmanager
-def yolov5_pickle_paths() -> Iterator[None]:
-    """Make the fakes pickle as `models.common.*` / `models.yolo.*` (as YOLOv5's own classes do)."""
-    saved = {name: sys.modules.get(name) for name in ("models.common", "models.yolo")}
-    originals = {cls: cls.__module__ for cls in (*COMMON, *YOLO)}
-    for name, classes in (("models.common", COMMON), ("models.yolo", YOLO)):
-        fake = types.ModuleType(name)
+def pickle_paths(classes_by_module: dict[str, tuple[type, ...]]) -> Iterator[None]:
+    """Make each class pickle under the module path it is listed with, as if that module defined it.
+
+    Stand-in modules are put in `sys.modules` (with any parent package not importable here, which
+    pickle imports on saving) and everything is restored on exit.
+    """
+    names = list(classes_by_module)
+    for name in classes_by_module:
+        parts = name.split(".")
+        if importlib.util.find_spec(parts[0]) is None:  # e.g. `ultralytics`, which is not installed here
+            names += [".".join(parts[:depth]) for depth in range(1, len(parts))]
+    saved = {name: sys.modules.get(name) for name in names}
+    originals = {cls: cls.__module__ for classes in classes_by_module.values() for cls in classes}
+    for name in names:
+        sys.modules[name] = types.ModuleType(name)
+    for name, classes in classes_by_module.items():
         for cls in classes:
             cls.__module__ = name
-            setattr(fake, cls.__name__, cls)
-        sys.modules[name] = fake
+            setattr(sys.modules[name], cls.__name__, cls)
     try:
         yield
     finally:
@@ -209,8 +219,16 @@ def yolov5_pickle_paths() -> Iterator[None]:
                 sys.modules[name] = module
 
 
+def yolov5_pickle_paths() -> contextlib.AbstractContextManager[None]:
+    """Make the fakes pickle as `models.common.*` / `models.yolo.*` (as YOLOv5's own classes do)."""
+    return pickle_paths({"models.common": COMMON, "models.yolo": YOLO})
+
+
 def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Give every weight and BatchNorm statistic distinct random values, so a wrong mapping shows in outputs."""
+    """Give every weight and BatchNorm statistic distinct random values, so a wrong mapping shows in outputs.
+
+    Fixed weights (requires_grad False, such as a DFL's bins) keep their values.
+    """
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
@@ -219,7 +237,7 @@ def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
                 module.bias.uniform_(-0.2, 0.2, generator=generator)
                 module.running_mean.uniform_(-0.2, 0.2, generator=generator)
                 module.running_var.uniform_(0.5, 1.5, generator=generator)
-            elif isinstance(module, nn.Conv2d):
+            elif isinstance(module, (nn.Conv2d, nn.ConvTranspose2d)) and module.weight.requires_grad:
                 module.weight.normal_(0, 0.5 / math.sqrt(module.weight[0].numel()), generator=generator)
                 if module.bias is not None:
                     module.bias.uniform_(-0.5, 0.5, generator=generator)

@@ -2,20 +2,19 @@
 
     python3 -m utils.convert yolov5s.pt yolov5s-converted.pt
 
-`--weights yolov5s.pt` in train.py, val.py, detect.py and export.py converts in memory instead
-(`load_weights`). The file is read with utils/safe_pickle.py, so nothing in it runs. Its
-module tree is mapped onto our network by structure: YOLOv5's numbered layer list
-(`model.0` ... `model.24`) lines up with `DetectionModel.layers()`, each YOLOv5 block's
-sub-module names are renamed to ours (C3's cv1/cv2/cv3/m are deep_in/skip/mix/blocks, ...),
-and every tensor must match our tensor of that name in shape: a file that does not fill our
-model exactly is refused with one line naming the first difference. Anchors, strides, class
-names and the scale (depth/width multiples) come from the file.
+`--weights yolov5s.pt` (or `yolo11n.pt`) in train.py, val.py, detect.py and export.py converts in
+memory instead (`load_weights`). The file is read with utils/safe_pickle.py, so nothing in it runs.
+Ultralytics' YOLOv8 / YOLO11 / YOLO26 models go to utils/convert_ultralytics.py; this module maps
+YOLOv5's by structure: its numbered layer list (`model.0` ... `model.24`) lines up with
+`DetectionModel.layers()`, each YOLOv5 block's sub-module names are renamed to ours (C3's
+cv1/cv2/cv3/m are deep_in/skip/mix/blocks, ...), and every tensor must match our tensor of that
+name in shape: a file that does not fill our model exactly is refused with one line naming the
+first difference. Anchors, strides, class names and the scale (depth/width multiples) come from the file.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import sys
 import zipfile
@@ -27,10 +26,21 @@ from typing import Any
 import torch
 
 from models.yolo import BASE_DEPTHS, BASE_WIDTHS, ModelSpec, build_model
+from utils.convert_ultralytics import is_ultralytics, ultralytics_model
 from utils.distributed import DistContext
 from utils.errors import ConfigError
+from utils.families import spec_from_checkpoint
+from utils.pickled_model import (
+    ConvertedModel,
+    children,
+    conv_out_channels,
+    find_model,
+    flatten_tensors,
+    layer_list,
+    weights_only_checkpoint,
+)
 from utils.safe_pickle import Placeholder, UnsafePickleError, load_untrusted
-from utils.train.checkpoint import FORMAT_VERSION, Checkpoint, load_checkpoint, save_checkpoint
+from utils.train.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 
 LOGGER = logging.getLogger(__name__)
 
@@ -50,41 +60,12 @@ RENAMES: dict[str, dict[str, str]] = {
     "Detect": {"m": "convs"},
     "Segment": {"m": "convs"},
 }
-DERIVED_BUFFERS = {"anchor_grid"}  # YOLOv5 < 6.0 stored this copy of the anchors; ours computes it
-
-
-def _children(node: Placeholder) -> Mapping[str, Any]:
-    """The `_modules` of a pickled nn.Module (empty for anything else)."""
-    modules = node.attribute("_modules")
-    return modules if isinstance(modules, Mapping) else {}
-
-
-def _flatten(node: Placeholder, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    """Add `node`'s parameters and persistent buffers to `out` under our names, as state_dict() orders them."""
-    skipped = node.attribute("_non_persistent_buffers_set") or set()
-    for group in ("_parameters", "_buffers"):
-        for name, tensor in (node.attribute(group) or {}).items():
-            if tensor is not None and name not in skipped and name not in DERIVED_BUFFERS:
-                out[prefix + name] = tensor
-    renames = RENAMES.get(node.class_name, {})
-    for name, child in _children(node).items():
-        if isinstance(child, Placeholder):
-            _flatten(child, f"{prefix}{renames.get(name, name)}.", out)
-
-
-def find_model(raw: Any, path: Path) -> Placeholder:
-    """Return the pickled model of a YOLOv5/Ultralytics checkpoint: `ema` when present, else `model`."""
-    if isinstance(raw, Placeholder):
-        return raw
-    model = (raw.get("ema") or raw.get("model")) if isinstance(raw, Mapping) else None
-    if not isinstance(model, Placeholder) or "model" not in _children(model):
-        raise ConfigError(f"{path}: not a YOLOv5 or Ultralytics checkpoint (no pickled model with a layer list)")
-    return model
+DERIVED_BUFFERS = frozenset({"anchor_grid"})  # YOLOv5 < 6.0 stored this copy of the anchors; ours computes it
 
 
 def _layers(model: Placeholder, path: Path) -> list[Placeholder]:
     """The numbered layers, checked against the YOLOv5 v6+ P5 layout (one-line error otherwise)."""
-    layers = list(_children(_children(model)["model"]).values())
+    layers = layer_list(model)
     kinds = tuple(layer.class_name for layer in layers)
     if len(kinds) == len(YOLOV5_LAYOUT) + 1 and kinds[:-1] == YOLOV5_LAYOUT and kinds[-1] in HEADS:
         if layers[-1].attribute("_buffers", {}).get("anchors") is not None:
@@ -107,19 +88,9 @@ def _scale(model: Placeholder, layers: list[Placeholder]) -> tuple[float, float]
     yaml = model.attribute("yaml")
     if isinstance(yaml, Mapping) and "depth_multiple" in yaml and "width_multiple" in yaml:
         return float(yaml["depth_multiple"]), float(yaml["width_multiple"])
-    stem_channels = _children(layers[0])["conv"].attribute("_parameters")["weight"].shape[0]
-    blocks = len(_children(_children(layers[2])["m"]))
+    stem_channels = conv_out_channels(layers[0])
+    blocks = len(children(children(layers[2])["m"]))
     return blocks / BASE_DEPTHS[0], stem_channels / BASE_WIDTHS[0]
-
-
-def _names(model: Placeholder, num_classes: int) -> list[str]:
-    """Class names from the model (a list, or YOLOv5 v7's {index: name}); numbers when absent or inconsistent."""
-    names = model.attribute("names")
-    if isinstance(names, Mapping):
-        names = [names[key] for key in sorted(names)]
-    if isinstance(names, (list, tuple)) and len(names) == num_classes:
-        return [str(name) for name in names]
-    return [str(index) for index in range(num_classes)]
 
 
 def spec_from_pickle(model: Placeholder, layers: list[Placeholder], path: Path) -> ModelSpec:
@@ -139,8 +110,7 @@ def spec_from_pickle(model: Placeholder, layers: list[Placeholder], path: Path) 
         num_classes=int(head.attribute("nc")),
     )
     if head.class_name == "Segment":
-        protos = _children(_children(head)["proto"])["cv1"]
-        num_protos = _children(protos)["conv"].attribute("_parameters")["weight"].shape[0]
+        num_protos = conv_out_channels(children(children(head)["proto"])["cv1"])
         spec = replace(spec, num_masks=int(head.attribute("nm")), num_protos=int(num_protos))
     return spec
 
@@ -150,7 +120,7 @@ def map_weights(layers: list[Placeholder], model: torch.nn.Module, path: Path) -
     prefixes = {id(module): f"{name}." for name, module in model.named_modules()}
     theirs: dict[str, torch.Tensor] = {}
     for layer, ours in zip(layers, model.layers(), strict=True):
-        _flatten(layer, prefixes[id(ours)], theirs)
+        flatten_tensors(layer, prefixes[id(ours)], theirs, RENAMES, DERIVED_BUFFERS)
     own = model.state_dict()
     theirs.setdefault("head.stride", own["head.stride"])  # YOLOv5 keeps it as a plain attribute
     extra = [key for key in theirs if key not in own]
@@ -168,33 +138,22 @@ def map_weights(layers: list[Placeholder], model: torch.nn.Module, path: Path) -
     return {key: theirs[key].detach().clone().contiguous() for key in own}
 
 
-def convert_loaded(raw: Any, path: Path) -> Checkpoint:
-    """Turn an object tree read by load_untrusted into our Checkpoint (weights only, like a stripped best.pt)."""
-    model_node = find_model(raw, path)
+def yolov5_model(model_node: Placeholder, path: Path) -> ConvertedModel:
+    """Map a pickled YOLOv5 DetectionModel / SegmentationModel onto ours (one-line ConfigError when it does not fit)."""
     layers = _layers(model_node, path)
     spec = spec_from_pickle(model_node, layers, path)
-    weights = map_weights(layers, build_model(spec), path)
-    meta = raw if isinstance(raw, Mapping) else {}
-    epoch = meta.get("epoch")
-    fitness = meta.get("best_fitness")
-    return Checkpoint(
-        format_version=FORMAT_VERSION,
-        task=HEADS[layers[-1].class_name],
-        model_family=spec.family,
-        model_spec=spec.to_dict(),
-        names=_names(model_node, spec.num_classes),
-        model=weights,
-        ema=weights,
-        ema_updates=0,
-        optimizer=None,
-        scaler=None,
-        epoch=epoch if isinstance(epoch, int) else -1,
-        best_fitness=float(fitness) if isinstance(fitness, (int, float)) else 0.0,
-        train_config={"converted_from": str(path), "source_model": model_node.source},
-        hyp={},
-        date=datetime.datetime.now().isoformat(timespec="seconds"),
-        torch_version=str(torch.__version__),
-    )
+    return ConvertedModel(HEADS[layers[-1].class_name], spec, map_weights(layers, build_model(spec), path))
+
+
+def convert_loaded(raw: Any, path: Path) -> Checkpoint:
+    """Turn an object tree read by load_untrusted into our Checkpoint (weights only, like a stripped best.pt).
+
+    Ultralytics' classes (`ultralytics.nn.tasks.*`) go to utils/convert_ultralytics.py, everything else
+    is read as YOLOv5's.
+    """
+    model_node = find_model(raw, path)
+    convert = ultralytics_model if is_ultralytics(model_node) else yolov5_model
+    return weights_only_checkpoint(convert(model_node, path), raw, model_node, path)
 
 
 def convert_checkpoint(path: Path | str) -> Checkpoint:
@@ -243,7 +202,7 @@ def main(argv: list[str] | None = None) -> Path:
     output = args.output or args.source.with_name(f"{args.source.stem}-converted.pt")
     checkpoint = convert_checkpoint(args.source)
     save_checkpoint(checkpoint, output, DistContext())
-    spec = ModelSpec.from_dict(checkpoint["model_spec"])
+    spec = spec_from_checkpoint(checkpoint, output)
     print(
         f"{args.source} -> {output}: {checkpoint['task']} model, {spec.num_classes} classes, "
         f"depth {spec.depth_multiple} width {spec.width_multiple}, {len(checkpoint['model'])} tensors"

@@ -1,0 +1,113 @@
+"""Read a foreign pickled model tree (safe_pickle placeholders): children, tensors in state-dict order, names.
+
+Shared by the YOLOv5 converter (utils/convert.py) and the Ultralytics one (utils/convert_ultralytics.py):
+both find the pickled model, walk its modules the way `nn.Module.state_dict()` would, and wrap the
+mapped weights in our weights-only Checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from utils.errors import ConfigError
+from utils.safe_pickle import Placeholder
+from utils.train.checkpoint import FORMAT_VERSION, Checkpoint
+
+
+@dataclass(frozen=True)
+class ConvertedModel:
+    """What a converter made of a pickled model: our task name, our spec, and our state dict filled from the file."""
+
+    task: str
+    spec: Any
+    weights: dict[str, torch.Tensor]
+
+
+def children(node: Placeholder) -> Mapping[str, Any]:
+    """The `_modules` of a pickled nn.Module (empty for anything else)."""
+    modules = node.attribute("_modules")
+    return modules if isinstance(modules, Mapping) else {}
+
+
+def flatten_tensors(
+    node: Placeholder,
+    prefix: str,
+    out: dict[str, torch.Tensor],
+    renames: Mapping[str, Mapping[str, str]] | None = None,
+    skipped_buffers: frozenset[str] = frozenset(),
+) -> None:
+    """Add `node`'s parameters and persistent buffers to `out` in state_dict() order, recursing into children.
+
+    `renames` maps a pickled class name to {their child name: ours} (YOLOv5's C3 `cv1` -> `deep_in`, ...);
+    children not listed keep their name. Buffers named in `skipped_buffers` are left out.
+    """
+    skipped = (node.attribute("_non_persistent_buffers_set") or set()) | skipped_buffers
+    for group in ("_parameters", "_buffers"):
+        for name, tensor in (node.attribute(group) or {}).items():
+            if tensor is not None and name not in skipped:
+                out[prefix + name] = tensor
+    names = (renames or {}).get(node.class_name, {})
+    for name, child in children(node).items():
+        if isinstance(child, Placeholder):
+            flatten_tensors(child, f"{prefix}{names.get(name, name)}.", out, renames, skipped_buffers)
+
+
+def find_model(raw: Any, path: Path) -> Placeholder:
+    """Return the pickled model of a YOLOv5/Ultralytics checkpoint: `ema` when present, else `model`."""
+    if isinstance(raw, Placeholder):
+        return raw
+    model = (raw.get("ema") or raw.get("model")) if isinstance(raw, Mapping) else None
+    if not isinstance(model, Placeholder) or "model" not in children(model):
+        raise ConfigError(f"{path}: not a YOLOv5 or Ultralytics checkpoint (no pickled model with a layer list)")
+    return model
+
+
+def layer_list(model: Placeholder) -> list[Placeholder]:
+    """The pickled model's numbered layers (`model.model`, a Sequential), in index order."""
+    return list(children(children(model)["model"]).values())
+
+
+def conv_out_channels(conv_block: Placeholder) -> int:
+    """Output channels of a pickled Conv-BN-act block (its `conv` child's weight rows)."""
+    return int(children(conv_block)["conv"].attribute("_parameters")["weight"].shape[0])
+
+
+def class_names(model: Placeholder, num_classes: int) -> list[str]:
+    """Class names from the model (a list, or a {index: name} dict); numbers when absent or inconsistent."""
+    names = model.attribute("names")
+    if isinstance(names, Mapping):
+        names = [names[key] for key in sorted(names)]
+    if isinstance(names, (list, tuple)) and len(names) == num_classes:
+        return [str(name) for name in names]
+    return [str(index) for index in range(num_classes)]
+
+
+def weights_only_checkpoint(converted: ConvertedModel, raw: Any, model: Placeholder, path: Path) -> Checkpoint:
+    """Wrap a converted model as our Checkpoint (weights only, like a stripped best.pt); `raw` is the file's dict."""
+    meta = raw if isinstance(raw, Mapping) else {}
+    epoch = meta.get("epoch")
+    fitness = meta.get("best_fitness")
+    return Checkpoint(
+        format_version=FORMAT_VERSION,
+        task=converted.task,
+        model_family=converted.spec.family,
+        model_spec=converted.spec.to_dict(),
+        names=class_names(model, converted.spec.num_classes),
+        model=converted.weights,
+        ema=converted.weights,
+        ema_updates=0,
+        optimizer=None,
+        scaler=None,
+        epoch=epoch if isinstance(epoch, int) else -1,
+        best_fitness=float(fitness) if isinstance(fitness, (int, float)) else 0.0,
+        train_config={"converted_from": str(path), "source_model": model.source},
+        hyp={},
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        torch_version=str(torch.__version__),
+    )
