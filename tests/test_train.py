@@ -107,7 +107,8 @@ def test_every_epoch_logs_its_images_per_second_and_data_wait(trained_run) -> No
         match = re.fullmatch(pattern, line)
         assert match is not None, line
         seconds, rate, share = (float(group) for group in match.groups())
-        assert 16 / (seconds + 0.05) <= rate <= 16 / max(seconds - 0.05, 1e-3)  # seconds is rounded to 0.1
+        # Both figures are rounded to 0.1: on a loaded machine (14 s for the epoch) the rate's rounding matters too.
+        assert 16 / (seconds + 0.05) - 0.05 <= rate <= 16 / max(seconds - 0.05, 1e-3) + 0.05
         assert 0 <= share <= 100
 
 
