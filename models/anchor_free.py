@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from models.blocks import Concat, Conv, upsample2x
+from models.blocks import Concat, Conv, fuse_convs, upsample2x
 from models.csp_blocks import C2PSA, C2f, C3k2, PoolPyramid
 from models.dense_head import DenseHead, DenseRaw, SegmentDenseHead
 from models.ultralytics_yaml import is_ultralytics_yaml, read_ultralytics_yaml
@@ -316,10 +316,7 @@ class AnchorFreeModel(nn.Module):
 
     def fuse(self) -> AnchorFreeModel:
         """Fold every BatchNorm into its conv for faster inference; returns self. Use only for eval."""
-        for module in self.modules():
-            if isinstance(module, Conv):
-                module.fuse()
-        LOGGER.info("Fused conv and batch-norm layers")
+        fuse_convs(self)
         return self
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+LOGGER = logging.getLogger(__name__)
 
 
 def autopad(kernel: int, padding: int | None = None, dilation: int = 1) -> int:
@@ -141,6 +145,14 @@ class Concat(nn.Module):
     def forward(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Tensors must agree on every dimension except `dim`."""
         return torch.cat(tensors, dim=self.dim)
+
+
+def fuse_convs(model: nn.Module) -> None:
+    """Fold the batch norm of every Conv in `model` into its convolution (inference only; outputs unchanged)."""
+    for module in model.modules():
+        if isinstance(module, Conv):
+            module.fuse()
+    LOGGER.info("Fused conv and batch-norm layers")
 
 
 def upsample2x() -> nn.Upsample:

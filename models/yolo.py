@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from models.blocks import C3, SPPF, Concat, Conv, upsample2x
+from models.blocks import C3, SPPF, Concat, Conv, fuse_convs, upsample2x
 from models.heads import DetectHead, HeadOutput, SegmentHead
 from models.yolov5_yaml import LAYOUT_KEYS, read_yolov5_layout
 from utils.errors import ConfigError, read_yaml_mapping
@@ -306,10 +306,7 @@ class DetectionModel(nn.Module):
 
     def fuse(self) -> DetectionModel:
         """Fold every BatchNorm into its conv for faster inference; returns self. Use only for eval."""
-        for module in self.modules():
-            if isinstance(module, Conv):
-                module.fuse()
-        LOGGER.info("Fused conv and batch-norm layers")
+        fuse_convs(self)
         return self
 
 
