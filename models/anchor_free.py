@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from dataclasses import asdict, dataclass, replace
@@ -18,7 +17,6 @@ from models.dense_head import DenseHead, DenseRaw, SegmentDenseHead
 from models.ultralytics_yaml import is_ultralytics_yaml, read_ultralytics_yaml
 from utils.errors import ConfigError
 
-LOGGER = logging.getLogger(__name__)
 
 LAYOUTS = ("yolov8", "yolo11", "yolo26")
 # Size -> (depth_multiple, width_multiple, max_channels) per layout: the published scale rows.
