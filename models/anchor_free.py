@@ -17,7 +17,6 @@ from models.dense_head import DenseHead, DenseRaw, SegmentDenseHead
 from models.ultralytics_yaml import is_ultralytics_yaml, read_ultralytics_yaml
 from utils.errors import ConfigError
 
-
 LAYOUTS = ("yolov8", "yolo11", "yolo26")
 # Size -> (depth_multiple, width_multiple, max_channels) per layout: the published scale rows.
 SCALES: dict[str, dict[str, tuple[float, float, int]]] = {
