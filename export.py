@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from segment.task import SEGMENT
-from utils.cli import exit_on_user_error, export_main
+from utils.cli import exit_on_user_error, export_main, export_run
 from utils.export import ExportedFile
 from utils.tasks import DETECT
+
+TASKS = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}  # a checkpoint's `task` field -> its Task
 
 
 def main(argv: list[str] | None = None) -> list[ExportedFile]:
     """Parse the flags and export; the task (detect or segment) is read from the checkpoint itself."""
-    return export_main(argv, {DETECT.name: DETECT, SEGMENT.name: SEGMENT})
+    return export_main(argv, TASKS)
+
+
+def run(**options: Any) -> list[ExportedFile]:
+    """Export from Python with export.py's flags as keywords: `export.run(weights="best.pt", include=["onnx"])`."""
+    return export_run(options, TASKS)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from utils.cli import exit_on_user_error, train_main
+from typing import Any
+
+from utils.cli import exit_on_user_error, train_main, train_run
 from utils.tasks import DETECT, Task
 from utils.train.engine import FitResult
 
@@ -10,6 +12,16 @@ from utils.train.engine import FitResult
 def main(argv: list[str] | None = None, task: Task = DETECT) -> FitResult:
     """Parse the flags, set up the process group and train; returns where the results are."""
     return train_main(argv, task)
+
+
+def run(callbacks: Any = None, **options: Any) -> FitResult:
+    """Train from Python with train.py's flags as keywords: `train.run(data="coco128.yaml", epochs=3, cfg="yolo11n")`.
+
+    Same names (`batch_size` for --batch-size), defaults and checks as the command line; a bad
+    option raises ConfigError with the message the command line prints. `callbacks` maps event
+    names to functions (docs/python-api.md). Under torchrun every rank calls it, as train.py.
+    """
+    return train_run(options, DETECT, callbacks)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from utils.cli import exit_on_user_error, val_main
+from typing import Any
+
+from utils.cli import exit_on_user_error, val_main, val_run
 from utils.eval.evaluate import EvalResult
 from utils.tasks import DETECT, Task
 
@@ -10,6 +12,14 @@ from utils.tasks import DETECT, Task
 def main(argv: list[str] | None = None, task: Task = DETECT) -> EvalResult:
     """Parse the flags and validate the checkpoint; prints the results table on rank 0."""
     return val_main(argv, task)
+
+
+def run(**options: Any) -> EvalResult:
+    """Validate from Python with val.py's flags as keywords: `val.run(weights="best.pt", data="coco.yaml")`.
+
+    Returns the EvalResult (`as_dict()`: P, R, mAP50, mAP50-95, fitness); errors raise ConfigError.
+    """
+    return val_run(options, DETECT)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 # Run as a script, Python puts segment/ first on sys.path; the package imports need the project root instead.
 ROOT = Path(__file__).resolve().parents[1]
@@ -11,13 +12,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from segment.task import SEGMENT  # noqa: E402
-from utils.cli import exit_on_user_error, predict_main  # noqa: E402
+from utils.cli import exit_on_user_error, predict_main, predict_run  # noqa: E402
 from utils.predict.predictor import PredictResult  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> PredictResult:
     """Parse the flags and run the shared predict entry point with the segmentation task (runs/predict-seg/exp)."""
     return predict_main(argv, SEGMENT)
+
+
+def run(**options: Any) -> PredictResult:
+    """segment/predict.py from Python, its flags as keywords (see the detection entry point's run())."""
+    return predict_run(options, SEGMENT)
 
 
 if __name__ == "__main__":

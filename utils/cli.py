@@ -1,17 +1,24 @@
-"""Shared entry-point plumbing: distributed set-up, logging, one-line errors and clean shutdown."""
+"""Shared entry-point plumbing: distributed set-up, logging, one-line errors, clean shutdown, keyword calls."""
 
 from __future__ import annotations
 
+import argparse
+import copy
 import datetime
 import logging
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
+import torch.distributed as dist
+
+from utils.callbacks import Callbacks
 from utils.config import build_val_parser, train_config_from_argv, val_config_from_args, validate
 from utils.distributed import DEFAULT_TIMEOUT, DistContext, cleanup, init_distributed
 from utils.errors import ConfigError
-from utils.logs import setup_logging
+from utils.logs import logging_for
 
 if TYPE_CHECKING:
     from utils.eval.evaluate import EvalResult
@@ -29,13 +36,18 @@ def run_entry(device: str, body: Callable[[DistContext], T], timeout: datetime.t
 
     Raising inside `body` on any rank ends that rank; the others then fail at their next
     collective within the process-group `timeout` (--dist-timeout) instead of hanging forever.
+    Called from Python (train.run, ...), it leaves the process as it found it: a process group
+    that existed before is kept, and the logging set-up and torch's thread count are restored.
     """
-    ctx = init_distributed(device, timeout)
-    setup_logging(ctx)
+    threads, group_existed = torch.get_num_threads(), dist.is_available() and dist.is_initialized()
     try:
-        return body(ctx)
+        ctx = init_distributed(device, timeout)
+        with logging_for(ctx):
+            return body(ctx)
     finally:
-        cleanup()
+        if not group_existed:
+            cleanup()
+        torch.set_num_threads(threads)
 
 
 def exit_on_user_error(main: Callable[[], object]) -> None:
@@ -52,7 +64,94 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
         sys.exit(REQUEUE_EXIT_CODE)
 
 
-def train_main(argv: list[str] | None, task: Task) -> FitResult:
+def keyword_argv(parser: argparse.ArgumentParser, options: Mapping[str, Any], entry: str) -> list[str]:
+    """Return the command line giving `parser` the keyword `options`, checked as the command line is checked.
+
+    A keyword is a flag's name without the dashes, `-` written `_` (`batch_size=16`, `cfg="yolo11n"`,
+    `img=640`); switches take True/False, list flags a list or one value, and None leaves the
+    default. An unknown keyword, or a value the flag refuses, raises a ConfigError carrying the
+    command line's own message, prefixed by `entry` (e.g. "train.run").
+    """
+    actions = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--"):
+                actions[option[2:].replace("-", "_")] = (option, action)
+    argv: list[str] = []
+    for key, value in options.items():
+        if key not in actions or isinstance(actions[key][1], argparse._HelpAction):
+            known = ", ".join(sorted(name for name, (_, action) in actions.items() if action.dest != "help"))
+            raise ConfigError(f"{entry}: unknown option {key!r}; known: {known}")
+        argv += _flag_argv(*actions[key], value, f"{entry}: {key}={value!r}")
+    checker = copy.deepcopy(parser)
+
+    def refuse(message: str) -> None:
+        raise ConfigError(f"{entry}: {message}")
+
+    checker.error = refuse  # type: ignore[method-assign]
+    checker.parse_args(argv)
+    return argv
+
+
+def _flag_argv(option: str, action: argparse.Action, value: Any, where: str) -> list[str]:
+    """The command-line words giving flag `option` (of `action`) the Python `value`."""
+    if value is None:
+        return []
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be True or False")
+        return [option if value else "--no-" + option[2:]]
+    if action.nargs == 0:  # store_true
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be True or False")
+        return [option] if value else []
+    if action.nargs in ("+", "*"):
+        values = list(value) if isinstance(value, list | tuple) else [value]
+        return [option, *map(str, values)] if values else []
+    if action.nargs == "?" and isinstance(value, bool):  # --cache / --resume alone
+        return [option] if value else []
+    return [option, str(value)]
+
+
+def train_run(options: dict[str, Any], task: Task, callbacks: Any = None) -> FitResult:
+    """train.run(**options): the command line's checks and training, in this process.
+
+    `callbacks` is {event: function or functions} or a `Callbacks`; module names (the
+    --callbacks flag) may be given as a string or list of strings instead.
+    """
+    if isinstance(callbacks, str | Path | list | tuple):
+        options, callbacks = {**options, "callbacks": callbacks}, None
+    if callbacks is not None and not isinstance(callbacks, Callbacks):
+        if not isinstance(callbacks, Mapping):
+            raise ConfigError(
+                f"train.run: callbacks must be a dict of event -> function, not {type(callbacks).__name__}"
+            )
+        callbacks = Callbacks.from_mapping(callbacks)
+    from utils.config import build_train_parser
+
+    return train_main(keyword_argv(build_train_parser(task.name), options, "train.run"), task, callbacks)
+
+
+def val_run(options: dict[str, Any], task: Task) -> EvalResult:
+    """val.run(**options): val.py's checks and validation, in this process."""
+    return val_main(keyword_argv(build_val_parser(task.name), options, "val.run"), task)
+
+
+def predict_run(options: dict[str, Any], task: Task) -> PredictResult:
+    """detect.run(**options): detect.py's checks and prediction, in this process."""
+    from utils.predict.config import build_predict_parser
+
+    return predict_main(keyword_argv(build_predict_parser(task.name), options, "detect.run"), task)
+
+
+def export_run(options: dict[str, Any], tasks: dict[str, Task]) -> list[ExportedFile]:
+    """export.run(**options): export.py's checks and export, in this process."""
+    from utils.export import build_export_parser
+
+    return export_main(keyword_argv(build_export_parser(), options, "export.run"), tasks)
+
+
+def train_main(argv: list[str] | None, task: Task, callbacks: Callbacks | None = None) -> FitResult:
     """The whole of train.py / segment/train.py: parse flags, set up the process group, train `task`."""
     from utils.train.engine import fit
 
@@ -60,7 +159,7 @@ def train_main(argv: list[str] | None, task: Task) -> FitResult:
 
     def body(ctx: DistContext) -> FitResult:
         validate(cfg, ctx)
-        result = fit(cfg, task, ctx)
+        result = fit(cfg, task, ctx, callbacks)
         if ctx.is_main:
             scores = " ".join(f"{key} {value:.4f}" for key, value in result.metrics.items() if "mAP" in key)
             print(f"Done: {result.epochs_run} epochs. Final {scores}. Best weights: {result.best}")

@@ -84,6 +84,8 @@ class TrainConfig:
     channels_last: bool = True  # NHWC weights and activations (models.yolo.memory_format)
     multi_label: bool = True  # validation NMS: a box once per class above conf (YOLOv5's mAP), else best class only
     dist_timeout: float = DEFAULT_TIMEOUT_MINUTES  # minutes a collective may wait before the job fails
+    callbacks: tuple[str, ...] = ()  # modules (or .py files) whose event-named functions follow the run
+    mlflow: bool = False  # log to MLflow (also when MLFLOW_TRACKING_URI is set)
     # Fields the user set on the command line (not defaults): what --resume may take from it. Not stored.
     explicit: frozenset[str] = frozenset()
 
@@ -120,7 +122,7 @@ def config_from_dict(options: dict[str, Any]) -> TrainConfig:
             value = Hyp(**value)
         elif key in ("data", "hyp_path", "project") and value is not None:
             value = Path(value)
-        elif key == "freeze":
+        elif key in ("freeze", "callbacks"):
             value = tuple(value)
         values[key] = value
     return TrainConfig(**values)
@@ -238,6 +240,20 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
         help="train the last N epochs without mosaic and mixup (0: mosaic throughout, as YOLOv5)",
     )
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs (CUDA and DDP only)")
+    parser.add_argument(
+        "--callbacks",
+        nargs="+",
+        default=[],
+        metavar="MODULE",
+        help="modules (pkg.name or a .py path) whose functions named like training events are called on rank 0 "
+        "(docs/python-api.md: Callbacks)",
+    )
+    parser.add_argument(
+        "--mlflow",
+        action="store_true",
+        help="log params, per-epoch metrics and artifacts to MLflow (./mlruns, or MLFLOW_TRACKING_URI, which also "
+        "turns it on); needs `pip install mlflow`",
+    )
     if task == "segment":
         parser.add_argument(
             "--overlap-mask", action="store_true", help="one index mask per image, not one per instance (less RAM)"
@@ -273,6 +289,7 @@ def config_from_args(args: argparse.Namespace, task: str = "detect") -> TrainCon
         hyp_path=hyp_path,
         cache=str(args.cache).lower(),
         freeze=tuple(args.freeze),
+        callbacks=tuple(args.callbacks),
         resume=args.resume or "",
         task=task,
     )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 from utils.distributed import DistContext
 
@@ -40,6 +42,23 @@ def setup_logging(ctx: DistContext, verbose: bool = False) -> None:
     handler._yolo_handler = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(level)
+
+
+@contextlib.contextmanager
+def logging_for(ctx: DistContext, verbose: bool = False) -> Iterator[None]:
+    """`setup_logging` for the duration of the block, then the root logger's handlers and level as they were."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    setup_logging(ctx, verbose)
+    try:
+        yield
+    finally:
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
 
 
 def tqdm_disabled(ctx: DistContext) -> bool:

@@ -66,6 +66,7 @@ class Checkpoint(_RequiredCheckpoint, total=False):
     # {"mean_loss": [...], "model_buffers": {...}, "ema_buffers": {...}} to continue exactly.
     batches_done: int
     rank_states: list[dict[str, Any]]
+    callback_state: dict[str, Any]  # utils/callbacks.py: Callbacks.state, given back on resume
 
 
 REQUIRED_KEYS = tuple(sorted(Checkpoint.__required_keys__))

@@ -18,6 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from models.yolo import memory_format
+from utils.callbacks import Callbacks, load_callback_modules
 from utils.config import AUTO, TrainConfig
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.loader import TrainLoader, images_on_device
@@ -305,6 +306,7 @@ class TrainRun:
     bundle: ModelBundle
     datasets: Datasets
     run_dir: Path
+    callbacks: Callbacks
 
     @property
     def last(self) -> Path:
@@ -316,14 +318,38 @@ class TrainRun:
         """weights/best.pt: the best fitness so far; stripped to fp16 EMA weights at the end."""
         return self.run_dir / "weights" / "best.pt"
 
+    def fire(self, event: str, **fields: Any) -> None:
+        """Tell the run's callbacks of `event` (rank 0; utils/callbacks.py), with the run's folder and options."""
+        self.callbacks.fire(event, run_dir=self.run_dir, options=self.cfg.to_dict(), epochs=self.cfg.epochs, **fields)
 
-def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
+    def figure_written(self, path: Path) -> None:
+        """A figure file was written (the drawers' `on_saved`): the on_figure event."""
+        self.fire("on_figure", path=path)
+
+
+def fit(cfg: TrainConfig, task: Task, ctx: DistContext, callbacks: Callbacks | None = None) -> FitResult:
     """Train `task` with options `cfg` on this rank; every rank of the job calls it.
 
-    Rank 0 writes the run folder, checkpoints, results.csv, the plots and (when installed) the
-    TensorBoard events; decisions that end the loop are taken on rank 0 and broadcast, so every
-    rank leaves at the same epoch.
+    Rank 0 writes the run folder, checkpoints, results.csv and the plots, and tells `callbacks`
+    (with those of `--callbacks` modules, TensorBoard and MLflow when enabled) of the run's events;
+    decisions that end the loop are taken on rank 0 and broadcast, so every rank leaves at the
+    same epoch.
     """
+    run, state = _start_run(cfg, task, ctx, callbacks or Callbacks())
+    error: BaseException | None = None
+    try:
+        result = _train_epochs(run, state)
+        run.fire("on_train_end", result=result, metrics=result.metrics)
+        return result
+    except BaseException as raised:
+        error = raised
+        raise
+    finally:
+        run.fire("teardown", error=error)
+
+
+def _start_run(cfg: TrainConfig, task: Task, ctx: DistContext, callbacks: Callbacks) -> tuple[TrainRun, TrainState]:
+    """Everything before the first epoch: options resolved, model, recipe, run folder, data, state, callbacks."""
     cfg, resume_ckpt = resolve_resume(cfg, ctx)
     seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
     if ctx.device.type == "cuda" and not cfg.deterministic and not cfg.rect:
@@ -334,55 +360,82 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext) -> FitResult:
     # Before the run folder: opt.yaml and hyp.yaml record the concrete optimizer and hyp, never "auto".
     cfg = resolve_run_recipe(cfg, data, ctx, resume_ckpt is not None, family.recipe_files)
     family.check_hyp(cfg.hyp, cfg.hyp_path)  # a hyp file without a key this family's loss reads
+    # Before the run folder too: a --callbacks module that does not import fails the run before it writes anything.
+    modules = load_callback_modules(cfg.callbacks)
     run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resume_ckpt is not None, ctx, subdirs=("weights",))
     run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx), ctx, f"writing the run folder {run_dir}")
     # A bad annotations file fails now, not after training; the parsed file is not kept (it can be large).
     check_coco_target(data, "val", ctx, cfg.single_cls)
     datasets = build_datasets(cfg, task, data, bundle, ctx)
-    run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir)
-    if resume_ckpt is None and not cfg.weights:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
-        family.prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx)
-    state = build_train_state(bundle, cfg, task, ctx, len(datasets.train_loader))
-    verify_identical_weights(state.model, ctx)
-    if resume_ckpt is not None:
-        restore_state(state, resume_ckpt, cfg, len(datasets.train_loader), ctx)
-        del resume_ckpt
-    log_startup(cfg, bundle, datasets, state.accumulate, ctx)
+    callbacks = _run_callbacks(run_dir, ctx, modules, callbacks)
+    run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir, callbacks)
+    try:  # from here on the callbacks are open (a TensorBoard writer): a failure is their teardown too
+        if resume_ckpt is None and not cfg.weights:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
+            family.prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx)
+        state = build_train_state(bundle, cfg, task, ctx, len(datasets.train_loader))
+        verify_identical_weights(state.model, ctx)
+        if resume_ckpt is not None:
+            restore_state(state, resume_ckpt, cfg, len(datasets.train_loader), ctx)
+            callbacks.state.update(resume_ckpt.get("callback_state") or {})
+            del resume_ckpt
+        log_startup(cfg, bundle, datasets, state.accumulate, ctx)
+        run.fire("on_pretrain_routine_end", epoch=state.start_epoch)
+    except BaseException as error:
+        run.fire("teardown", error=error)
+        raise
+    return run, state
+
+
+def _train_epochs(run: TrainRun, state: TrainState) -> FitResult:
+    """The epochs from `state.start_epoch`, results.csv, checkpoints and early stopping, then best.pt's final val."""
+    cfg, ctx, task = run.cfg, run.ctx, run.task
     plots = ctx.is_main and not cfg.noplots
-    with TensorBoardLogger(run_dir, ctx) as board:  # a no-op off rank 0 or without the package
-        if plots and state.start_epoch == 0:  # each rank's dataset holds every label (only images are sharded)
-            board.add_figures(plot_start(datasets.train.labels, bundle.names, run_dir))
-        results = ResultsCSV(run_dir / "results.csv", ctx)
-        # Rows of epochs after the checkpoint (written before a crash) would be repeated: drop them.
-        run_on_main(lambda: results.keep_epochs(state.start_epoch), ctx, "trimming results.csv")
-        stopper = EarlyStopper(cfg.patience)
-        epoch = state.start_epoch
-        with state.stop:
-            for epoch in range(state.start_epoch, cfg.epochs):
-                summary = _run_epoch(run, state, epoch, board)
-                row = summary.as_row(task, state.loss_fn.item_names)
-                run_on_main(lambda row=row: results.append(row), ctx, "writing results.csv")
-                board.log_epoch(row)
-                if not cfg.nosave or epoch + 1 == cfg.epochs:
-                    save_epoch(run, state, epoch, summary.fitness)
-                if broadcast_object(stopper.should_stop(epoch, summary.fitness) if ctx.is_main else False, ctx):
-                    break
-        # best.pt is the deliverable: fp16 EMA weights, no optimizer (several times smaller). last.pt keeps
-        # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
-        # val.py on best.pt evaluates the same weights.
-        best = run.best
-        run_on_main(lambda: best.exists() and ckpt_io.strip_optimizer(best, ctx), ctx, "stripping best.pt")
-        validated, result = _final_validation(run, board)
-        if plots:  # after the last collective: nothing waits on rank 0 here
-            board.add_figures(plot_run(results, result, bundle.names, run_dir))
+    if plots and state.start_epoch == 0:  # each rank's dataset holds every label (only images are sharded)
+        for path in plot_start(run.datasets.train.labels, run.bundle.names, run.run_dir):
+            run.figure_written(path)
+    results = ResultsCSV(run.run_dir / "results.csv", ctx)
+    # Rows of epochs after the checkpoint (written before a crash) would be repeated: drop them.
+    run_on_main(lambda: results.keep_epochs(state.start_epoch), ctx, "trimming results.csv")
+    stopper = EarlyStopper(cfg.patience)
+    epoch = state.start_epoch
+    with state.stop:
+        for epoch in range(state.start_epoch, cfg.epochs):
+            summary = _run_epoch(run, state, epoch)
+            row = summary.as_row(task, state.loss_fn.item_names)
+            run_on_main(lambda row=row: results.append(row), ctx, "writing results.csv")
+            run.fire("on_fit_epoch_end", epoch=epoch + 1, row=dict(row))
+            if not cfg.nosave or epoch + 1 == cfg.epochs:
+                save_epoch(run, state, epoch, summary.fitness)
+                run.fire("on_model_save", epoch=epoch + 1, path=run.last)
+            if broadcast_object(stopper.should_stop(epoch, summary.fitness) if ctx.is_main else False, ctx):
+                break
+    # best.pt is the deliverable: fp16 EMA weights, no optimizer (several times smaller). last.pt keeps
+    # its full state, so an early-stopped run can still be resumed. Validated after stripping, so
+    # val.py on best.pt evaluates the same weights.
+    best = run.best
+    run_on_main(lambda: best.exists() and ckpt_io.strip_optimizer(best, ctx), ctx, "stripping best.pt")
+    validated, result = _final_validation(run)
+    if plots:  # after the last collective: nothing waits on rank 0 here
+        for path in plot_run(results, result, run.bundle.names, run.run_dir):
+            run.figure_written(path)
     metrics = {key: float(value) for key, value in result.as_dict().items()}
-    return FitResult(run_dir, validated, run.last, metrics, epoch + 1 - state.start_epoch)
+    return FitResult(run.run_dir, validated, run.last, metrics, epoch + 1 - state.start_epoch)
 
 
-def _run_epoch(run: TrainRun, state: TrainState, epoch: int, board: TensorBoardLogger) -> EpochSummary:
+def _run_callbacks(run_dir: Path, ctx: DistContext, modules: Callbacks, given: Callbacks) -> Callbacks:
+    """The run's callbacks in calling order: TensorBoard, then the --callbacks modules', then `given` (train.run's)."""
+    callbacks = Callbacks(state=given.state, enabled=ctx.is_main)
+    if ctx.is_main:
+        callbacks.add_object(TensorBoardLogger(run_dir, ctx))
+    callbacks.merge(modules)
+    callbacks.merge(given)
+    return callbacks
+
+
+def _run_epoch(run: TrainRun, state: TrainState, epoch: int) -> EpochSummary:
     """Train one epoch, average BN statistics over ranks, validate (unless --noval), and summarise it.
 
-    The first epoch's first batches are drawn (train_batch*.jpg) and given to `board`.
+    The first epoch's first batches are drawn (train_batch*.jpg, each an on_figure event).
     """
     cfg, ctx, datasets = run.cfg, run.ctx, run.datasets
     start = time.time()
@@ -390,15 +443,20 @@ def _run_epoch(run: TrainRun, state: TrainState, epoch: int, board: TensorBoardL
     if epoch == datasets.train.options.close_mosaic_epoch and datasets.train.use_mosaic:
         LOGGER.info(f"Closing mosaic: the last {cfg.epochs - epoch} epoch(s) train on single letterboxed images")
     draws = ctx.is_main and not cfg.noplots and epoch == 0 and state.start_batch == 0
-    draw = batch_drawer(run.run_dir, run.bundle.names, on_saved=board.add_figure) if draws else None
+    draw = batch_drawer(run.run_dir, run.bundle.names, on_saved=run.figure_written) if draws else None
 
     def save_now(batches_done: int, mean_loss: np.ndarray) -> Path:
         return save_mid_epoch(run, state, epoch, batches_done, mean_loss)
 
+    run.fire("on_train_epoch_start", epoch=epoch + 1)
     state.loss_fn.start_epoch(epoch, cfg.epochs)  # e.g. an end-to-end model's branch weights (resume-safe)
     trained = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx, draw, save_now)
     LOGGER.info(f"train: {trained.describe(ctx.world_size)}")
     lrs = [group["lr"] for group in state.optimizer.param_groups]
+    names = state.loss_fn.item_names
+    train_row = {f"train/{name}_loss": float(v) for name, v in zip(names, trained.mean_loss, strict=True)}
+    train_row.update({f"lr/pg{i}": lr for i, lr in enumerate(lrs)})
+    run.fire("on_train_epoch_end", epoch=epoch + 1, row=train_row)
     with warnings.catch_warnings():  # a resumed epoch with no batch left has no optimizer step before this
         warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
         state.scheduler.step()
@@ -411,6 +469,7 @@ def _run_epoch(run: TrainRun, state: TrainState, epoch: int, board: TensorBoardL
         result = run.task.evaluate(state.ema.ema, datasets.val_loader, options, ctx, state.loss_fn)
         LOGGER.info(f"val: {_scores_line(result.as_dict())}")
         metrics, val_loss = result.as_dict(), result.loss_items
+        run.fire("on_val_end", epoch=epoch + 1, metrics=dict(metrics))
     state.best_fitness = max(state.best_fitness, metrics.get("fitness", 0.0))
     return EpochSummary(epoch, trained.mean_loss, val_loss, metrics, lrs, time.time() - start)
 
@@ -425,11 +484,11 @@ def _scores_line(metrics: dict[str, float]) -> str:
     )
 
 
-def _final_validation(run: TrainRun, board: TensorBoardLogger) -> tuple[Path, EvalResult]:
+def _final_validation(run: TrainRun) -> tuple[Path, EvalResult]:
     """Validate the EMA weights of best.pt (last.pt when --nosave never wrote a best) once more.
 
     Returns the checkpoint validated and its EvalResult (curves; a confusion matrix too unless
-    --noplots, when rank 0 also draws val_batch*_labels.jpg / _pred.jpg and gives them to `board`).
+    --noplots, when rank 0 also draws val_batch*_labels.jpg / _pred.jpg, each an on_figure event).
     When the dataset YAML names COCO annotations for the val split, predictions.json
     and coco_eval.json are written to the run folder and the mAPs come from pycocotools. Every
     rank takes part. Only rank 0 is sure to see the file (other nodes may not share the
@@ -451,10 +510,11 @@ def _final_validation(run: TrainRun, board: TensorBoardLogger) -> tuple[Path, Ev
         description="final val",
         collect_predictions=use_coco,
         confusion=not cfg.noplots,
-        on_batch=val_batch_drawer(run.run_dir, bundle.names, board.add_figure) if draws else None,
+        on_batch=val_batch_drawer(run.run_dir, bundle.names, run.figure_written) if draws else None,
     )
     result = run.task.evaluate(model, run.datasets.val_loader, options, ctx)
     if use_coco:
         result = coco_evaluate(result, run.data, "val", run.run_dir, ctx, single_cls=cfg.single_cls)
     LOGGER.info(f"Final ({path}, {result.metric_source} mAP): {_scores_line(result.as_dict())}")
+    run.fire("on_val_end", metrics=result.as_dict(), path=path, final=True)
     return path, result

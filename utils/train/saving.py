@@ -56,7 +56,7 @@ def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Ch
     info = ckpt_io.RunInfo(
         run.task.name, bundle.spec.to_dict(), list(bundle.names), cfg.to_dict(), cfg.hyp.to_dict(), bundle.spec.family
     )
-    return ckpt_io.build_checkpoint(
+    checkpoint = ckpt_io.build_checkpoint(
         run=info,
         model=state.model,
         ema=state.ema,
@@ -65,6 +65,19 @@ def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Ch
         epoch=epoch,
         best_fitness=state.best_fitness,
     )
+    checkpoint["callback_state"] = _callback_state(run.callbacks.state)  # e.g. the MLflow run id, for a resume
+    return checkpoint
+
+
+def _callback_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The callbacks' records as checkpoint data; an entry that is not plain data is left out with a warning."""
+    kept = {}
+    for key, value in state.items():
+        try:
+            kept[str(key)] = ckpt_io.plain_data(value)
+        except TypeError as error:
+            LOGGER.warning(f"callback state {key!r} not saved in the checkpoint: {error}")
+    return kept
 
 
 def save_epoch(run: TrainRun, state: TrainState, epoch: int, fitness: float) -> None:

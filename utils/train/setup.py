@@ -53,7 +53,8 @@ class Datasets:
 
 
 # Options --resume takes from the new command line when given there; all others come from the checkpoint.
-RESUME_OVERRIDES = ("epochs", "batch_size")  # change the remaining schedule / the global batch (README)
+# change the remaining schedule / the global batch (README), or who follows the run
+RESUME_OVERRIDES = ("epochs", "batch_size", "callbacks", "mlflow")
 MACHINE_OPTIONS = ("device", "workers", "resume", "dist_timeout", "amp")  # where and how this attempt runs
 
 
@@ -150,7 +151,8 @@ def _refuse_changed_options(cfg: TrainConfig, stored: TrainConfig) -> None:
         flag = "--" + {"model": "cfg"}.get(changed[0], changed[0]).replace("_", "-")
         raise ConfigError(
             f"--resume continues a run with its own options; {flag} cannot be changed "
-            "(allowed with --resume: --epochs, --batch-size, --device, --workers, --dist-timeout, --amp)"
+            "(allowed with --resume: --epochs, --batch-size, --device, --workers, --dist-timeout, --amp, --callbacks, "
+            "--mlflow)"
         )
 
 

@@ -7,12 +7,15 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cv2
 
 from utils.data.cache import read_image
 from utils.distributed import DistContext
+
+if TYPE_CHECKING:
+    from utils.callbacks import TrainEvent
 
 LOGGER = logging.getLogger(__name__)
 INSTALL_HINT = "TensorBoard: not installed (`pip install tensorboard` to log losses, metrics and plots for it)"
@@ -24,8 +27,9 @@ class TensorBoardLogger:
     Rank 0 only, and only when the `tensorboard` package (which `torch.utils.tensorboard` needs)
     is installed: otherwise start-up logs one line saying how to enable it and every method does
     nothing, so the engine calls it unconditionally. A writer that cannot start is a warning, never
-    a failed run. Use it as a context manager: the writer is closed (its events flushed) when the
-    run ends and when it fails.
+    a failed run. Training registers it as callbacks (`on_fit_epoch_end`, `on_figure`, `teardown`,
+    which closes the writer, flushing its events, whether the run finished or failed); used
+    directly, it is a context manager that closes the writer on exit.
     """
 
     def __init__(self, run_dir: Path, ctx: DistContext) -> None:
@@ -67,6 +71,21 @@ class TensorBoardLogger:
         """`add_figure` each of `paths`."""
         for path in paths:
             self.add_figure(path)
+
+    # Its events (utils/callbacks.py): the engine registers the logger's methods named like them.
+    def on_fit_epoch_end(self, event: TrainEvent) -> None:
+        """Log the epoch's results.csv row."""
+        if event.row is not None:
+            self.log_epoch(event.row)
+
+    def on_figure(self, event: TrainEvent) -> None:
+        """Add the figure just written."""
+        if event.path is not None:
+            self.add_figure(event.path)
+
+    def teardown(self, event: TrainEvent) -> None:
+        """Close the writer when the run ends, finished or failed."""
+        self.close()
 
     def close(self) -> None:
         """Flush and close the writer; later calls do nothing."""
