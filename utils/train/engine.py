@@ -42,6 +42,7 @@ from utils.tasks import Task
 from utils.train import checkpoint as ckpt_io
 from utils.train.ema import ModelEMA
 from utils.train.faults import Preempted, StopSignals
+from utils.train.mlflow_logger import MLflowLogger, mlflow_wanted
 from utils.train.optim import (
     Warmup,
     accumulate_steps,
@@ -367,7 +368,7 @@ def _start_run(cfg: TrainConfig, task: Task, ctx: DistContext, callbacks: Callba
     # A bad annotations file fails now, not after training; the parsed file is not kept (it can be large).
     check_coco_target(data, "val", ctx, cfg.single_cls)
     datasets = build_datasets(cfg, task, data, bundle, ctx)
-    callbacks = _run_callbacks(run_dir, ctx, modules, callbacks)
+    callbacks = _run_callbacks(cfg, run_dir, ctx, modules, callbacks)
     run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir, callbacks)
     try:  # from here on the callbacks are open (a TensorBoard writer): a failure is their teardown too
         if resume_ckpt is None and not cfg.weights:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
@@ -422,11 +423,15 @@ def _train_epochs(run: TrainRun, state: TrainState) -> FitResult:
     return FitResult(run.run_dir, validated, run.last, metrics, epoch + 1 - state.start_epoch)
 
 
-def _run_callbacks(run_dir: Path, ctx: DistContext, modules: Callbacks, given: Callbacks) -> Callbacks:
-    """The run's callbacks in calling order: TensorBoard, then the --callbacks modules', then `given` (train.run's)."""
+def _run_callbacks(
+    cfg: TrainConfig, run_dir: Path, ctx: DistContext, modules: Callbacks, given: Callbacks
+) -> Callbacks:
+    """The run's callbacks in calling order: TensorBoard, MLflow, the --callbacks modules', `given` (train.run's)."""
     callbacks = Callbacks(state=given.state, enabled=ctx.is_main)
     if ctx.is_main:
         callbacks.add_object(TensorBoardLogger(run_dir, ctx))
+        if mlflow_wanted(cfg.mlflow):
+            callbacks.add_object(MLflowLogger(explicit=cfg.mlflow))
     callbacks.merge(modules)
     callbacks.merge(given)
     return callbacks

@@ -1,0 +1,148 @@
+"""MLflow logging of training runs, read back with the MLflow client: local store, a real server, resume, no server."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from tests.conftest import make_tiny_dataset
+from utils.data.synthetic import SyntheticSpec
+from utils.train.mlflow_logger import metric_name
+
+mlflow = pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+TINY = SyntheticSpec(num_train=8, num_val=4, max_objects=3, min_object_frac=0.2)
+
+
+def test_metric_names_keep_results_csv_columns_readable() -> None:
+    assert metric_name("metrics/mAP50-95") == "metrics/mAP50-95"
+    assert metric_name("metrics/mAP50(B)") == "metrics/mAP50_B_"
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_dataset(tmp_path_factory.mktemp("mlflow"), TINY)
+
+
+@pytest.fixture
+def no_tracking_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def _train(tiny_data: Path, project: Path, **extra: object):
+    options = dict(data=tiny_data, imgsz=64, batch_size=4, epochs=2, workers=0, device="cpu", project=project,
+                   noplots=True, seed=1)  # fmt: skip
+    return train.run(**{**options, **extra})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _metric_steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
+    return sorted(metric.step for metric in client.get_metric_history(run_id, key))
+
+
+def _artifacts(client: MlflowClient, run_id: str, path: str | None = None) -> set[str]:
+    return {item.path for item in client.list_artifacts(run_id, path)}
+
+
+@pytest.mark.slow
+def test_local_store_gets_params_metrics_artifacts_and_a_resume_continues_the_run(
+    tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_tracking_env: None
+) -> None:
+    monkeypatch.chdir(tmp_path)  # MLflow's default store is in the working folder
+    first = _train(tiny_data, tmp_path / "runs" / "train", epochs=1, mlflow=True)
+    run_id = torch.load(first.last, weights_only=True)["callback_state"]["mlflow"]["run_id"]
+    client = MlflowClient(mlflow.get_tracking_uri())
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == first.run_dir.name
+    assert run.data.params["epochs"] == "1" and run.data.params["model"] == "yolov5n"
+    assert run.data.params["hyp/lr0"] == "0.001"  # the quick start's AdamW recipe, as resolved
+    assert client.get_experiment(run.info.experiment_id).name == "train"
+    assert _metric_steps(client, run_id, "metrics/mAP50-95") == [1]
+    assert {"results.csv", "opt.yaml", "hyp.yaml", "weights"} <= _artifacts(client, run_id)
+    assert _artifacts(client, run_id, "weights") == {"weights/best.pt"}
+    # --resume with more epochs continues the same MLflow run (its id is in last.pt).
+    resumed = _train(tiny_data, tmp_path / "runs" / "train", resume=str(first.last), epochs=2, mlflow=True)
+    assert resumed.run_dir == first.run_dir
+    assert torch.load(resumed.last, weights_only=True)["callback_state"]["mlflow"]["run_id"] == run_id
+    assert _metric_steps(client, run_id, "metrics/mAP50-95") == [1, 2]
+    assert _metric_steps(client, run_id, "train/box_loss") == [1, 2]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # its HTTP settings do not outlive the run
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[str]:
+    """A real `mlflow server` on a free localhost port, stopped after the test."""
+    port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+               "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+               "--artifacts-destination", str(tmp_path / "server-artifacts")]  # fmt: skip
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(uri + "/health", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"mlflow server did not start: {(tmp_path / 'server.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+        log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed  # starts a server process
+def test_a_real_tracking_server_named_by_the_environment_gets_the_run(
+    tiny_data: Path, tmp_path: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)  # enables MLflow without --mlflow
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "shapes")
+    result = _train(tiny_data, tmp_path / "runs")
+    run_id = torch.load(result.last, weights_only=True)["callback_state"]["mlflow"]["run_id"]
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "shapes"
+    assert run.info.status == "FINISHED" and run.data.params["imgsz"] == "64"
+    assert _metric_steps(client, run_id, "metrics/mAP50") == [1, 2]
+    assert set(run.data.metrics) >= {"train/box_loss", "val/cls_loss", "lr/pg0", "final/mAP50-95"}
+    assert "weights/best.pt" in _artifacts(client, run_id, "weights")
+    assert (tmp_path / "server-artifacts").is_dir()  # uploaded through the server, not written beside the run
+
+
+@pytest.mark.slow
+def test_a_tracking_uri_nobody_listens_on_costs_one_warning(
+    tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
+    with caplog.at_level(logging.WARNING):
+        result = _train(tiny_data, tmp_path / "runs", epochs=1)
+    assert result.best.is_file()
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("utils.train.mlflow")]
+    assert len(warnings) == 1 and "no tracking server at http://127.0.0.1:" in warnings[0]
+    assert "mlflow" not in torch.load(result.last, weights_only=True)["callback_state"]
