@@ -1,0 +1,103 @@
+"""torch.hub.load from this checkout (hubconf.py) and in-memory inference: the detections detect.py writes, as data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import detect
+from segment import predict as segment_predict
+from segment.task import SEGMENT
+from tests import yolov5_fakes as v5
+from tests.test_predict import untrained_checkpoint, write_image
+from utils.data.synthetic import SHAPE_NAMES
+from utils.errors import ConfigError
+from utils.tasks import DETECT
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _hub(name: str, **kwargs: object):  # noqa: ANN202
+    return torch.hub.load(str(ROOT), name, source="local", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def detector_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return untrained_checkpoint(tmp_path_factory.mktemp("hub") / "det.pt", DETECT, "yolov5n")
+
+
+def test_every_input_kind_gives_the_same_detections_in_original_pixels(detector_file: Path, tmp_path: Path) -> None:
+    model = _hub("custom", path=str(detector_file), device="cpu")
+    model.size = 64
+    path = write_image(tmp_path / "a.jpg", seed=3, hw=(96, 128))
+    rgb = cv2.imread(str(path))[..., ::-1]
+    from_path, from_array, from_pil = model([str(path), rgb, Image.open(path)])
+    assert len(from_path) > 0 and from_path.shape == (96, 128)
+    for other in (from_array, from_pil):
+        np.testing.assert_array_equal(other.boxes, from_path.boxes)
+        np.testing.assert_array_equal(other.classes, from_path.classes)
+    assert from_path.boxes.dtype == np.float32 and (from_path.boxes[:, 2] <= 128).all()
+    assert from_path.names == tuple(SHAPE_NAMES)
+    [single] = model(path)  # one input, still a list of results
+    np.testing.assert_array_equal(single.scores, from_path.scores)
+    model.conf = 1.0  # settings are attributes, as on YOLOv5's hub models
+    assert len(model(path)[0]) == 0
+
+
+def test_results_as_plain_data_and_coco_rows(detector_file: Path, tmp_path: Path) -> None:
+    model = _hub("custom", path=str(detector_file), device="cpu")
+    [result] = model(str(write_image(tmp_path / "7.jpg", seed=1)), size=64)
+    rows = result.to_dicts()
+    assert rows and set(rows[0]) == {"box", "score", "class", "name"}
+    assert all(isinstance(value, float) for value in rows[0]["box"]) and rows[0]["name"] in SHAPE_NAMES
+    coco = result.coco_rows(image_id=7, category_ids=[10, 20, 30, 40, 50, 60][: len(SHAPE_NAMES)])
+    assert len(coco) == len(result)
+    x1, y1, x2, y2 = result.boxes[0]
+    assert coco[0]["image_id"] == 7 and coco[0]["category_id"] == 10 * (int(result.classes[0]) + 1)
+    assert coco[0]["bbox"] == pytest.approx([x1, y1, x2 - x1, y2 - y1], abs=1e-3)
+
+
+@pytest.mark.slow  # runs detect.py's entry point
+@pytest.mark.parametrize("task", [DETECT, SEGMENT], ids=lambda task: task.name)
+def test_hub_model_returns_what_detect_py_writes(task, tmp_path: Path) -> None:
+    weights = untrained_checkpoint(tmp_path / f"{task.name}.pt", task, "yolov5n-seg" if task is SEGMENT else "yolov5n")
+    images = [write_image(tmp_path / "images" / f"img{i}.jpg", seed=i, hw=(96, 128)) for i in range(2)]
+    entry = segment_predict if task is SEGMENT else detect
+    result = entry.run(weights=weights, source=tmp_path / "images", imgsz=64, device="cpu", save_txt=True,
+                       save_conf=True, project=tmp_path / "runs")  # fmt: skip
+    model = _hub("custom", path=str(weights), device="cpu")
+    for image, found in zip(images, model([str(path) for path in images], size=64), strict=True):
+        written = (result.save_dir / "labels" / f"{image.stem}.txt").read_text().splitlines()
+        assert written and found.txt_lines(save_conf=True) == written
+        assert (found.masks is not None) == (task is SEGMENT)
+        if found.masks is not None:
+            assert found.masks.shape == (len(found), 96, 128) and found.masks.dtype == bool
+
+
+def test_converted_yolov5_checkpoints_and_scratch_sizes_load_the_same_way(tmp_path: Path) -> None:
+    path = tmp_path / "yolov5n.pt"
+    v5.save_yolov5_checkpoint(v5.randomise(v5.DetectionModel(0.33, 0.25, nc=3)), str(path))
+    model = _hub("custom", path=str(path), device="cpu")
+    assert model.names == ("class0", "class1", "class2")
+    image = np.random.default_rng(0).integers(0, 255, (70, 90, 3), dtype=np.uint8)
+    assert model(image, size=64)[0].shape == (70, 90)
+    scratch = _hub("yolo11n_seg", classes=2, device="cpu")
+    assert scratch.task is SEGMENT and len(scratch.names) == 2
+    with pytest.raises(ConfigError, match="yolo11n: no weights are downloaded"):
+        _hub("yolo11n", pretrained=True)
+
+
+def test_bad_inputs_are_one_line_errors(detector_file: Path, tmp_path: Path) -> None:
+    model = _hub("custom", path=str(detector_file), device="cpu")
+    with pytest.raises(ConfigError, match=r"image 0: expected an \(H, W, 3\) uint8 RGB array, got \(4, 4\)"):
+        model(np.zeros((4, 4), np.uint8))
+    with pytest.raises(ConfigError, match="missing.jpg"):
+        model(str(tmp_path / "missing.jpg"))
+    with pytest.raises(ConfigError, match="nothing.pt: file not found"):
+        _hub("custom", path=str(tmp_path / "nothing.pt"))

@@ -1,0 +1,178 @@
+"""In-memory inference for Python users (what hubconf.py returns): images in, detections out as data.
+
+    model = torch.hub.load("path/to/repo", "custom", path="best.pt", source="local")
+    results = model(["a.jpg", cv2.imread("b.jpg")[..., ::-1], PIL.Image.open("c.jpg")])
+    results[0].boxes, results[0].scores, results[0].names   # numpy, original pixels
+    results[0].to_dicts()  /  .txt_lines()  /  .coco_rows(image_id)
+
+The same pipeline as detect.py (`FramePredictor`: rectangular letterbox, forward, single-label
+NMS or an end-to-end head's top scores, boxes and masks back in the original pixels), so a
+checkpoint gives the detections detect.py writes for the same image and settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from utils.distributed import DistContext, select_device
+from utils.errors import ConfigError
+from utils.eval.checkpoint_val import model_from_checkpoint
+from utils.eval.coco import predictions_to_coco
+from utils.eval.evaluate import ImagePredictions
+from utils.predict.config import PredictConfig
+from utils.predict.outputs import txt_lines
+from utils.predict.prediction import Prediction, class_name
+from utils.predict.predictor import FramePredictor
+from utils.predict.sources import UnreadableInputError, read_image
+from utils.tasks import Task
+
+
+@dataclass
+class ImageResult:
+    """One image's detections, highest score first, in the original image's pixels."""
+
+    source: str  # the path, or "image<i>" for an array / PIL image
+    shape: tuple[int, int]  # original (height, width)
+    boxes: np.ndarray  # (n, 4) float32 x1 y1 x2 y2
+    scores: np.ndarray  # (n,) float32
+    classes: np.ndarray  # (n,) int64
+    names: tuple[str, ...]  # the model's class names (index = class id)
+    masks: np.ndarray | None = None  # segmentation: (n, height, width) bool
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        """Plain data: [{"box": [x1, y1, x2, y2], "score", "class", "name"}, ...] (+ "mask": (H, W) bool array)."""
+        rows = []
+        for index in range(len(self)):
+            cls = int(self.classes[index])
+            row = {"box": [float(v) for v in self.boxes[index]], "score": float(self.scores[index]), "class": cls,
+                   "name": class_name(self.names, cls)}  # fmt: skip
+            if self.masks is not None:
+                row["mask"] = self.masks[index]
+            rows.append(row)
+        return rows
+
+    def txt_lines(self, save_conf: bool = False) -> list[str]:
+        """The YOLO-format lines `detect.py --save-txt [--save-conf]` writes for this image (polygons for masks)."""
+        return txt_lines(self._prediction(), self.shape, save_conf)
+
+    def coco_rows(self, image_id: int | str, category_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """COCO result rows as `val.py --save-json` writes them: image_id, category_id, bbox [x, y, w, h], score.
+
+        `category_ids[class]` maps class indices to the dataset's category ids (default: the index);
+        segmentation rows carry the mask as a COCO RLE.
+        """
+        detections = np.concatenate([self.boxes, self.scores[:, None], self.classes[:, None].astype(np.float32)], 1)
+        rles = None
+        if self.masks is not None:
+            from pycocotools import mask as mask_utils
+
+            rles = [mask_utils.encode(np.asfortranarray(mask.astype(np.uint8))) for mask in self.masks]
+        item = ImagePredictions(self.source, self.shape, detections.reshape(-1, 6), rles)
+        ids = list(category_ids) if category_ids is not None else list(range(len(self.names)))
+        return predictions_to_coco([item], {Path(self.source).name: image_id}, ids)
+
+    def _prediction(self) -> Prediction:
+        return Prediction(self.boxes, self.scores, self.classes, self.masks)
+
+
+class Detector(nn.Module):
+    """A loaded checkpoint for in-memory inference: call it on images, get a list of `ImageResult`.
+
+    Settings are attributes, as YOLOv5's hub models have them: `conf` (0.25), `iou` (0.45),
+    `classes` (None: all), `agnostic` (False), `max_det` (1000), `size` (640, the long side).
+    """
+
+    def __init__(self, model: nn.Module, task: Task, names: Sequence[str], size: int = 640) -> None:
+        super().__init__()
+        self.model = model
+        self.task = task
+        self.names = tuple(names)
+        self.size, self.conf, self.iou, self.max_det = size, 0.25, 0.45, 1000
+        self.classes: list[int] | None = None
+        self.agnostic = False
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, device: str = "", nms: bool = False) -> Detector:
+        """Load our checkpoint, or a YOLOv5 / Ultralytics .pt (converted in memory), for inference on `device`."""
+        from utils.convert import load_weights
+
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: file not found")
+        checkpoint = load_weights(path)
+        task = _task_named(checkpoint["task"], path)
+        model = model_from_checkpoint(checkpoint, task, DistContext(device=select_device(device)), nms=nms)
+        return cls(model, task, checkpoint["names"])
+
+    def forward(self, images: Any, size: int | None = None) -> list[ImageResult]:
+        """Detect in a path, a list of paths, (H, W, 3) uint8 RGB numpy arrays or PIL images (or a list of them).
+
+        Pass BGR arrays (OpenCV's) as `image[..., ::-1]`. An unreadable path raises ConfigError naming it.
+        """
+        items = images if isinstance(images, list | tuple) else [images]
+        config = PredictConfig(
+            weights=Path(), source="", imgsz=(size or self.size,) * 2, conf_thres=self.conf, iou_thres=self.iou,
+            max_det=self.max_det, classes=tuple(self.classes) if self.classes is not None else None,
+            agnostic_nms=self.agnostic,
+        )  # fmt: skip
+        predictor = FramePredictor(self.model, self.task, config)
+        results = []
+        for index, item in enumerate(items):
+            source, bgr = _as_bgr(item, index)
+            prediction, _, _ = predictor(bgr)
+            results.append(
+                ImageResult(source, bgr.shape[:2], *dataclasses.astuple(prediction)[:3], self.names, prediction.masks)
+            )
+        return results
+
+
+def _as_bgr(item: Any, index: int) -> tuple[str, np.ndarray]:
+    """(name, contiguous (H, W, 3) uint8 BGR array) of one input; the predictor works in OpenCV's order."""
+    if isinstance(item, str | Path):
+        try:
+            return str(item), read_image(str(item))
+        except UnreadableInputError as error:
+            raise ConfigError(str(error)) from error
+    if hasattr(item, "convert") and hasattr(item, "size"):  # a PIL image
+        item = np.asarray(item.convert("RGB"))
+    if isinstance(item, torch.Tensor):
+        raise ConfigError("pass images as paths, numpy (H, W, 3) uint8 RGB arrays or PIL images, not tensors")
+    array = np.asarray(item)
+    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
+        raise ConfigError(f"image {index}: expected an (H, W, 3) uint8 RGB array, got {array.shape} {array.dtype}")
+    return f"image{index}", np.ascontiguousarray(array[..., ::-1])
+
+
+def _task_named(name: str, path: Path) -> Task:
+    from segment.task import SEGMENT
+    from utils.tasks import DETECT
+
+    tasks = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
+    if name not in tasks:
+        raise ConfigError(f"{path}: unknown task {name!r}")
+    return tasks[name]
+
+
+def scratch_detector(name: str, num_classes: int = 80, device: str = "") -> Detector:
+    """A model of size `name` (yolov5n, yolo11s, yolo26m-seg, ...) with random weights; nothing is downloaded."""
+    from segment.task import SEGMENT
+    from utils.families import build_model, segmentation_spec, spec_from_cfg
+    from utils.tasks import DETECT
+
+    spec = spec_from_cfg(name, num_classes)
+    task = SEGMENT if name.endswith("-seg") else DETECT
+    if task is SEGMENT and not spec.num_masks:
+        spec = segmentation_spec(spec)
+    model = build_model(spec).fuse().eval().to(select_device(device))
+    return Detector(model, task, [f"class{i}" for i in range(num_classes)])
