@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from utils.cli import exit_on_user_error, train_main, train_run
+from utils.cli import train_main, train_run
+from utils.errors import exit_on_user_error
 from utils.tasks import DETECT, Task
-from utils.train.engine import FitResult
+from utils.train.state import FitResult
 
 
 def main(argv: list[str] | None = None, task: Task = DETECT) -> FitResult:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from utils.cli import exit_on_user_error, val_main, val_run
+from utils.cli import val_main, val_run
+from utils.errors import exit_on_user_error
 from utils.eval.evaluate import EvalResult
 from utils.tasks import DETECT, Task
 

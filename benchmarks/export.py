@@ -30,11 +30,11 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/export.py`
 
 from models.yolo import build_model, spec_from_cfg  # noqa: E402  (needs the sys.path line above)
 from segment.task import SEGMENT  # noqa: E402
+from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.eval.checkpoint_val import load_model_for_eval  # noqa: E402
 from utils.export import ExportConfig, ExportWrapper, export_checkpoint  # noqa: E402
 from utils.tasks import DETECT  # noqa: E402
-from utils.train.checkpoint import RunInfo, build_checkpoint, save_checkpoint  # noqa: E402
 
 TASKS = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
 

@@ -12,8 +12,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from segment.task import SEGMENT  # noqa: E402
-from utils.cli import exit_on_user_error, train_main, train_run  # noqa: E402
-from utils.train.engine import FitResult  # noqa: E402
+from utils.cli import train_main, train_run  # noqa: E402
+from utils.errors import exit_on_user_error  # noqa: E402
+from utils.train.state import FitResult  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> FitResult:

@@ -1,4 +1,4 @@
-"""Tests for utils/train/checkpoint.py: bit-exact round trip, exact resume, rank-0 atomic save, clear load errors."""
+"""Tests for utils/checkpoint.py: bit-exact round trip, exact resume, rank-0 atomic save, clear load errors."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from utils.distributed import DistContext
-from utils.errors import ConfigError
-from utils.train.checkpoint import (
+from utils.checkpoint import (
     FORMAT_VERSION,
     Checkpoint,
     RunInfo,
@@ -30,6 +28,8 @@ from utils.train.checkpoint import (
     save_checkpoint,
     strip_optimizer,
 )
+from utils.distributed import DistContext
+from utils.errors import ConfigError
 from utils.train.ema import ModelEMA
 from utils.train.optim import build_optimizer
 
@@ -321,7 +321,7 @@ def test_checkpoint_of_another_task_is_refused_naming_the_right_script(stored, w
 
 
 def test_stale_temp_files_of_killed_saves_are_removed(tmp_path: Path) -> None:
-    from utils.train.checkpoint import remove_stale_temp_files
+    from utils.checkpoint import remove_stale_temp_files
 
     (tmp_path / ".last.pt.1234.tmp").write_bytes(b"half a checkpoint")
     (tmp_path / "last.pt").write_bytes(b"kept")

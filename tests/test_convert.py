@@ -15,6 +15,7 @@ import torch
 
 from models.yolo import ModelSpec, build_model
 from tests import yolov5_fakes as v5
+from utils.checkpoint import load_checkpoint
 from utils.config import TrainConfig
 from utils.convert import convert_checkpoint, load_weights, main
 from utils.data.data_config import DataConfig
@@ -24,7 +25,6 @@ from utils.eval.checkpoint_val import load_model_for_eval
 from utils.hyp import load_hyp
 from utils.safe_pickle import Placeholder, RestrictedUnpickler, UnsafePickleError, load_untrusted
 from utils.tasks import DETECT
-from utils.train.checkpoint import load_checkpoint
 from utils.train.setup import build_model_bundle
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,9 +16,9 @@ import export
 from models.yolo import DEFAULT_ANCHORS, ModelSpec, build_model, segmentation_spec
 from segment.task import SEGMENT
 from utils import export as export_lib
-from utils.cli import exit_on_user_error
+from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 from utils.distributed import DistContext
-from utils.errors import ConfigError
+from utils.errors import ConfigError, exit_on_user_error
 from utils.eval.checkpoint_val import load_model_for_eval
 from utils.export import (
     ExportConfig,
@@ -32,7 +32,6 @@ from utils.export import (
     read_metadata,
 )
 from utils.tasks import DETECT, Task
-from utils.train.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 
 TASKS = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
 NAMES = ["circle", "square", "triangle"]

@@ -11,6 +11,7 @@ import torch
 from models.anchor_free import AnchorFreeSpec, build_model, segmentation_spec
 from segment.task import SEGMENT
 from utils.boxes import best_detections, top_detections
+from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 from utils.distributed import DistContext
 from utils.eval.checkpoint_val import load_model_for_eval
 from utils.export import (
@@ -22,7 +23,6 @@ from utils.export import (
     read_metadata,
 )
 from utils.tasks import DETECT
-from utils.train.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 
 TASKS = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
 NAMES = ["circle", "square", "triangle"]

@@ -12,6 +12,7 @@ from torch import nn
 
 from models.yolo import ModelSpec, build_model, spec_from_cfg
 from utils.boxes import non_max_suppression
+from utils.checkpoint import RunInfo, build_checkpoint, load_checkpoint, save_checkpoint
 from utils.config import DEFAULT_HYP
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -27,7 +28,6 @@ from utils.families import (
 )
 from utils.hyp import load_hyp
 from utils.tasks import DETECT
-from utils.train.checkpoint import RunInfo, build_checkpoint, load_checkpoint, save_checkpoint
 from utils.train.results import EpochSummary
 
 

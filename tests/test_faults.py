@@ -14,8 +14,9 @@ import torch
 import train
 from tests.conftest import make_tiny_dataset
 from utils.data.synthetic import SyntheticSpec
+from utils.errors import Preempted
 from utils.train import engine
-from utils.train.faults import Preempted, StopSignals, find_restarted_run, mark_run
+from utils.train.faults import StopSignals, find_restarted_run, mark_run
 
 TINY = SyntheticSpec(num_train=16, num_val=4, max_objects=3, min_object_frac=0.15)
 

@@ -15,6 +15,7 @@ import detect
 from segment import predict as segment_predict
 from segment.task import SEGMENT
 from tests.dist_helpers import run_distributed
+from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 from utils.data.synthetic import SHAPE_NAMES
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -24,7 +25,6 @@ from utils.predict.prediction import Prediction
 from utils.predict.predictor import FramePredictor, PredictResult, describe, load_predictor_model, predict
 from utils.predict.sources import InputItem, UnreadableInputError, VideoReader, discover_inputs, shard_inputs
 from utils.tasks import DETECT, Task
-from utils.train.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 
 IMGSZ = (64, 64)
 VIDEO_FRAMES = 5

@@ -12,9 +12,9 @@ import detect
 import train
 import val
 from tests.conftest import make_tiny_dataset, tiny_val_argv
+from utils.checkpoint import load_checkpoint
 from utils.data.synthetic import SyntheticSpec
 from utils.errors import ConfigError
-from utils.train.checkpoint import load_checkpoint
 
 TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.15)
 pytestmark = pytest.mark.slow  # train.main / val.main / detect.main

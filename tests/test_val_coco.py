@@ -21,6 +21,7 @@ import val
 from segment import val as segment_val
 from segment.task import SEGMENT
 from tests.dist_helpers import run_distributed
+from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 from utils.config import ValConfig
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 from utils.distributed import DistContext, gather_objects
@@ -28,7 +29,6 @@ from utils.errors import ConfigError
 from utils.eval.checkpoint_val import validate_checkpoint
 from utils.eval.coco import EVAL_FILE, PREDICTIONS_FILE, STAT_NAMES
 from utils.tasks import DETECT, Task
-from utils.train.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 # Originals of 128-160 px validated at 64 px: boxes in original pixels reach well past 64.

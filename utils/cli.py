@@ -6,7 +6,6 @@ import argparse
 import copy
 import datetime
 import logging
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -15,17 +14,20 @@ import torch
 import torch.distributed as dist
 
 from utils.callbacks import Callbacks
-from utils.config import build_val_parser, train_config_from_argv, val_config_from_args, validate
+from utils.config import build_train_parser, build_val_parser, train_config_from_argv, val_config_from_args, validate
 from utils.distributed import DEFAULT_TIMEOUT, DistContext, cleanup, init_distributed
 from utils.errors import ConfigError
+from utils.eval.checkpoint_val import validate_checkpoint
+from utils.eval.evaluate import EvalResult
+from utils.export import ExportedFile, build_export_parser, export_checkpoint, export_config_from_args
 from utils.logs import logging_for
+from utils.predict.config import build_predict_parser, predict_config_from_args
+from utils.predict.predictor import PredictResult, predict
+from utils.train.engine import fit
+from utils.train.state import FitResult
 
 if TYPE_CHECKING:
-    from utils.eval.evaluate import EvalResult
-    from utils.export import ExportedFile
-    from utils.predict.predictor import PredictResult
     from utils.tasks import Task
-    from utils.train.engine import FitResult
 
 T = TypeVar("T")
 LOGGER = logging.getLogger(__name__)
@@ -48,20 +50,6 @@ def run_entry(device: str, body: Callable[[DistContext], T], timeout: datetime.t
         if not group_existed:
             cleanup()
         torch.set_num_threads(threads)
-
-
-def exit_on_user_error(main: Callable[[], object]) -> None:
-    """Run an entry point's main(); a user mistake (bad flag, missing file) prints one line and exits 2."""
-    from utils.train.faults import REQUEUE_EXIT_CODE, Preempted
-
-    try:
-        main()
-    except (ConfigError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    except Preempted as stopped:  # the checkpoint is written: tell the job script to requeue
-        print(f"preempted: {stopped}", file=sys.stderr)
-        sys.exit(REQUEUE_EXIT_CODE)
 
 
 def keyword_argv(parser: argparse.ArgumentParser, options: Mapping[str, Any], entry: str) -> list[str]:
@@ -127,8 +115,6 @@ def train_run(options: dict[str, Any], task: Task, callbacks: Any = None) -> Fit
                 f"train.run: callbacks must be a dict of event -> function, not {type(callbacks).__name__}"
             )
         callbacks = Callbacks.from_mapping(callbacks)
-    from utils.config import build_train_parser
-
     return train_main(keyword_argv(build_train_parser(task.name), options, "train.run"), task, callbacks)
 
 
@@ -139,22 +125,16 @@ def val_run(options: dict[str, Any], task: Task) -> EvalResult:
 
 def predict_run(options: dict[str, Any], task: Task) -> PredictResult:
     """detect.run(**options): detect.py's checks and prediction, in this process."""
-    from utils.predict.config import build_predict_parser
-
     return predict_main(keyword_argv(build_predict_parser(task.name), options, "detect.run"), task)
 
 
 def export_run(options: dict[str, Any], tasks: dict[str, Task]) -> list[ExportedFile]:
     """export.run(**options): export.py's checks and export, in this process."""
-    from utils.export import build_export_parser
-
     return export_main(keyword_argv(build_export_parser(), options, "export.run"), tasks)
 
 
 def train_main(argv: list[str] | None, task: Task, callbacks: Callbacks | None = None) -> FitResult:
     """The whole of train.py / segment/train.py: parse flags, set up the process group, train `task`."""
-    from utils.train.engine import fit
-
     cfg = train_config_from_argv(argv, task.name)
 
     def body(ctx: DistContext) -> FitResult:
@@ -170,8 +150,6 @@ def train_main(argv: list[str] | None, task: Task, callbacks: Callbacks | None =
 
 def val_main(argv: list[str] | None, task: Task) -> EvalResult:
     """The whole of val.py / segment/val.py: parse flags and validate a `task` checkpoint on every rank."""
-    from utils.eval.checkpoint_val import validate_checkpoint
-
     cfg = val_config_from_args(build_val_parser(task.name).parse_args(argv))
     timeout = datetime.timedelta(minutes=cfg.dist_timeout)
     return run_entry(cfg.device, lambda ctx: validate_checkpoint(cfg, task, ctx), timeout)
@@ -179,9 +157,6 @@ def val_main(argv: list[str] | None, task: Task) -> EvalResult:
 
 def predict_main(argv: list[str] | None, task: Task) -> PredictResult:
     """The whole of detect.py / segment/predict.py: parse flags and predict `task` on --source, sharded over ranks."""
-    from utils.predict.config import build_predict_parser, predict_config_from_args
-    from utils.predict.predictor import predict
-
     cfg = predict_config_from_args(build_predict_parser(task.name).parse_args(argv))
     return run_entry(cfg.device, lambda ctx: predict(cfg, task, ctx))
 
@@ -191,7 +166,5 @@ def export_main(argv: list[str] | None, tasks: dict[str, Task]) -> list[Exported
 
     `tasks` maps a checkpoint's `task` field to its Task; export.py passes DETECT and SEGMENT.
     """
-    from utils.export import build_export_parser, export_checkpoint, export_config_from_args
-
     cfg = export_config_from_args(build_export_parser().parse_args(argv))
     return run_entry(cfg.device, lambda ctx: export_checkpoint(cfg, tasks, ctx))

@@ -171,7 +171,7 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=f"Train a YOLO {task} model (launch with torchrun for several GPUs). With no flags: the 15-minute "
         "CPU quick start on the built-in dataset; add --data for your own. The optimizer and hyp file are chosen from "
-        "the run's size unless given (README: Choosing a recipe)."
+        "the run's size unless given (docs/training.md: Choosing a recipe)."
     )
     add_common_flags(parser)
     default_cfg = "yolov5n-seg" if task == "segment" else "yolov5n"
@@ -251,8 +251,8 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     parser.add_argument(
         "--mlflow",
         action="store_true",
-        help="log params, per-epoch metrics and artifacts to MLflow (./mlruns, or MLFLOW_TRACKING_URI, which also "
-        "turns it on); needs `pip install mlflow`",
+        help="log params, per-epoch metrics and artifacts to MLflow (MLflow's default local store, or "
+        "MLFLOW_TRACKING_URI, which also turns it on); needs `pip install mlflow`",
     )
     if task == "segment":
         parser.add_argument(

@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 from models.yolo import BASE_DEPTHS, BASE_WIDTHS, ModelSpec, build_model
+from utils.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from utils.convert_ultralytics import is_ultralytics, ultralytics_model
 from utils.distributed import DistContext
-from utils.errors import ConfigError
+from utils.errors import ConfigError, exit_on_user_error
 from utils.families import spec_from_checkpoint
 from utils.pickled_model import (
     ConvertedModel,
@@ -40,7 +41,6 @@ from utils.pickled_model import (
     weights_only_checkpoint,
 )
 from utils.safe_pickle import Placeholder, UnsafePickleError, load_untrusted
-from utils.train.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 
 LOGGER = logging.getLogger(__name__)
 
@@ -211,7 +211,5 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    from utils.cli import exit_on_user_error
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.exit(exit_on_user_error(main))

@@ -153,6 +153,11 @@ def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT
     return ctx
 
 
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Return the plain model inside a DistributedDataParallel (or DataParallel) wrapper, else `model`."""
+    return getattr(model, "module", model)
+
+
 def cleanup() -> None:
     """Destroy the process group if this process created one (safe to call twice).
 

@@ -3,18 +3,45 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import yaml
 
+# sysexits.h EX_TEMPFAIL ("temporary failure, try again"): a job script requeues on it, e.g.
+#   python3 train.py ...; [ $? -eq 75 ] && scontrol requeue "$SLURM_JOB_ID"
+REQUEUE_EXIT_CODE = 75
+USER_ERROR_EXIT_CODE = 2  # argparse's status for a bad command line
+
 
 class ConfigError(ValueError):
     """A user mistake in a flag or an input file; the message is one line naming the flag or file.
 
-    Entry points print it as `error: <message>` and exit with status 2 (utils/cli.py).
+    Entry points print it as `error: <message>` and exit with status 2 (`exit_on_user_error`).
     """
+
+
+class Preempted(Exception):
+    """Raised on every rank once the checkpoint after a stop signal is saved; the run can be resumed."""
+
+    def __init__(self, signal_name: str, checkpoint: Path) -> None:
+        super().__init__(f"stopped by {signal_name}; saved {checkpoint}; resume with --resume {checkpoint}")
+        self.checkpoint = checkpoint
+
+
+def exit_on_user_error(main: Callable[[], object]) -> None:
+    """Run a command's main(): a user mistake (bad flag, missing file) prints one line and exits 2;
+    a preempted run prints where it saved and exits REQUEUE_EXIT_CODE, for the job script to requeue."""
+    try:
+        main()
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT_CODE)
+    except Preempted as stopped:  # the checkpoint is written: tell the job script to requeue
+        print(f"preempted: {stopped}", file=sys.stderr)
+        sys.exit(REQUEUE_EXIT_CODE)
 
 
 def read_yaml_mapping(path: Path) -> dict[str, Any]:

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from utils.checkpoint import FORMAT_VERSION, Checkpoint
 from utils.errors import ConfigError
 from utils.safe_pickle import Placeholder
-from utils.train.checkpoint import FORMAT_VERSION, Checkpoint
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from utils.data.data_config import DataConfig, load_data_config
 from utils.data.labels import LabelIndex, image_to_label_path, list_image_files
 from utils.data.scan import scan_labels
 from utils.distributed import DistContext
-from utils.errors import ConfigError
+from utils.errors import ConfigError, exit_on_user_error
 
 LOGGER = logging.getLogger(__name__)
 PIXEL_DECIMALS = 3  # pixel coordinates written to a JSON: a thousandth of a pixel, not float32 noise
@@ -172,7 +172,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from utils.cli import exit_on_user_error
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.exit(exit_on_user_error(main))

@@ -11,6 +11,7 @@ import numpy as np
 from torch import nn
 
 from models.yolo import memory_format
+from utils import checkpoint as ckpt_io
 from utils.boxes import xyxy_to_xywhn
 from utils.config import ValConfig
 from utils.convert import load_weights
@@ -25,7 +26,6 @@ from utils.families import family_of, spec_from_checkpoint
 from utils.plots import plot_evaluation, val_batch_drawer
 from utils.runs import create_run_dir
 from utils.tasks import Task
-from utils.train import checkpoint as ckpt_io
 
 LOGGER = logging.getLogger(__name__)
 

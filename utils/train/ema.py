@@ -8,10 +8,7 @@ import math
 import torch
 from torch import nn
 
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Return the plain model inside a DistributedDataParallel (or DataParallel) wrapper, else `model`."""
-    return getattr(model, "module", model)
+from utils.distributed import unwrap_model
 
 
 class ModelEMA:

@@ -8,19 +8,18 @@ import re
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from models.yolo import memory_format
+from utils import checkpoint as ckpt_io
 from utils.callbacks import Callbacks, load_callback_modules
 from utils.config import AUTO, TrainConfig
-from utils.data.data_config import DataConfig, load_data_config
+from utils.data.data_config import load_data_config
 from utils.data.loader import TrainLoader, images_on_device
 from utils.distributed import (
     DistContext,
@@ -32,6 +31,7 @@ from utils.distributed import (
     seed_everything,
     smart_ddp,
 )
+from utils.errors import Preempted
 from utils.eval.coco import check_coco_target, coco_evaluate
 from utils.eval.evaluate import EvalOptions, EvalResult
 from utils.families import family_of
@@ -39,9 +39,7 @@ from utils.logs import tqdm_disabled
 from utils.plots import batch_drawer, plot_run, plot_start, val_batch_drawer
 from utils.runs import create_run_dir
 from utils.tasks import Task
-from utils.train import checkpoint as ckpt_io
 from utils.train.ema import ModelEMA
-from utils.train.faults import Preempted, StopSignals
 from utils.train.mlflow_logger import MLflowLogger, mlflow_wanted
 from utils.train.optim import (
     Warmup,
@@ -56,7 +54,6 @@ from utils.train.prefetch import DevicePrefetcher, WaitTimer
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV
 from utils.train.saving import prepare_run_dir, restore_state, save_epoch, save_mid_epoch
 from utils.train.setup import (
-    Datasets,
     ModelBundle,
     build_datasets,
     build_model_bundle,
@@ -65,67 +62,10 @@ from utils.train.setup import (
     resolve_run_recipe,
     verify_identical_weights,
 )
+from utils.train.state import FitResult, TrainedEpoch, TrainRun, TrainState
 from utils.train.tensorboard import TensorBoardLogger
 
 LOGGER = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainState:
-    """Everything one epoch mutates; built once by fit()."""
-
-    model: nn.Module  # unwrapped
-    ddp: nn.Module  # DDP wrapper, or the model itself in one process
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    scaler: torch.amp.GradScaler
-    ema: ModelEMA
-    loss_fn: Any  # the task's loss: (preds, *, reduce_counts, **task.loss_inputs(batch)) -> (loss, items)
-    loss_inputs: Callable[[dict[str, Any], torch.device], dict[str, torch.Tensor]]  # Task.loss_inputs
-    accumulate: int
-    warmup: Warmup
-    lr_fn: Callable[[int], float]
-    amp_dtype: torch.dtype | None  # autocast dtype (fp16 with a GradScaler, bf16 without), None: fp32
-    last_opt_step: int = -1
-    best_fitness: float = 0.0
-    start_epoch: int = 0
-    start_batch: int = 0  # batches of start_epoch done before a mid-epoch resume
-    resumed_mean_loss: np.ndarray | None = None  # this rank's running mean loss at start_batch
-    # This rank's NaN/inf losses since the last optimizer step: a device tensor (or 0), read once per step.
-    nonfinite_losses: torch.Tensor | int = 0
-    steps_since_save: int = 0  # optimizer steps since the last mid-epoch checkpoint
-    stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM / SIGUSR1 received (fit() installs it)
-
-
-@dataclass(frozen=True)
-class TrainedEpoch:
-    """What `train_one_epoch` measured, over all ranks."""
-
-    mean_loss: np.ndarray  # the task's loss items, mean over all ranks' batches
-    images: int  # images trained on this epoch (this session's batches), all ranks together
-    seconds: float  # wall time of the training loop, mean over ranks
-    data_wait_seconds: float  # of which the loop stood waiting for its next batch (`WaitTimer`), mean over ranks
-
-    def describe(self, world_size: int) -> str:
-        """'1,984 images in 31.2 s (63.6 images/s on 1 rank), 2.1% of it waiting for data': the epoch's log line."""
-        rate = self.images / self.seconds if self.seconds > 0 else 0.0
-        share = self.data_wait_seconds / self.seconds if self.seconds > 0 else 0.0
-        ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
-        return (
-            f"{self.images:,} images in {self.seconds:.1f} s ({rate:.1f} images/s on {ranks}), "
-            f"{share:.1%} of it waiting for data"
-        )
-
-
-@dataclass
-class FitResult:
-    """What a finished run leaves: where, and the final metrics of best.pt."""
-
-    run_dir: Path
-    best: Path
-    last: Path
-    metrics: dict[str, float]
-    epochs_run: int
 
 
 def train_one_epoch(
@@ -166,7 +106,6 @@ def train_one_epoch(
     # Loss items are summed on the device and read on the host once per optimizer step, not per micro-batch:
     # a read waits for the GPU, and per micro-batch that stalls the pipeline every few milliseconds.
     loss_sum = torch.tensor(mean_loss * skip, dtype=torch.float64, device=ctx.device)
-    description = f"epoch {epoch + 1}/{cfg.epochs}"
 
     def to_device(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {"images": images_on_device(batch, ctx.device), **state.loss_inputs(batch, ctx.device)}
@@ -175,52 +114,73 @@ def train_one_epoch(
     # before the next batch is taken, which is all a lent batch asks. On CUDA, pinning has copied them already.
     source = loader.lent() if isinstance(loader, TrainLoader) else loader
     batches = WaitTimer(DevicePrefetcher(source, to_device, ctx.device))
+    description = f"epoch {epoch + 1}/{cfg.epochs}"
     progress = tqdm(batches, total=num_batches, initial=skip, desc=description, disable=tqdm_disabled(ctx))
     start, images_seen = time.perf_counter(), 0
     for i, (batch, inputs) in enumerate(progress, start=skip):
         if on_batch is not None:
             on_batch(i, batch)
+        images_seen += len(inputs["images"])
         iteration = i + num_batches * epoch
-        images = inputs.pop("images")
-        images_seen += images.shape[0]
-        accumulate = _accumulate_now(state, iteration, cfg)
-        state.warmup.apply(state.optimizer, iteration, state.lr_fn(epoch))
-        is_step = iteration - state.last_opt_step >= accumulate or i == num_batches - 1
-        sync_context = state.ddp.no_sync() if ctx.is_distributed and not is_step else contextlib.nullcontext()
-        with sync_context:
-            with torch.autocast(ctx.device.type, dtype=state.amp_dtype, enabled=state.amp_dtype is not None):
-                preds = state.ddp(images)
-                loss, items = state.loss_fn(preds, reduce_counts=reduce_counts, **inputs)
-            state.scaler.scale(loss * ctx.world_size).backward()
-        state.nonfinite_losses = state.nonfinite_losses + (~torch.isfinite(loss.detach())).sum()
-        loss_sum += items.detach().to(torch.float64)
-        stop = False
-        if is_step:
-            # Before the weights change. A bad micro-batch on any rank has already reached every rank's
-            # gradients through DDP's all-reduce, so every rank checks (one 3-number all-reduce per
-            # optimizer step, which also carries stop signals) and stops here together; a rank stopping
-            # alone would leave the others waiting in the next step's all-reduce until the timeout.
-            stop = _agree_before_step(state, ctx, f"the optimizer step at epoch {epoch + 1} batch {i + 1}")
-            _optimizer_step(state)
-            state.last_opt_step = iteration
-            state.steps_since_save += 1
+        is_step = iteration - state.last_opt_step >= _accumulate_now(state, iteration, cfg) or i == num_batches - 1
+        loss_sum += _forward_backward(state, inputs, iteration, is_step, epoch, ctx, reduce_counts)
         if not is_step:
             continue
+        # Before the weights change. A bad micro-batch on any rank has already reached every rank's
+        # gradients through DDP's all-reduce, so every rank checks (one 3-number all-reduce per
+        # optimizer step, which also carries stop signals) and stops here together; a rank stopping
+        # alone would leave the others waiting in the next step's all-reduce until the timeout.
+        stop = _agree_before_step(state, ctx, f"the optimizer step at epoch {epoch + 1} batch {i + 1}")
+        _optimizer_step(state)
+        state.last_opt_step, state.steps_since_save = iteration, state.steps_since_save + 1
         mean_loss = loss_sum.cpu().numpy() / (i + 1)  # the one host read of this step
         if not tqdm_disabled(ctx):
             progress.set_postfix_str(" ".join(f"{v:.4f}" for v in mean_loss) + f" inst={len(batch['targets'])}")
-        due = is_step and 0 < cfg.save_period_steps <= state.steps_since_save and i + 1 < num_batches
+        due = 0 < cfg.save_period_steps <= state.steps_since_save and i + 1 < num_batches
         if save_mid_epoch is not None and (stop or due):
             saved = save_mid_epoch(i + 1, mean_loss)
             if stop:
                 raise Preempted(state.stop.received or "a stop signal on another rank", saved)
-    # One collective: results.csv reports every rank's batches (ranks run equally many), and the epoch's figures.
-    figures = np.array([*mean_loss, images_seen, time.perf_counter() - start, batches.seconds])
+    return _epoch_over_ranks(mean_loss, images_seen, time.perf_counter() - start, batches.seconds, ctx)
+
+
+def _forward_backward(
+    state: TrainState,
+    inputs: dict[str, torch.Tensor],
+    iteration: int,
+    is_step: bool,
+    epoch: int,
+    ctx: DistContext,
+    reduce_counts: RankMean | None,
+) -> torch.Tensor:
+    """One micro-batch: warmup's learning rates, forward under autocast, backward; returns the loss items.
+
+    Micro-batches that do not end an accumulation run under DDP's no_sync(). The loss is scaled by
+    the world size so DDP's averaged gradient equals one process's over the global batch. A NaN/inf
+    loss is counted (on the device) for `_agree_before_step`, not read here.
+    """
+    images = inputs.pop("images")
+    state.warmup.apply(state.optimizer, iteration, state.lr_fn(epoch))
+    sync_context = state.ddp.no_sync() if ctx.is_distributed and not is_step else contextlib.nullcontext()
+    with sync_context:
+        with torch.autocast(ctx.device.type, dtype=state.amp_dtype, enabled=state.amp_dtype is not None):
+            preds = state.ddp(images)
+            loss, items = state.loss_fn(preds, reduce_counts=reduce_counts, **inputs)
+        state.scaler.scale(loss * ctx.world_size).backward()
+    state.nonfinite_losses = state.nonfinite_losses + (~torch.isfinite(loss.detach())).sum()
+    return items.detach().to(torch.float64)
+
+
+def _epoch_over_ranks(
+    mean_loss: np.ndarray, images: int, seconds: float, waited: float, ctx: DistContext
+) -> TrainedEpoch:
+    """One collective: results.csv reports every rank's batches (ranks run equally many), and the epoch's figures."""
+    figures = np.array([*mean_loss, images, seconds, waited])
     if ctx.is_distributed:
         figures = all_reduce_sum(torch.tensor(figures, dtype=torch.float64, device=ctx.device), ctx).cpu().numpy()
-    *loss, images_total, seconds, waited = figures
-    mean_loss = np.array(loss) / ctx.world_size
-    return TrainedEpoch(mean_loss, int(images_total), seconds / ctx.world_size, waited / ctx.world_size)
+    *loss, images_total, seconds_total, waited_total = figures
+    world = ctx.world_size
+    return TrainedEpoch(np.array(loss) / world, int(images_total), seconds_total / world, waited_total / world)
 
 
 def _agree_before_step(state: TrainState, ctx: DistContext, where: str) -> bool:
@@ -255,6 +215,7 @@ def _accumulate_now(state: TrainState, iteration: int, cfg: TrainConfig) -> int:
 
 
 def _optimizer_step(state: TrainState) -> None:
+    """Clip, step (through the GradScaler), zero the gradients and update the EMA."""
     state.scaler.unscale_(state.optimizer)
     torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm=10.0, foreach=True)
     state.scaler.step(state.optimizer)
@@ -294,38 +255,6 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     if amp == "auto":
         return torch.float16 if device.type == "cuda" else None
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
-
-
-@dataclass(frozen=True)
-class TrainRun:
-    """What stays fixed for one fit(): the options, the task, this process, the data, model and loaders, the folder."""
-
-    cfg: TrainConfig
-    task: Task
-    ctx: DistContext
-    data: DataConfig
-    bundle: ModelBundle
-    datasets: Datasets
-    run_dir: Path
-    callbacks: Callbacks
-
-    @property
-    def last(self) -> Path:
-        """weights/last.pt: written every epoch with the full state, for --resume."""
-        return self.run_dir / "weights" / "last.pt"
-
-    @property
-    def best(self) -> Path:
-        """weights/best.pt: the best fitness so far; stripped to fp16 EMA weights at the end."""
-        return self.run_dir / "weights" / "best.pt"
-
-    def fire(self, event: str, **fields: Any) -> None:
-        """Tell the run's callbacks of `event` (rank 0; utils/callbacks.py), with the run's folder and options."""
-        self.callbacks.fire(event, run_dir=self.run_dir, options=self.cfg.to_dict(), epochs=self.cfg.epochs, **fields)
-
-    def figure_written(self, path: Path) -> None:
-        """A figure file was written (the drawers' `on_saved`): the on_figure event."""
-        self.fire("on_figure", path=path)
 
 
 def fit(cfg: TrainConfig, task: Task, ctx: DistContext, callbacks: Callbacks | None = None) -> FitResult:

@@ -18,11 +18,10 @@ import threading
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from utils.errors import REQUEUE_EXIT_CODE
+
 LOGGER = logging.getLogger(__name__)
 
-# sysexits.h EX_TEMPFAIL ("temporary failure, try again"): a job script requeues on it, e.g.
-#   python3 train.py ...; [ $? -eq 75 ] && scontrol requeue "$SLURM_JOB_ID"
-REQUEUE_EXIT_CODE = 75
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 RUN_ID_FILE = ".torchelastic_run_id"  # in the run folder: the torchrun job that created it
 
@@ -34,14 +33,6 @@ def _exit_after_grace(name: str) -> None:
     """Watchdog body: the stop after `name` did not finish in time; leave without running more Python."""
     LOGGER.error(f"still running {STOP_GRACE_S:.0f} s after {name} (a peer rank gone?); exiting now")
     os._exit(REQUEUE_EXIT_CODE)
-
-
-class Preempted(Exception):
-    """Raised on every rank once the checkpoint after a stop signal is saved; the run can be resumed."""
-
-    def __init__(self, signal_name: str, checkpoint: Path) -> None:
-        super().__init__(f"stopped by {signal_name}; saved {checkpoint}; resume with --resume {checkpoint}")
-        self.checkpoint = checkpoint
 
 
 class StopSignals:

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from utils.errors import Preempted
+
 if TYPE_CHECKING:
     from utils.callbacks import TrainEvent
 
@@ -200,6 +202,4 @@ def _run_exists(client: Any, run_id: str) -> bool:
 
 def _failed_status(error: BaseException) -> str:
     """KILLED for a stop the run can resume from (preemption, Ctrl-C), FAILED for an error."""
-    from utils.train.faults import Preempted
-
     return "KILLED" if isinstance(error, Preempted | KeyboardInterrupt) else "FAILED"

@@ -37,7 +37,7 @@ LONG_RUN = Recipe("SGD", DEFAULT_HYP)  # YOLOv5's scratch-low: lr0 0.01, accumul
 YOLOV5_RECIPES = RecipeFiles(SHORT_RUN.hyp_path, LONG_RUN.hyp_path)
 LONG_RUN_NBS = 64  # LONG_RUN's nbs, so the rule needs no file (tests/test_recipe.py checks they agree)
 
-# The fewest optimizer steps (at nbs 64) at which auto picks SGD, from benchmarks/recipes.py (README,
+# The fewest optimizer steps (at nbs 64) at which auto picks SGD, from benchmarks/recipes.py (docs/training.md,
 # "Choosing a recipe"). SGD's mAP50-95 as a share of AdamW's, by the run's SGD steps: 0.01 at 120, 0.29 at
 # 320, 0.39 at 640, 0.93 at 1,920 (224 px), 1.00 at 4,800 (2,000 images at 160 px, a tie) and 0.94 at
 # 6,080 (the same images at 128 px). The two meet near 5,000 steps, where exactly moves with the data.

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from models.yolo import memory_format, model_info
+from utils import checkpoint as ckpt_io
 from utils.config import AUTO, TrainConfig, config_from_dict
 from utils.convert import load_weights
 from utils.data.augment import AugmentParams
@@ -25,7 +26,6 @@ from utils.errors import ConfigError
 from utils.families import checkpoint_family, family_of, spec_from_checkpoint
 from utils.hyp import Hyp
 from utils.tasks import Task
-from utils.train import checkpoint as ckpt_io
 from utils.train.faults import find_restarted_run
 from utils.train.recipe import YOLOV5_RECIPES, RecipeFiles, needs_image_count, resolve_recipe, restored_recipe_line
 
@@ -53,7 +53,7 @@ class Datasets:
 
 
 # Options --resume takes from the new command line when given there; all others come from the checkpoint.
-# change the remaining schedule / the global batch (README), or who follows the run
+# change the remaining schedule / the global batch (docs/distributed.md), or who follows the run
 RESUME_OVERRIDES = ("epochs", "batch_size", "callbacks", "mlflow")
 MACHINE_OPTIONS = ("device", "workers", "resume", "dist_timeout", "amp")  # where and how this attempt runs
 

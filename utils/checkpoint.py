@@ -13,15 +13,17 @@ import zipfile
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import torch
 from torch import nn
 
-from utils.distributed import DistContext
+from utils.distributed import DistContext, unwrap_model
 from utils.errors import ConfigError
-from utils.train.ema import ModelEMA, unwrap_model
+
+if TYPE_CHECKING:
+    from utils.train.ema import ModelEMA
 
 LOGGER = logging.getLogger(__name__)
 
