@@ -60,7 +60,7 @@ from utils.train.recipe import optimizer_steps, resolve_recipe  # noqa: E402
 
 SCRIPTS = {"detect": "train.py", "segment": "segment/train.py"}
 # The close-mosaic candidate trains this share of the epochs without mosaic (Ultralytics closes the last
-# 10). Measured: +0.005 / 0.000 mAP50-95 on the built-in and a 100-image set (README), so the default stays 0.
+# 10). Measured: +0.005 / 0.000 mAP50-95 on the built-in and a 100-image set (docs/training.md), so the default stays 0.
 CLOSE_MOSAIC_SHARE = 0.15
 
 
@@ -173,7 +173,7 @@ def _pycocotools_scores(path: Path, task: str) -> tuple[float, float] | None:
 
 
 def print_table(outcomes: list[Outcome], header: str) -> None:
-    """Print the one table (Markdown, to paste into the README's "Choosing a recipe")."""
+    """Print the one table (Markdown, to paste into "Choosing a recipe" in docs/training.md)."""
     print(f"\n{header}\n")
     print("| recipe | resolved to | optimizer steps | mAP50-95 | mAP50 | wall time |")
     print("|---|---|---|---|---|---|")
