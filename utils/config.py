@@ -174,9 +174,25 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
         "the run's size unless given (docs/training.md: Choosing a recipe)."
     )
     add_common_flags(parser)
+    _add_model_flags(parser, task)
+    _add_training_flags(parser)
+    _add_run_flags(parser, task)
+    if task == "segment":
+        parser.add_argument(
+            "--overlap-mask", action="store_true", help="one index mask per image, not one per instance (less RAM)"
+        )
+        parser.add_argument("--mask-ratio", type=int, default=4, help="mask downsample ratio (4 = prototype size)")
+    return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser, task: str) -> None:
+    """What is trained: --cfg, --weights, --hyp."""
     default_cfg = "yolov5n-seg" if task == "segment" else "yolov5n"
     parser.add_argument(
-        "--cfg", dest="model", default=default_cfg, help="model size (yolov5n..yolov5x) or a model YAML path"
+        "--cfg",
+        dest="model",
+        default=default_cfg,
+        help="model name (yolov5n..x, yolov8n..x, yolo11n..x, yolo26n..x; -seg) or a model YAML path",
     )
     parser.add_argument("--weights", default="", help="checkpoint to fine-tune from ('' = train from scratch)")
     parser.add_argument(
@@ -185,6 +201,10 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
         help="hyperparameter YAML, or auto (default): the recipe file of the optimizer, data/hyps/hyp.scratch-low.yaml "
         "(YOLOv5's) for SGD, data/hyps/hyp.quickstart.yaml for Adam/AdamW",
     )
+
+
+def _add_training_flags(parser: argparse.ArgumentParser) -> None:
+    """How it is trained: schedule, batch, cache, optimizer, augmentation switches, precision."""
     parser.add_argument("--epochs", type=int, default=QUICKSTART_EPOCHS)
     parser.add_argument("--batch-size", type=int, default=QUICKSTART_BATCH, help="GLOBAL batch, summed over all ranks")
     parser.add_argument(
@@ -207,18 +227,6 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     parser.add_argument("--freeze", nargs="+", type=int, default=[], help="freeze first N layers (one value) or a list")
     parser.add_argument("--seed", type=int, default=0, help="global seed; each rank augments with seed + rank")
     parser.add_argument("--deterministic", action="store_true", help="use deterministic algorithms (slower)")
-    parser.add_argument("--resume", nargs="?", const="last", default="", help="resume a run: path to last.pt or latest")
-    parser.add_argument("--project", type=Path, default=ROOT / "runs" / ("train-seg" if task == "segment" else "train"))
-    parser.add_argument("--name", default="exp", help="run folder name under --project")
-    parser.add_argument("--exist-ok", action="store_true", help="reuse an existing run folder instead of exp2, exp3...")
-    parser.add_argument("--noval", action="store_true", help="validate only after the final epoch")
-    parser.add_argument("--nosave", action="store_true", help="only save the final checkpoint")
-    parser.add_argument(
-        "--noplots",
-        action="store_true",
-        help="skip train_batch*.jpg, results.png, the PR/F1/P/R curves and the confusion matrix",
-    )
-    parser.add_argument("--save-period", type=int, default=-1, help="also save epoch<N>.pt every N epochs (-1: off)")
     parser.add_argument(
         "--amp",
         choices=AMP_MODES,
@@ -240,6 +248,22 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
         help="train the last N epochs without mosaic and mixup (0: mosaic throughout, as YOLOv5)",
     )
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs (CUDA and DDP only)")
+
+
+def _add_run_flags(parser: argparse.ArgumentParser, task: str) -> None:
+    """Where the run goes and who follows it: resume, run folder, saving, plots, callbacks, MLflow."""
+    parser.add_argument("--resume", nargs="?", const="last", default="", help="resume a run: path to last.pt or latest")
+    parser.add_argument("--project", type=Path, default=ROOT / "runs" / ("train-seg" if task == "segment" else "train"))
+    parser.add_argument("--name", default="exp", help="run folder name under --project")
+    parser.add_argument("--exist-ok", action="store_true", help="reuse an existing run folder instead of exp2, exp3...")
+    parser.add_argument("--noval", action="store_true", help="validate only after the final epoch")
+    parser.add_argument("--nosave", action="store_true", help="only save the final checkpoint")
+    parser.add_argument(
+        "--noplots",
+        action="store_true",
+        help="skip train_batch*.jpg, results.png, the PR/F1/P/R curves and the confusion matrix",
+    )
+    parser.add_argument("--save-period", type=int, default=-1, help="also save epoch<N>.pt every N epochs (-1: off)")
     parser.add_argument(
         "--callbacks",
         nargs="+",
@@ -254,12 +278,6 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
         help="log params, per-epoch metrics and artifacts to MLflow (MLflow's default local store, or "
         "MLFLOW_TRACKING_URI, which also turns it on); needs `pip install mlflow`",
     )
-    if task == "segment":
-        parser.add_argument(
-            "--overlap-mask", action="store_true", help="one index mask per image, not one per instance (less RAM)"
-        )
-        parser.add_argument("--mask-ratio", type=int, default=4, help="mask downsample ratio (4 = prototype size)")
-    return parser
 
 
 def explicit_options(parser: argparse.ArgumentParser, argv: list[str] | None) -> frozenset[str]:

@@ -242,8 +242,7 @@ def evaluate(
         if loss_fn is not None and loss_inputs is not None:
             loss_sum += loss_fn(loss_input, **loss_inputs(batch, device))[1]
             seen[1] += 1
-        height, width = images.shape[2:]  # the model input, (B, 3, H, W)
-        targets[:, 2:6] *= torch.tensor((width, height, width, height), device=device)
+        targets[:, 2:6] *= torch.tensor(images.shape[2:], device=device).flip(0).repeat(2)  # to input pixels (W, H)
         nms = functools.partial(select, decoded.float(), iou_thres=options.iou_thres, max_det=options.max_det)
         outputs = nms(options.conf_thres, num_masks=scorer.num_masks, multi_label=options.multi_label)
         after_nms = time.perf_counter()
@@ -253,11 +252,8 @@ def evaluate(
             single = outputs if not options.multi_label else nms(confusion.conf, num_masks=scorer.num_masks)
             _count_confusion(confusion, single, targets)
         keep_masks = options.collect_predictions and options.collect_masks
-        for index, score in enumerate(scorer.score_batch(outputs, loss_input, targets, batch, keep_masks)):
-            stats.add(score)
-            if options.collect_predictions:
-                orig_hw = tuple(int(v) for v in batch["shapes"][index][0])
-                predictions.append(ImagePredictions(batch["paths"][index], orig_hw, score.detections, score.masks_rle))
+        scores = scorer.score_batch(outputs, loss_input, targets, batch, keep_masks)
+        _collect(scores, batch, stats, predictions if options.collect_predictions else None)
         seen[0] += len(outputs)
         if options.on_batch is not None:
             predicted = functools.partial(scorer.predicted_batch, batch, outputs, loss_input)
@@ -269,6 +265,17 @@ def evaluate(
         confusion.matrix = all_reduce_sum(matrix, ctx).cpu().numpy()
         result.confusion = confusion
     return result
+
+
+def _collect(
+    scores: Iterable[Any], batch: dict[str, Any], stats: _Stats, predictions: list[ImagePredictions] | None
+) -> None:
+    """Add a batch's per-image scores to `stats` and, when collecting (`predictions` given), its detections."""
+    for index, score in enumerate(scores):
+        stats.add(score)
+        if predictions is not None:
+            orig_hw = tuple(int(v) for v in batch["shapes"][index][0])
+            predictions.append(ImagePredictions(batch["paths"][index], orig_hw, score.detections, score.masks_rle))
 
 
 def _count_confusion(confusion: ConfusionMatrix, outputs: list[torch.Tensor], targets: torch.Tensor) -> None:
