@@ -177,3 +177,31 @@ def test_resume_in_one_process_keeps_the_recipe_chosen_on_two(ddp_run, tmp_path:
     assert recipe() == chosen  # opt.yaml and hyp.yaml are written again by the resumed run
     resumed = torch.load(copy / "weights" / "last.pt", map_location="cpu", weights_only=True)
     assert (resumed["train_config"]["optimizer"], resumed["train_config"]["hyp_path"], resumed["hyp"]) == chosen
+
+
+def test_train_run_from_a_script_under_torchrun_trains_as_train_py_does(
+    ddp_run, tiny_data: Path, tmp_path: Path
+) -> None:
+    # A user's script calling train.run under torchrun: every rank calls it, callbacks fire on rank 0 only, and the
+    # run is the one train.py gives with the same flags (same seed, same per-epoch figures).
+    script = tmp_path / "my_training.py"
+    script.write_text(
+        "import os, sys\n"
+        "import train\n"
+        "def mark(event):\n"
+        "    (event.run_dir / f\"ended-on-rank{os.environ['RANK']}\").write_text(str(event.epoch))\n"
+        "words = iter(sys.argv[1:])  # --flag value pairs, as keywords\n"
+        "args = {flag.lstrip('-').replace('-', '_'): value for flag, value in zip(words, words)}\n"
+        "result = train.run(callbacks={'on_fit_epoch_end': mark}, epochs=2, save_period=1, **args)\n"
+        "print('RESULT', result.epochs_run, result.best.name)\n"
+    )
+    _, reference = ddp_run
+    launch = _torchrun(tmp_path / "logs", *_train_args(tiny_data, tmp_path / "runs", "api"), script=str(script))
+    assert launch.returncode == 0, launch.launcher_output + "\n".join(launch.rank_stderr)
+    assert "RESULT 2 best.pt" in launch.rank_stdout[0] and "RESULT 2 best.pt" in launch.rank_stdout[1]
+    run_dir = tmp_path / "runs" / "api"
+    assert [p.name for p in run_dir.glob("ended-on-rank*")] == ["ended-on-rank0"]
+    with (run_dir / "results.csv").open() as mine, (reference / "ddp" / "results.csv").open() as theirs:
+        ours, script_py = list(csv.DictReader(mine)), list(csv.DictReader(theirs))
+    for key in ("train/box_loss", "train/cls_loss", "metrics/mAP50-95", "val/box_loss"):
+        assert [row[key] for row in ours] == [row[key] for row in script_py], key
