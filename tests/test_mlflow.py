@@ -146,3 +146,20 @@ def test_a_tracking_uri_nobody_listens_on_costs_one_warning(
     warnings = [r.getMessage() for r in caplog.records if r.name.startswith("utils.train.mlflow")]
     assert len(warnings) == 1 and "no tracking server at http://127.0.0.1:" in warnings[0]
     assert "mlflow" not in torch.load(result.last, weights_only=True)["callback_state"]
+
+
+@pytest.mark.slow
+def test_a_file_store_named_by_the_environment(
+    tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MLflow 3 keeps the plain ./mlruns file store behind MLFLOW_ALLOW_FILE_STORE; older versions use it by default.
+    store = tmp_path / "mlruns"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store.as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    result = _train(tiny_data, tmp_path / "runs" / "train", epochs=1)
+    run_id = torch.load(result.last, weights_only=True)["callback_state"]["mlflow"]["run_id"]
+    run = MlflowClient(store.as_uri()).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["seed"] == "1"
+    assert "metrics/mAP50-95" in run.data.metrics and "final/fitness" in run.data.metrics
+    assert list(store.rglob("best.pt")) and list(store.rglob("results.csv"))  # artifacts inside the store
