@@ -13,19 +13,23 @@ dependencies = ["torch", "torchvision", "numpy", "cv2", "yaml", "pycocotools"]
 
 def custom(path: str, device: str = "", nms: bool = False):  # noqa: ANN201 - a Detector; imported lazily
     """Load checkpoint `path` for inference on `device` ('' = GPU when present); `nms` as val.py --nms."""
+    from segment.task import SEGMENT
     from utils.predict.hub import Detector
+    from utils.tasks import DETECT
 
-    return Detector.from_checkpoint(path, device, nms)
+    return Detector.from_checkpoint(path, {DETECT.name: DETECT, SEGMENT.name: SEGMENT}, device, nms)
 
 
 def _size_entry(name: str):  # noqa: ANN202
     def entry(pretrained: bool = False, classes: int = 80, device: str = ""):  # noqa: ANN202
+        from segment.task import SEGMENT
         from utils.errors import ConfigError
         from utils.predict.hub import scratch_detector
+        from utils.tasks import DETECT
 
         if pretrained:
             raise ConfigError(f"{name}: no weights are downloaded; load a file with custom(path=...)")
-        return scratch_detector(name, classes, device)
+        return scratch_detector(name, SEGMENT if name.endswith("-seg") else DETECT, classes, device)
 
     entry.__name__ = name.replace("-", "_")
     entry.__doc__ = f"{name} with random weights and `classes` classes (pretrained weights: use custom(path=...))."

@@ -24,7 +24,7 @@ DEFAULT_DATA = ROOT / "data" / "synthetic.yaml"
 # `--optimizer auto` / `--hyp auto` (the defaults) choose one of two recipe files from the run's size
 # (utils/train/recipe.py): YOLOv5's SGD recipe for runs with many optimizer steps, and for the others
 # AdamW stepping once per batch of 16 (on 400 images x 60 epochs the SGD recipe reached a quarter of
-# AdamW's mAP50-95, issue 16). `python train.py` with no flags is the quick start: a short from-scratch
+# AdamW's mAP50-95, docs/training.md). `python train.py` with no flags is the quick start: a short from-scratch
 # run on the built-in dataset that finishes in under 15 minutes on 2 CPU cores.
 AUTO = "auto"
 DEFAULT_HYP = ROOT / "data" / "hyps" / "hyp.scratch-low.yaml"  # YOLOv5's default; auto's long-run recipe

@@ -13,7 +13,7 @@ checkpoint gives the detections detect.py writes for the same image and settings
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from utils.errors import ConfigError
 from utils.eval.checkpoint_val import model_from_checkpoint
 from utils.eval.coco import predictions_to_coco
 from utils.eval.evaluate import ImagePredictions
+from utils.families import build_model, segmentation_spec, spec_from_cfg
 from utils.predict.config import PredictConfig
 from utils.predict.outputs import txt_lines
 from utils.predict.prediction import Prediction, class_name
@@ -103,15 +104,22 @@ class Detector(nn.Module):
         self.agnostic = False
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device: str = "", nms: bool = False) -> Detector:
-        """Load our checkpoint, or a YOLOv5 / Ultralytics .pt (converted in memory), for inference on `device`."""
+    def from_checkpoint(
+        cls, path: str | Path, tasks: Mapping[str, Task], device: str = "", nms: bool = False
+    ) -> Detector:
+        """Load our checkpoint, or a YOLOv5 / Ultralytics .pt (converted in memory), for inference on `device`.
+
+        `tasks` maps a checkpoint's `task` field to its Task (hubconf.py passes DETECT and SEGMENT).
+        """
         from utils.convert import load_weights
 
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: file not found")
         checkpoint = load_weights(path)
-        task = _task_named(checkpoint["task"], path)
+        if checkpoint["task"] not in tasks:
+            raise ConfigError(f"{path}: unknown task {checkpoint['task']!r}")
+        task = tasks[checkpoint["task"]]
         model = model_from_checkpoint(checkpoint, task, DistContext(device=select_device(device)), nms=nms)
         return cls(model, task, checkpoint["names"])
 
@@ -154,25 +162,10 @@ def _as_bgr(item: Any, index: int) -> tuple[str, np.ndarray]:
     return f"image{index}", np.ascontiguousarray(array[..., ::-1])
 
 
-def _task_named(name: str, path: Path) -> Task:
-    from segment.task import SEGMENT
-    from utils.tasks import DETECT
-
-    tasks = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
-    if name not in tasks:
-        raise ConfigError(f"{path}: unknown task {name!r}")
-    return tasks[name]
-
-
-def scratch_detector(name: str, num_classes: int = 80, device: str = "") -> Detector:
-    """A model of size `name` (yolov5n, yolo11s, yolo26m-seg, ...) with random weights; nothing is downloaded."""
-    from segment.task import SEGMENT
-    from utils.families import build_model, segmentation_spec, spec_from_cfg
-    from utils.tasks import DETECT
-
+def scratch_detector(name: str, task: Task, num_classes: int = 80, device: str = "") -> Detector:
+    """A `task` model of size `name` (yolov5n, yolo11s, yolo26m-seg, ...) with random weights; nothing is downloaded."""
     spec = spec_from_cfg(name, num_classes)
-    task = SEGMENT if name.endswith("-seg") else DETECT
-    if task is SEGMENT and not spec.num_masks:
+    if task.with_masks and not spec.num_masks:
         spec = segmentation_spec(spec)
     model = build_model(spec).fuse().eval().to(select_device(device))
     return Detector(model, task, [f"class{i}" for i in range(num_classes)])
