@@ -110,8 +110,8 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _tiny(tiny_data: Path, project: Path, **extra: object) -> dict[str, object]:
-    options = dict(data=tiny_data, imgsz=64, batch_size=4, epochs=2, workers=0, device="cpu", project=project,
-                   noplots=True, seed=1)  # fmt: skip
+    options = dict(cfg="yolov5n", data=tiny_data, imgsz=64, batch_size=4, epochs=2, workers=0, device="cpu",
+                   project=project, noplots=True, seed=1)  # fmt: skip
     return {**options, **extra}
 
 

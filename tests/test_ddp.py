@@ -147,7 +147,7 @@ def _first_step_gradients(ctx: DistContext, spec: Any = SPEC, hyp: Any = HYP) ->
     """Run train_one_epoch on one batch (this rank's share of the global batch) and return the loss items
     and the gradients the optimizer steps with. The engine multiplies the loss by the world size."""
     model = _model_with_bn_pinned_to_eval(spec=spec)
-    cfg = TrainConfig(hyp=hyp, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
+    cfg = TrainConfig(model="yolov5n", hyp=hyp, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
     state = build_train_state(ModelBundle(model, spec, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT, ctx, batches=1)
     stepped_with = _record_step_gradients(state.optimizer, model)
     trained = train_one_epoch(state, [_as_batch(*_rank_slice(*_fixed_global_batch(), ctx))], 0, cfg, ctx)
@@ -172,7 +172,7 @@ def _engine_steps(ctx: DistContext) -> dict[str, Any]:
     torch.manual_seed(10 + ctx.rank)  # different initial weights per rank: DDP must broadcast rank 0's
     model = build_family_model(SPEC)
     initial = _flat(model.parameters())
-    cfg = TrainConfig(hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
+    cfg = TrainConfig(model="yolov5n", hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
     bundle = ModelBundle(model, SPEC, tuple(SHAPE_NAMES[:NUM_CLASSES]))
     state = build_train_state(bundle, cfg, DETECT, ctx, batches=MICRO_BATCHES)
     no_sync_calls = _count_no_sync(state.ddp)
@@ -224,7 +224,7 @@ def _nonfinite_on_rank1(ctx: DistContext, num_batches: int = MICRO_BATCHES) -> d
     """
     torch.manual_seed(10)
     model = build_family_model(SPEC)
-    cfg = TrainConfig(hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
+    cfg = TrainConfig(model="yolov5n", hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
     state = build_train_state(ModelBundle(model, SPEC, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT, ctx, num_batches)
     stepped_with = _record_step_gradients(state.optimizer, model)
     real_loss, calls = state.loss_fn, []
@@ -287,8 +287,8 @@ def _evaluate_with_rank_fitness(
 
 def _fit_with_patience(ctx: DistContext, data_yaml: str, project: str) -> int:
     """Run the real fit() with --patience 1 and rank-dependent fitness; return the epochs it ran."""
-    args = ["--data", data_yaml, "--imgsz", str(IMGSZ), "--batch-size", str(GLOBAL_BATCH), "--workers", "0",
-            "--device", "cpu", "--project", project, "--name", "patience", "--seed", "3",
+    args = ["--cfg", "yolov5n", "--data", data_yaml, "--imgsz", str(IMGSZ), "--batch-size", str(GLOBAL_BATCH),
+            "--workers", "0", "--device", "cpu", "--project", project, "--name", "patience", "--seed", "3",
             "--epochs", str(EARLY_STOP_EPOCHS), "--patience", "1", "--noplots"]  # fmt: skip
     cfg = config_from_args(build_train_parser("detect").parse_args(args), "detect")
     return fit(cfg, _RankFitnessTask(**vars(DETECT)), ctx).epochs_run

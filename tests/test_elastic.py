@@ -41,7 +41,7 @@ def _launch(
     launcher = launcher or ("--nproc_per_node", "2", "--master_port", str(free_port()))
     command = [
         sys.executable, "-m", "torch.distributed.run", *launcher, "--max-restarts", str(restarts),
-        "train.py", "--device", "cpu", "--workers", "0", "--data", str(data),
+        "train.py", "--cfg", "yolov5n", "--device", "cpu", "--workers", "0", "--data", str(data),
         "--imgsz", "64", "--batch-size", "4", "--project", str(project), "--seed", "3", "--noplots", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

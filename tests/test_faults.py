@@ -28,7 +28,8 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _args(data: Path, project: Path, name: str, workers: int) -> list[str]:
     return [
-        "--data", str(data), "--imgsz", "64", "--batch-size", "4", "--epochs", "2", "--workers", str(workers),
+        "--cfg", "yolov5n", "--data", str(data), "--imgsz", "64", "--batch-size", "4", "--epochs", "2",
+        "--workers", str(workers),
         "--device", "cpu", "--project", str(project), "--name", name, "--seed", "5", "--deterministic",
         "--noplots", "--save-period", "1",
     ]  # fmt: skip

@@ -43,8 +43,8 @@ def no_tracking_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _train(tiny_data: Path, project: Path, **extra: object):
-    options = dict(data=tiny_data, imgsz=64, batch_size=4, epochs=2, workers=0, device="cpu", project=project,
-                   noplots=True, seed=1)  # fmt: skip
+    options = dict(cfg="yolov5n", data=tiny_data, imgsz=64, batch_size=4, epochs=2, workers=0, device="cpu",
+                   project=project, noplots=True, seed=1)  # fmt: skip
     return train.run(**{**options, **extra})
 
 

@@ -100,8 +100,8 @@ def test_training_run_logs_results_columns_and_writes_the_new_plots(tmp_path: Pa
     from utils.data.synthetic import SyntheticSpec
 
     data = make_tiny_dataset(tmp_path, SyntheticSpec(num_train=8, num_val=4, max_objects=3, min_object_frac=0.15))
-    args = ["--data", str(data), "--imgsz", "64", "--batch-size", "4", "--workers", "0", "--device", "cpu",
-            "--project", str(tmp_path / "runs"), "--name", "tb", "--epochs", "1"]  # fmt: skip
+    args = ["--cfg", "yolov5n", "--data", str(data), "--imgsz", "64", "--batch-size", "4", "--workers", "0",
+            "--device", "cpu", "--project", str(tmp_path / "runs"), "--name", "tb", "--epochs", "1"]  # fmt: skip
     run_dir = train.main(args).run_dir
     for name in ("labels.jpg", "val_batch0_labels.jpg", "val_batch0_pred.jpg", "train_batch0.jpg"):
         image = cv2.imread(str(run_dir / name))

@@ -64,7 +64,7 @@ def _torchrun(log_dir: Path, *train_args: str, script: str = "train.py") -> Laun
 
 
 def _train_args(data: Path, project: Path, name: str, *extra: str) -> list[str]:
-    return ["--data", str(data), "--imgsz", "64", "--batch-size", "4", "--project", str(project),
+    return ["--cfg", "yolov5n", "--data", str(data), "--imgsz", "64", "--batch-size", "4", "--project", str(project),
             "--name", name, "--seed", "3", *extra]  # fmt: skip
 
 

@@ -36,6 +36,8 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _train_args(data: Path, project: Path, name: str, *extra: str) -> list[str]:
     return [
+        "--cfg",
+        "yolov5n",
         "--data",
         str(data),
         "--imgsz",
