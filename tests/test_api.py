@@ -150,7 +150,8 @@ def test_train_run_twice_in_one_process_with_callbacks(tiny_data: Path, tmp_path
     # Again in the same process, with the --callbacks flag's form (a module file): a fresh run folder.
     module = tmp_path / "ends.py"
     module.write_text("ENDED = []\ndef on_train_end(event):\n    (event.run_dir / 'ended.txt').write_text('yes')\n")
-    second = train.run(callbacks=[str(module)], **_tiny(tiny_data, tmp_path))
+    second = train.run(callbacks=[str(module)], **_tiny(tiny_data, tmp_path, deterministic=True))
+    assert not torch.are_deterministic_algorithms_enabled()  # the run's process-wide settings do not outlive it
     assert second.run_dir != first.run_dir and (second.run_dir / "ended.txt").read_text() == "yes"
     assert second.best.is_file() and first.best.is_file()
     assert set(second.metrics) == set(first.metrics)

@@ -39,9 +39,11 @@ def run_entry(device: str, body: Callable[[DistContext], T], timeout: datetime.t
     Raising inside `body` on any rank ends that rank; the others then fail at their next
     collective within the process-group `timeout` (--dist-timeout) instead of hanging forever.
     Called from Python (train.run, ...), it leaves the process as it found it: a process group
-    that existed before is kept, and the logging set-up and torch's thread count are restored.
+    that existed before is kept, and the logging set-up and torch's process-wide settings (thread
+    count, deterministic algorithms, cuDNN flags) are restored.
     """
-    threads, group_existed = torch.get_num_threads(), dist.is_available() and dist.is_initialized()
+    group_existed = dist.is_available() and dist.is_initialized()
+    settings = _torch_settings()
     try:
         ctx = init_distributed(device, timeout)
         with logging_for(ctx):
@@ -49,7 +51,21 @@ def run_entry(device: str, body: Callable[[DistContext], T], timeout: datetime.t
     finally:
         if not group_existed:
             cleanup()
-        torch.set_num_threads(threads)
+        _restore_torch_settings(settings)
+
+
+def _torch_settings() -> tuple[int, bool, bool, bool, bool]:
+    """torch's process-wide settings a run may change: threads, deterministic algorithms (and warn-only), cuDNN."""
+    cudnn = torch.backends.cudnn
+    return (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(), cudnn.benchmark, cudnn.deterministic)  # fmt: skip
+
+
+def _restore_torch_settings(settings: tuple[int, bool, bool, bool, bool]) -> None:
+    threads, deterministic, warn_only, benchmark, cudnn_deterministic = settings
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = benchmark, cudnn_deterministic
 
 
 def keyword_argv(parser: argparse.ArgumentParser, options: Mapping[str, Any], entry: str) -> list[str]:
