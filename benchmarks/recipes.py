@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def model_figures(cfg: str, task: str) -> tuple[int, float, float]:
-    """(parameters, GFLOPs at 640, CPU ms per 640 px image: fused, batch 1, median of 5 after 2 warm-ups)."""
+    """(parameters, GFLOPs at 640, CPU ms per 640 px image: fused, batch 1, median of 15 after 5 warm-ups)."""
     import torch
 
     from models.yolo import estimate_gflops
@@ -266,10 +266,10 @@ def model_figures(cfg: str, task: str) -> tuple[int, float, float]:
     images = torch.rand(1, 3, 640, 640)
     times = []
     with torch.inference_mode():
-        for rep in range(7):
+        for rep in range(20):  # single runs vary by tens of percent on a busy CPU: take the median of many
             start = time.perf_counter()
             model(images)
-            if rep >= 2:
+            if rep >= 5:
                 times.append(1000 * (time.perf_counter() - start))
     return params, gflops, sorted(times)[len(times) // 2]
 
