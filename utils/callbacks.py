@@ -101,9 +101,13 @@ class Callbacks:
         for event, functions in other.handlers.items():
             self.handlers[event].extend(functions)
 
+    def listening(self, event: str) -> bool:
+        """Whether `fire(event)` would call anything (False off rank 0): callers skip building its fields."""
+        return self.enabled and bool(self.handlers[event])
+
     def fire(self, event: str, **fields: Any) -> None:
         """Call `event`'s callbacks with a TrainEvent built from `fields`; each failure is one warning."""
-        if not self.enabled or not self.handlers[event]:
+        if not self.listening(event):
             return
         info = TrainEvent(name=event, state=self.state, **fields)
         for function in self.handlers[event]:

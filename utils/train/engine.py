@@ -51,7 +51,7 @@ from utils.train.optim import (
     warmup_iterations,
 )
 from utils.train.prefetch import DevicePrefetcher, WaitTimer
-from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV
+from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV, loss_columns, lr_columns
 from utils.train.saving import prepare_run_dir, restore_state, save_epoch, save_mid_epoch
 from utils.train.setup import (
     ModelBundle,
@@ -387,9 +387,7 @@ def _run_epoch(run: TrainRun, state: TrainState, epoch: int) -> EpochSummary:
     trained = train_one_epoch(state, datasets.train_loader, epoch, cfg, ctx, draw, save_now)
     LOGGER.info(f"train: {trained.describe(ctx.world_size)}")
     lrs = [group["lr"] for group in state.optimizer.param_groups]
-    names = state.loss_fn.item_names
-    train_row = {f"train/{name}_loss": float(v) for name, v in zip(names, trained.mean_loss, strict=True)}
-    train_row.update({f"lr/pg{i}": lr for i, lr in enumerate(lrs)})
+    train_row = {**loss_columns("train", state.loss_fn.item_names, trained.mean_loss), **lr_columns(lrs)}
     run.fire("on_train_epoch_end", epoch=epoch + 1, row=train_row)
     with warnings.catch_warnings():  # a resumed epoch with no batch left has no optimizer step before this
         warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))

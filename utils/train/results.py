@@ -92,15 +92,24 @@ class EpochSummary:
         None takes the task's YOLOv5 names.
         """
         names = loss_names if loss_names is not None else task.loss_names
-        row: dict[str, Any] = {"epoch": self.epoch + 1}
-        row.update({f"train/{name}_loss": float(v) for name, v in zip(names, self.train_loss, strict=True)})
+        row: dict[str, Any] = {"epoch": self.epoch + 1, **loss_columns("train", names, self.train_loss)}
         for key in (*task.metric_names, "fitness"):
             row[f"metrics/{key}"] = float(self.metrics.get(key, float("nan")))
         values = self.val_loss if self.val_loss is not None else [float("nan")] * len(names)
-        row.update({f"val/{name}_loss": float(v) for name, v in zip(names, values, strict=True)})
-        row.update({f"lr/pg{i}": float(lr) for i, lr in enumerate(self.lrs)})
+        row.update(loss_columns("val", names, values))
+        row.update(lr_columns(self.lrs))
         row["time_s"] = round(self.seconds, 2)
         return row
+
+
+def loss_columns(split: str, loss_names: tuple[str, ...], values: Any) -> dict[str, float]:
+    """results.csv's `<split>/<name>_loss` columns (split: train or val) of loss items `values`."""
+    return {f"{split}/{name}_loss": float(v) for name, v in zip(loss_names, values, strict=True)}
+
+
+def lr_columns(lrs: list[float]) -> dict[str, float]:
+    """results.csv's `lr/pg<i>` columns: each parameter group's learning rate."""
+    return {f"lr/pg{i}": float(lr) for i, lr in enumerate(lrs)}
 
 
 class EarlyStopper:

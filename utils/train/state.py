@@ -47,7 +47,10 @@ class TrainRun:
 
     def fire(self, event: str, **fields: Any) -> None:
         """Tell the run's callbacks of `event` (rank 0; utils/callbacks.py), with the run's folder and options."""
-        self.callbacks.fire(event, run_dir=self.run_dir, options=self.cfg.to_dict(), epochs=self.cfg.epochs, **fields)
+        if self.callbacks.listening(event):  # the options dict only when someone reads it
+            self.callbacks.fire(
+                event, run_dir=self.run_dir, options=self.cfg.to_dict(), epochs=self.cfg.epochs, **fields
+            )
 
     def figure_written(self, path: Path) -> None:
         """A figure file was written (the drawers' `on_saved`): the on_figure event."""
