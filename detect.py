@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from utils.cli import predict_main, predict_run
+from utils.cli.predict import predict_main, predict_run
 from utils.errors import exit_on_user_error
 from utils.predict.predictor import PredictResult
 from utils.tasks import DETECT, Task

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from segment.task import SEGMENT
-from utils.cli import export_main, export_run
+from utils.cli.export import export_main, export_run
 from utils.errors import exit_on_user_error
 from utils.export import ExportedFile
 from utils.tasks import DETECT

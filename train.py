@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from utils.cli import train_main, train_run
+from utils.cli.train import train_main, train_run
 from utils.errors import exit_on_user_error
-from utils.tasks import DETECT, Task
+from utils.train.records import DETECT_TRAINING, TrainingTask
 from utils.train.state import FitResult
 
 
-def main(argv: list[str] | None = None, task: Task = DETECT) -> FitResult:
+def main(argv: list[str] | None = None, task: TrainingTask = DETECT_TRAINING) -> FitResult:
     """Parse the flags, set up the process group and train; returns where the results are."""
     return train_main(argv, task)
 
@@ -22,7 +22,7 @@ def run(callbacks: Any = None, **options: Any) -> FitResult:
     option raises ConfigError with the message the command line prints. `callbacks` maps event
     names to functions (docs/python-api.md). Under torchrun every rank calls it, as train.py.
     """
-    return train_run(options, DETECT, callbacks)
+    return train_run(options, DETECT_TRAINING, callbacks)
 
 
 if __name__ == "__main__":

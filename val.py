@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from utils.cli import val_main, val_run
+from utils.cli.val import val_main, val_run
 from utils.errors import exit_on_user_error
 from utils.eval.evaluate import EvalResult
 from utils.tasks import DETECT, Task

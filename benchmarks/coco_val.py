@@ -30,10 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python benchmarks/coco_val.py`
     sys.path.insert(0, str(ROOT))
 
-from utils.config import DEFAULT_DATA, ValConfig  # noqa: E402
+from utils.config import DEFAULT_DATA  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.eval.checkpoint_val import prepare_validation  # noqa: E402
 from utils.eval.coco import EVAL_FILE, coco_evaluate  # noqa: E402  (needs the repository root on sys.path)
+from utils.eval.config import ValConfig  # noqa: E402
 from utils.eval.evaluate import EvalOptions  # noqa: E402
 from utils.logs import setup_logging  # noqa: E402
 from utils.tasks import DETECT  # noqa: E402

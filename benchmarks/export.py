@@ -32,8 +32,8 @@ from models.yolo import build_model, spec_from_cfg  # noqa: E402  (needs the sys
 from segment.task import SEGMENT  # noqa: E402
 from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
-from utils.eval.checkpoint_val import load_model_for_eval  # noqa: E402
 from utils.export import ExportConfig, ExportWrapper, export_checkpoint  # noqa: E402
+from utils.inference_model import load_inference_model  # noqa: E402
 from utils.tasks import DETECT  # noqa: E402
 
 TASKS = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
@@ -66,7 +66,7 @@ def save_untrained(cfg: str, folder: Path) -> Path:
 def output_scale(weights: Path, imgsz: int) -> float:
     """The largest absolute value PyTorch outputs for a random image: what the differences compare against."""
     task = TASKS[torch.load(weights, map_location="cpu", weights_only=True)["task"]]  # saved on any GPU
-    model, _ = load_model_for_eval(weights, task, DistContext(), channels_last=False)
+    model, _ = load_inference_model(weights, (task).name, torch.device("cpu"), channels_last=False)
     with torch.no_grad():
         outputs = ExportWrapper(model).eval()(torch.rand(1, 3, imgsz, imgsz))
     return max(float(t.abs().max()) for t in (outputs if isinstance(outputs, tuple) else (outputs,)))

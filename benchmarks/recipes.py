@@ -49,14 +49,14 @@ from utils.config import (  # noqa: E402
     QUICKSTART_EPOCHS,
     QUICKSTART_HYP,
     QUICKSTART_IMGSZ,
-    train_config_from_argv,
 )
 from utils.data.data_config import load_data_config  # noqa: E402
 from utils.data.labels import list_image_files  # noqa: E402
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.eval.coco import EVAL_FILE  # noqa: E402
-from utils.train.recipe import optimizer_steps, resolve_recipe  # noqa: E402
+from utils.train.config import train_config_from_argv  # noqa: E402
+from utils.train.recipe import YOLOV5_RECIPES, optimizer_steps, resolve_recipe  # noqa: E402
 
 SCRIPTS = {"detect": "train.py", "segment": "segment/train.py"}
 # The close-mosaic candidate trains this share of the epochs without mosaic (Ultralytics closes the last
@@ -131,7 +131,7 @@ def same_runs(argvs: dict[str, list[str]], num_images: int, task: str) -> dict[s
     first: dict[str, str] = {}
     shared: dict[str, str] = {}
     for name, argv in argvs.items():
-        cfg, _ = resolve_recipe(train_config_from_argv(argv, task), num_images)
+        cfg, _ = resolve_recipe(train_config_from_argv(argv, task), YOLOV5_RECIPES, num_images)
         key = json.dumps({**cfg.to_dict(), "name": ""}, sort_keys=True, default=str)
         if key in first:
             shared[name] = first[key]

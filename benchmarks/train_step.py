@@ -31,13 +31,14 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/train_step.py`
     sys.path.insert(0, str(ROOT))
 
 from models.yolo import memory_format  # noqa: E402  (needs the sys.path line above)
-from segment.task import SEGMENT  # noqa: E402
-from utils.config import DEFAULT_DATA, QUICKSTART_BATCH, QUICKSTART_HYP, QUICKSTART_IMGSZ, TrainConfig  # noqa: E402
+from segment.training import SEGMENT_TRAINING  # noqa: E402
+from utils.config import DEFAULT_DATA, QUICKSTART_BATCH, QUICKSTART_HYP, QUICKSTART_IMGSZ  # noqa: E402
 from utils.data.data_config import load_data_config  # noqa: E402
 from utils.data.loader import images_on_device  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.hyp import load_hyp  # noqa: E402
-from utils.tasks import DETECT  # noqa: E402
+from utils.train.config import TrainConfig  # noqa: E402
+from utils.train.records import DETECT_TRAINING, TrainingTask  # noqa: E402
 from utils.train.setup import build_datasets, build_model_bundle  # noqa: E402
 
 LAYOUTS = {"nhwc": True, "nchw": False}
@@ -62,9 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Arm:
     """One layout's model, loss and optimizer, started from the shared weights."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, task, channels_last: bool, amp: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cfg: TrainConfig, training: TrainingTask, channels_last: bool, amp: bool
+    ) -> None:
         self.model = copy.deepcopy(model).to(memory_format=memory_format(channels_last))
-        self.loss_fn = task.build_loss(self.model, cfg)
+        self.loss_fn = training.build_loss(self.model, cfg)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
         self.device = next(self.model.parameters()).device
         self.amp = amp
@@ -110,7 +113,8 @@ class Arm:
 
 def build_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], list[dict], TrainConfig]:
     """Build the shared model and real training batches, then one Arm per layout."""
-    task = SEGMENT if args.task == "segment" else DETECT
+    training = SEGMENT_TRAINING if args.task == "segment" else DETECT_TRAINING
+    task = training.task
     cfg = TrainConfig(
         hyp=load_hyp(QUICKSTART_HYP),
         data=args.data,
@@ -129,7 +133,7 @@ def build_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], list[dict], Tr
     loader.set_epoch(0)
     batches = [batch for batch, _ in zip(loader, range(4), strict=False)]
     amp = args.amp and ctx.device.type == "cuda"
-    arms = {name: Arm(bundle.model, cfg, task, channels_last, amp) for name, channels_last in LAYOUTS.items()}
+    arms = {name: Arm(bundle.model, cfg, training, channels_last, amp) for name, channels_last in LAYOUTS.items()}
     return arms, batches, cfg
 
 

@@ -8,10 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from segment.dense_loss import DenseSegmentationLoss
 from segment.mask_targets import MaskTargets
-from utils.config import TrainConfig
-from utils.families import family_of
 from utils.train.loss import DetectionLoss, LevelTerms, LossGains
 
 
@@ -85,16 +82,3 @@ class SegmentationLoss(MaskTargets, DetectionLoss):
         level_counts = torch.cat([count.expand(terms.num_matches) for terms, count in matched])[order]
         mean_bce, areas = self.box_mask_bce(coeffs, image_index[order], target_index, protos, masks, targets)
         return total + (mean_bce / (areas * level_counts)).sum()
-
-
-# Each family's segmentation loss: its detection loss plus the mask term on its own matches.
-SEGMENTATION_LOSSES: dict[str, type] = {"yolov5": SegmentationLoss, "anchor_free": DenseSegmentationLoss}
-
-
-def build_segmentation_loss(model: nn.Module, cfg: TrainConfig) -> SegmentationLoss:
-    """Build the segmentation loss for `model` from `cfg.hyp`, `cfg.imgsz` and `cfg.overlap_mask`.
-
-    The mask term extends the detection loss of the model's family (SEGMENTATION_LOSSES).
-    """
-    loss_type = SEGMENTATION_LOSSES[family_of(model).name]
-    return loss_type.from_hyp(model, cfg.hyp, cfg.imgsz, overlap=cfg.overlap_mask)

@@ -12,7 +12,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from segment.task import SEGMENT  # noqa: E402
-from utils.cli import predict_main, predict_run  # noqa: E402
+from utils.cli.predict import predict_main, predict_run  # noqa: E402
 from utils.errors import exit_on_user_error  # noqa: E402
 from utils.predict.predictor import PredictResult  # noqa: E402
 

@@ -1,4 +1,7 @@
-"""SEGMENT: the Task record that makes the shared engine, data and validator train instance segmentation."""
+"""SEGMENT: the Task record that makes the shared data, validator and predictor handle instance segmentation.
+
+Its training side (the losses) is SEGMENT_TRAINING in segment/training.py.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +12,8 @@ from torch import nn
 
 from segment.evaluate import SegmentationScorer
 from segment.instance_masks import original_size_masks
-from segment.loss import build_segmentation_loss
-from utils.families import build_model, segmentation_spec, spec_from_cfg
+from utils.distributed import unwrap_model
+from utils.families import segmentation_spec, spec_from_cfg
 from utils.tasks import BOX_METRICS, Task, detection_loss_inputs
 
 MASK_METRICS = tuple(f"mask_{name}" for name in BOX_METRICS)
@@ -29,17 +32,14 @@ def segmentation_loss_inputs(batch: dict[str, Any], device: torch.device) -> dic
 
 def make_segmentation_scorer(model: nn.Module) -> SegmentationScorer:
     """Return the mask-aware scorer for `model` (its head's number of mask coefficients)."""
-    return SegmentationScorer(getattr(model, "module", model).head.num_masks)
+    return SegmentationScorer(unwrap_model(model).head.num_masks)
 
 
 SEGMENT = Task(
     name="segment",
     with_masks=True,
-    loss_names=("box", "seg", "obj", "cls"),
     metric_names=(*BOX_METRICS, *MASK_METRICS),
-    build_model=build_model,
     spec_from_cfg=segment_spec_from_cfg,
-    build_loss=build_segmentation_loss,
     loss_inputs=segmentation_loss_inputs,
     make_scorer=make_segmentation_scorer,
     predict_masks=original_size_masks,

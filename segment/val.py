@@ -12,7 +12,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from segment.task import SEGMENT  # noqa: E402
-from utils.cli import val_main, val_run  # noqa: E402
+from utils.cli.val import val_main, val_run  # noqa: E402
 from utils.errors import exit_on_user_error  # noqa: E402
 from utils.eval.evaluate import EvalResult  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed
 import yaml
 
-import utils.cli
+import utils.cli.entry
 import utils.cpus
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 
@@ -77,7 +77,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
     Not marked `distributed`: `torch.distributed.init_process_group` fails the test (the attribute is
     patched on the module, so the library's `dist.init_process_group` is caught; single-process
-    `init_distributed()` never calls it). Not marked `slow`: `utils.cli.run_entry`, which
+    `init_distributed()` never calls it). Not marked `slow`: `utils.cli.entry.run_entry`, which
     train.py, val.py, segment/train.py and segment/val.py's main() all run through, fails the test.
     Spawned processes start fresh interpreters, so `distributed` tests' children are unaffected.
     """
@@ -92,6 +92,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if item.get_closest_marker("slow") is None:
             why = "tests that run train.py / val.py / segment/train.py / segment/val.py end to end are marked slow"
             patch.setattr(
-                utils.cli, "run_entry", _refuse(item, "a train/val entry point (utils.cli.run_entry)", "slow", why)
+                utils.cli.entry,
+                "run_entry",
+                _refuse(item, "a train/val entry point (utils.cli.entry.run_entry)", "slow", why),
             )
         return (yield)

@@ -16,10 +16,10 @@ import train
 import val
 from tests.conftest import make_tiny_dataset
 from utils.callbacks import EVENTS, Callbacks, TrainEvent, load_callback_modules
-from utils.cli import keyword_argv
-from utils.config import build_train_parser
+from utils.cli.entry import keyword_argv
 from utils.data.synthetic import SyntheticSpec
 from utils.errors import ConfigError
+from utils.train.config import build_train_parser
 
 TINY = SyntheticSpec(num_train=8, num_val=4, max_objects=3, min_object_frac=0.2)
 

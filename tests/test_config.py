@@ -7,18 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from utils.config import (
-    DEFAULT_HYP,
-    build_train_parser,
-    build_val_parser,
-    config_from_args,
-    config_from_dict,
-    val_config_from_args,
-    validate,
-)
+from utils.config import DEFAULT_HYP
 from utils.distributed import DistContext, per_rank_batch
 from utils.errors import ConfigError
+from utils.eval.config import build_val_parser, val_config_from_args
 from utils.hyp import load_hyp
+from utils.train.config import build_train_parser, config_from_args, config_from_dict, validate
 
 
 def _write_hyp(tmp_path: Path, **changes: object) -> Path:

@@ -16,15 +16,17 @@ import torch
 from models.yolo import ModelSpec, build_model
 from tests import yolov5_fakes as v5
 from utils.checkpoint import load_checkpoint
-from utils.config import TrainConfig
 from utils.convert import convert_checkpoint, load_weights, main
 from utils.data.data_config import DataConfig
 from utils.distributed import DistContext
 from utils.errors import ConfigError
-from utils.eval.checkpoint_val import load_model_for_eval
 from utils.hyp import load_hyp
+from utils.inference_model import load_inference_model
 from utils.safe_pickle import Placeholder, RestrictedUnpickler, UnsafePickleError, load_untrusted
 from utils.tasks import DETECT
+from utils.train.config import TrainConfig
+from utils.train.plan import RunPlan, plan_model
+from utils.train.records import family_training
 from utils.train.setup import build_model_bundle
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +86,7 @@ def test_cli_writes_a_weights_only_checkpoint(yolov5n_file: tuple[Path, torch.nn
     output = main([str(yolov5n_file[0]), str(tmp_path / "ours.pt")])
     reloaded = load_checkpoint(output)  # torch.load(weights_only=True) inside
     assert reloaded["optimizer"] is None and reloaded["names"] == ["class0", "class1", "class2"]
-    model, _ = load_model_for_eval(output, DETECT, DistContext())
+    model, _ = load_inference_model(output, (DETECT).name, torch.device("cpu"))
     assert model.num_classes == 3
 
 
@@ -103,7 +105,9 @@ def test_fine_tuning_with_another_nc_reinitialises_only_the_head(
     cfg = TrainConfig(hyp=hyp, weights=str(yolov5n_file[0]), channels_last=False)
     names = tuple(f"part{i}" for i in range(5))
     data = DataConfig(yaml_file=tmp_path / "d.yaml", root=tmp_path, splits={}, names=names, annotations={})
-    bundle = build_model_bundle(cfg, DETECT, data, DistContext(), resume=None)
+    spec, weights = plan_model(cfg, DETECT, names, resume=None)
+    plan = RunPlan(cfg, data, names, spec, family_training(spec), weights=weights)
+    bundle = build_model_bundle(plan, DistContext())
     state = bundle.model.state_dict()
     assert bundle.model.num_classes == 5 and bundle.names == names
     for key, tensor in state.items():

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tests import ultralytics_fakes as uf
-from utils.config import TrainConfig
 from utils.convert import convert_checkpoint, load_weights
 from utils.data.data_config import DataConfig
 from utils.distributed import DistContext
@@ -18,6 +17,9 @@ from utils.families import build_model, spec_from_checkpoint
 from utils.hyp import load_hyp
 from utils.safe_pickle import UnsafePickleError
 from utils.tasks import DETECT
+from utils.train.config import TrainConfig
+from utils.train.plan import RunPlan, plan_model
+from utils.train.records import family_training
 from utils.train.setup import build_model_bundle
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +124,9 @@ def test_fine_tuning_yolo11_to_another_class_count_keeps_all_but_class_outputs(t
     cfg = TrainConfig(hyp=hyp, weights=str(path), channels_last=False)
     names = tuple(f"part{i}" for i in range(5))
     data = DataConfig(yaml_file=tmp_path / "d.yaml", root=tmp_path, splits={}, names=names, annotations={})
-    bundle = build_model_bundle(cfg, DETECT, data, DistContext(), resume=None)
+    spec, weights = plan_model(cfg, DETECT, names, resume=None)
+    plan = RunPlan(cfg, data, names, spec, family_training(spec), weights=weights)
+    bundle = build_model_bundle(plan, DistContext())
     assert bundle.spec.family == "anchor_free" and bundle.spec.layout == "yolo11" and bundle.model.num_classes == 5
     for key, tensor in bundle.model.state_dict().items():
         if key.startswith("head.class_branches.") and key.split(".")[3] == "2":  # the last 1x1 conv: one row per class

@@ -26,15 +26,16 @@ from models.anchor_free import AnchorFreeSpec
 from models.yolo import spec_from_cfg
 from tests.conftest import make_tiny_dataset
 from tests.dist_helpers import free_port, run_distributed
-from utils.config import DEFAULT_HYP, TrainConfig, build_train_parser, config_from_args
+from utils.config import DEFAULT_HYP
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext, average_bn_stats
 from utils.eval.evaluate import DetectionScorer, evaluate
-from utils.families import ANCHOR_FREE
 from utils.families import build_model as build_family_model
 from utils.hyp import load_hyp
 from utils.tasks import DETECT, Task
+from utils.train.config import TrainConfig, build_train_parser, config_from_args
 from utils.train.engine import build_train_state, fit, train_one_epoch
+from utils.train.records import ANCHOR_FREE_TRAINING, DETECT_TRAINING
 from utils.train.setup import ModelBundle, verify_identical_weights
 
 IMGSZ = 64
@@ -46,7 +47,7 @@ ANCHOR_FREE_SPECS = {
     layout: AnchorFreeSpec(layout, 0.33, 0.125, 256, NUM_CLASSES, reg_max=reg_max, end_to_end=layout == "yolo26")
     for layout, reg_max in (("yolo11", 16), ("yolo26", 1))
 }
-ANCHOR_FREE_HYP = load_hyp(ANCHOR_FREE.recipe_files.short)
+ANCHOR_FREE_HYP = load_hyp(ANCHOR_FREE_TRAINING.recipe_files.short)
 GLOBAL_BATCH = 4
 WORLD_SIZE = 2
 MICRO_BATCHES = 6
@@ -148,7 +149,7 @@ def _first_step_gradients(ctx: DistContext, spec: Any = SPEC, hyp: Any = HYP) ->
     and the gradients the optimizer steps with. The engine multiplies the loss by the world size."""
     model = _model_with_bn_pinned_to_eval(spec=spec)
     cfg = TrainConfig(model="yolov5n", hyp=hyp, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
-    state = build_train_state(ModelBundle(model, spec, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT, ctx, batches=1)
+    state = build_train_state(ModelBundle(model, spec, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT_TRAINING, ctx, batches=1)
     stepped_with = _record_step_gradients(state.optimizer, model)
     trained = train_one_epoch(state, [_as_batch(*_rank_slice(*_fixed_global_batch(), ctx))], 0, cfg, ctx)
     assert len(stepped_with) == 1, "iteration 0 must step"
@@ -174,7 +175,7 @@ def _engine_steps(ctx: DistContext) -> dict[str, Any]:
     initial = _flat(model.parameters())
     cfg = TrainConfig(model="yolov5n", hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
     bundle = ModelBundle(model, SPEC, tuple(SHAPE_NAMES[:NUM_CLASSES]))
-    state = build_train_state(bundle, cfg, DETECT, ctx, batches=MICRO_BATCHES)
+    state = build_train_state(bundle, cfg, DETECT_TRAINING, ctx, batches=MICRO_BATCHES)
     no_sync_calls = _count_no_sync(state.ddp)
     batches = []
     for step in range(MICRO_BATCHES):  # different data on each rank and step
@@ -225,7 +226,9 @@ def _nonfinite_on_rank1(ctx: DistContext, num_batches: int = MICRO_BATCHES) -> d
     torch.manual_seed(10)
     model = build_family_model(SPEC)
     cfg = TrainConfig(model="yolov5n", hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
-    state = build_train_state(ModelBundle(model, SPEC, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT, ctx, num_batches)
+    state = build_train_state(
+        ModelBundle(model, SPEC, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT_TRAINING, ctx, num_batches
+    )
     stepped_with = _record_step_gradients(state.optimizer, model)
     real_loss, calls = state.loss_fn, []
 
@@ -291,7 +294,8 @@ def _fit_with_patience(ctx: DistContext, data_yaml: str, project: str) -> int:
             "--workers", "0", "--device", "cpu", "--project", project, "--name", "patience", "--seed", "3",
             "--epochs", str(EARLY_STOP_EPOCHS), "--patience", "1", "--noplots"]  # fmt: skip
     cfg = config_from_args(build_train_parser("detect").parse_args(args), "detect")
-    return fit(cfg, _RankFitnessTask(**vars(DETECT)), ctx).epochs_run
+    training = dataclasses.replace(DETECT_TRAINING, task=_RankFitnessTask(**vars(DETECT)))
+    return fit(cfg, training, ctx).epochs_run
 
 
 def _captured(check: Any, *args: Any) -> Any:
@@ -424,7 +428,7 @@ def test_a_nan_loss_in_an_epochs_last_micro_batch_stops_every_rank_before_its_cl
 FAILING_RANK_SCRIPT = """
 import datetime, sys, time
 import torch
-from utils.cli import run_entry
+from utils.cli.entry import run_entry
 from utils.distributed import barrier, init_distributed
 
 def body(ctx):

@@ -11,11 +11,15 @@ from typing import Any
 
 import pytest
 
-import utils.cli
+import utils.cli.entry
+import utils.cli.train
+import utils.cli.val
 from tests.dist_helpers import free_port
-from utils.config import build_train_parser, build_val_parser, config_from_args, val_config_from_args
 from utils.errors import ConfigError
+from utils.eval.config import build_val_parser, val_config_from_args
 from utils.tasks import DETECT
+from utils.train.config import build_train_parser, config_from_args
+from utils.train.records import DETECT_TRAINING
 
 
 def test_dist_timeout_defaults_to_30_minutes_and_parses_minutes() -> None:
@@ -42,10 +46,10 @@ def test_train_and_val_entry_points_hand_the_timeout_to_run_entry(monkeypatch: p
     def recording_run_entry(device: str, body: Any, timeout: datetime.timedelta) -> None:
         received.append(timeout)
 
-    monkeypatch.setattr(utils.cli, "run_entry", recording_run_entry)
-    utils.cli.train_main(["--dist-timeout", "0.5"], DETECT)
-    utils.cli.val_main(["--weights", "w.pt", "--dist-timeout", "7"], DETECT)
-    utils.cli.val_main(["--weights", "w.pt"], DETECT)
+    monkeypatch.setattr(utils.cli.entry, "run_entry", recording_run_entry)
+    utils.cli.train.train_main(["--dist-timeout", "0.5"], DETECT_TRAINING)
+    utils.cli.val.val_main(["--weights", "w.pt", "--dist-timeout", "7"], DETECT)
+    utils.cli.val.val_main(["--weights", "w.pt"], DETECT)
     assert received == [datetime.timedelta(seconds=30), datetime.timedelta(minutes=7), datetime.timedelta(minutes=30)]
 
 
@@ -53,7 +57,7 @@ def test_train_and_val_entry_points_hand_the_timeout_to_run_entry(monkeypatch: p
 LATE_RANK_SCRIPT = """
 import datetime, sys, time
 import torch
-from utils.cli import run_entry
+from utils.cli.entry import run_entry
 from utils.distributed import barrier
 
 def body(ctx):

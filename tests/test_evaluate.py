@@ -61,7 +61,7 @@ def test_multi_label_is_the_default_and_the_confusion_matrix_keeps_one_class_per
 
 
 def test_val_flag_chooses_the_nms() -> None:
-    from utils.config import build_val_parser, val_config_from_args
+    from utils.eval.config import build_val_parser, val_config_from_args
 
     parse = build_val_parser().parse_args
     assert val_config_from_args(parse(["--weights", "w.pt"])).multi_label

@@ -19,7 +19,6 @@ from utils import export as export_lib
 from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 from utils.distributed import DistContext
 from utils.errors import ConfigError, exit_on_user_error
-from utils.eval.checkpoint_val import load_model_for_eval
 from utils.export import (
     ExportConfig,
     ExportMismatchError,
@@ -31,6 +30,7 @@ from utils.export import (
     export_config_from_args,
     read_metadata,
 )
+from utils.inference_model import load_inference_model
 from utils.tasks import DETECT, Task
 
 TASKS = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
@@ -72,7 +72,7 @@ def _config(weights: Path, *include: str, **options: object) -> ExportConfig:
 
 def _pytorch_outputs(weights: Path, task: Task, images: torch.Tensor) -> list[np.ndarray]:
     """What the eval model gives for `images`, reduced to the exported outputs."""
-    model, _ = load_model_for_eval(weights, task, DistContext(), channels_last=False)
+    model, _ = load_inference_model(weights, (task).name, torch.device("cpu"), channels_last=False)
     with torch.no_grad():
         outputs = ExportWrapper(model).eval()(images)
     return [t.numpy() for t in (outputs if isinstance(outputs, tuple) else (outputs,))]

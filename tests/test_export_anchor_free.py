@@ -13,7 +13,6 @@ from segment.task import SEGMENT
 from utils.boxes import best_detections, top_detections
 from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 from utils.distributed import DistContext
-from utils.eval.checkpoint_val import load_model_for_eval
 from utils.export import (
     ExportConfig,
     ExportWrapper,
@@ -22,6 +21,7 @@ from utils.export import (
     match_detection_rows,
     read_metadata,
 )
+from utils.inference_model import load_inference_model
 from utils.tasks import DETECT
 
 TASKS = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
@@ -69,7 +69,9 @@ def test_files_hold_ultralytics_layout_channels_first(tmp_path: Path, layout: st
     config = ExportConfig(weights=weights, include=("torchscript", "onnx"), imgsz=(IMGSZ, IMGSZ), dynamic=True)
     results = export_checkpoint(config, TASKS, DistContext())
     images = torch.rand(2, 3, IMGSZ, 96)
-    model, _ = load_model_for_eval(weights, SEGMENT if seg else DETECT, DistContext(), channels_last=False)
+    model, _ = load_inference_model(
+        weights, (SEGMENT if seg else DETECT).name, torch.device("cpu"), channels_last=False
+    )
     with torch.no_grad():
         decoded, extra = model(images)
     points = 8 * 12 + 4 * 6 + 2 * 3
@@ -88,7 +90,7 @@ def test_end_to_end_files_output_final_detections_and_nms_gives_the_rows(tmp_pat
     weights = _checkpoint(tmp_path, "yolo26")
     config = ExportConfig(weights=weights, include=("torchscript", "onnx"), imgsz=(IMGSZ, IMGSZ))
     images = torch.rand(1, 3, IMGSZ, IMGSZ)
-    model, _ = load_model_for_eval(weights, DETECT, DistContext(), channels_last=False)
+    model, _ = load_inference_model(weights, (DETECT).name, torch.device("cpu"), channels_last=False)
     with torch.no_grad():
         decoded, _ = model(images)
     wanted = top_detections(decoded, conf_thres=0.0, max_det=300, multi_label=True)[0].numpy()

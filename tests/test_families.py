@@ -28,6 +28,8 @@ from utils.families import (
 )
 from utils.hyp import load_hyp
 from utils.tasks import DETECT
+from utils.train.config import TrainConfig
+from utils.train.records import DETECT_TRAINING, YOLOV5_TRAINING
 from utils.train.results import EpochSummary
 
 
@@ -78,14 +80,14 @@ def test_family_loss_keys_may_be_absent_from_a_file_but_the_family_checks_its_ow
     hyp = load_hyp(path)  # which keys are needed depends on the model, not known while reading the file
     assert hyp.anchor_t is None and "anchor_t" not in hyp.to_dict() and "dfl" not in hyp.to_dict()
     with pytest.raises(ConfigError, match=r"hyp\.noanchor\.yaml: missing hyperparameter 'anchor_t', which yolov5"):
-        YOLOV5.check_hyp(hyp, path)
-    YOLOV5.check_hyp(load_hyp(DEFAULT_HYP), DEFAULT_HYP)  # YOLOv5's own file has every key
+        YOLOV5_TRAINING.check_hyp(hyp, path)
+    YOLOV5_TRAINING.check_hyp(load_hyp(DEFAULT_HYP), DEFAULT_HYP)  # YOLOv5's own file has every key
 
 
 def test_yolov5_family_builds_the_yolov5_loss_with_its_items() -> None:
     model = build_model(_tiny_spec())
-    loss_fn = YOLOV5.build_loss(model, load_hyp(DEFAULT_HYP), 64)
-    assert loss_fn.item_names == DETECT.loss_names
+    loss_fn = DETECT_TRAINING.build_loss(model, TrainConfig(hyp=load_hyp(DEFAULT_HYP), imgsz=64))
+    assert loss_fn.item_names == ("box", "obj", "cls")
     outputs = model(torch.zeros(1, 3, 64, 64))
     loss, items = loss_fn(outputs, torch.tensor([[0.0, 1.0, 0.5, 0.5, 0.2, 0.3]]))
     assert torch.isfinite(loss).all() and items.shape == (3,)

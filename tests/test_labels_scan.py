@@ -17,7 +17,7 @@ from PIL import Image
 
 import utils.data.scan as scan_module
 from tests.dist_helpers import run_distributed
-from utils.config import DEFAULT_HYP, TrainConfig
+from utils.config import DEFAULT_HYP
 from utils.data.data_config import load_data_config
 from utils.data.labels import (
     LabelIndex,
@@ -41,6 +41,7 @@ from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.hyp import load_hyp
 from utils.tasks import DETECT
+from utils.train.config import TrainConfig
 from utils.train.setup import build_datasets
 
 SIZES_WH = [(40, 30), (30, 40), (50, 20), (32, 32), (20, 45), (45, 35), (35, 20), (32, 24), (24, 40), (40, 24)]

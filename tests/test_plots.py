@@ -21,6 +21,7 @@ from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext
 from utils.eval.evaluate import EvalOptions
 from utils.eval.metrics import DetectionMetrics
+from utils.families import build_model as build_family_model
 from utils.plots import (
     class_colour,
     column_fractions,
@@ -241,7 +242,7 @@ def test_val_batch_drawer_draws_labels_and_predictions_of_the_first_two_batches(
 def test_evaluation_of_a_tiny_model_writes_val_batch_images(task, tmp_path: Path, one_torch_thread) -> None:
     make_tiny_dataset(tmp_path, SyntheticSpec(num_train=1, num_val=6, max_objects=3, min_side=64, max_side=96))
     spec = task.spec_from_cfg("yolov5n", len(SHAPE_NAMES))
-    model = task.build_model(spec).eval()
+    model = build_family_model(spec).eval()
     options = DatasetOptions.for_evaluation(
         img_size=64, batch_size=3, num_classes=len(SHAPE_NAMES), with_masks=task.with_masks, workers=0
     )

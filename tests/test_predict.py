@@ -19,6 +19,7 @@ from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 from utils.data.synthetic import SHAPE_NAMES
 from utils.distributed import DistContext
 from utils.errors import ConfigError
+from utils.families import build_model as build_family_model
 from utils.predict.config import PredictConfig, SaveOptions, build_predict_parser, predict_config_from_args
 from utils.predict.outputs import mask_polygon, txt_lines
 from utils.predict.prediction import Prediction
@@ -37,7 +38,7 @@ def untrained_checkpoint(path: Path, task: Task, cfg: str) -> Path:
     segmentation model's prototypes and coefficients are biased positive, so each mask fills its box."""
     torch.manual_seed(0)
     spec = task.spec_from_cfg(cfg, len(SHAPE_NAMES))
-    model = task.build_model(spec)
+    model = build_family_model(spec)
     with torch.no_grad():
         for conv in model.head.convs:
             bias = conv.bias.view(model.head.num_anchors, model.head.num_outputs)

@@ -11,33 +11,28 @@ import torch
 import yaml
 
 from models.yolo import build_model, spec_from_cfg
-from utils.config import (
-    AUTO,
-    DEFAULT_HYP,
-    QUICKSTART_HYP,
-    TrainConfig,
-    config_from_dict,
-    save_run_config,
-    train_config_from_argv,
-)
+from utils.config import AUTO, DEFAULT_HYP, QUICKSTART_HYP
 from utils.data.data_config import DataConfig
 from utils.distributed import DistContext
 from utils.hyp import load_hyp
-from utils.tasks import DETECT
+from utils.train.config import TrainConfig, config_from_dict, save_run_config, train_config_from_argv
 from utils.train.engine import build_train_state
 from utils.train.optim import accumulate_steps
+from utils.train.plan import resolve_run_recipe
 from utils.train.recipe import (
     AUTO_SGD_MIN_STEPS,
     LONG_RUN,
     LONG_RUN_NBS,
     SGD_MIN_LR0,
     SHORT_RUN,
+    YOLOV5_RECIPES,
     auto_recipe,
     needs_image_count,
     optimizer_steps,
     resolve_recipe,
 )
-from utils.train.setup import ModelBundle, resolve_run_recipe
+from utils.train.records import DETECT_TRAINING
+from utils.train.setup import ModelBundle
 
 OPTIMIZER_KEYS = {"lr0", "momentum", "warmup_epochs", "nbs"}  # what the two recipe files may differ in
 
@@ -88,13 +83,13 @@ def test_recipe_files_match_the_rule_and_differ_only_in_optimizer_settings() -> 
 
 
 def _resolved(argv: list[str], images: int | None = None) -> tuple[TrainConfig, str]:
-    return resolve_recipe(train_config_from_argv(argv), images)
+    return resolve_recipe(train_config_from_argv(argv), YOLOV5_RECIPES, images)
 
 
 def test_defaults_resolve_from_the_run_size_with_one_line() -> None:
     cfg = train_config_from_argv(["--epochs", "60"])
     assert cfg.optimizer == AUTO and cfg.hyp is None and needs_image_count(cfg)
-    short, line = resolve_recipe(cfg, 400)
+    short, line = resolve_recipe(cfg, YOLOV5_RECIPES, 400)
     assert (short.optimizer, short.hyp_path, short.hyp) == ("AdamW", QUICKSTART_HYP, load_hyp(QUICKSTART_HYP))
     assert line == (
         "optimizer auto -> AdamW lr0 0.001 nbs 16 (data/hyps/hyp.quickstart.yaml): 1,500 optimizer steps "
@@ -104,9 +99,9 @@ def test_defaults_resolve_from_the_run_size_with_one_line() -> None:
     long, line = _resolved(["--epochs", "300", "--batch-size", "64"], 118_287)
     assert (long.optimizer, long.hyp_path, long.hyp.nbs) == ("SGD", DEFAULT_HYP, 64)
     assert line.startswith("optimizer auto -> SGD lr0 0.01 nbs 64 (data/hyps/hyp.scratch-low.yaml): 554,700 ")
-    assert resolve_recipe(long)[0] == long  # a resolved config has nothing left to choose
+    assert resolve_recipe(long, YOLOV5_RECIPES)[0] == long  # a resolved config has nothing left to choose
     with pytest.raises(ValueError, match="need the number of train images"):
-        resolve_recipe(cfg)
+        resolve_recipe(cfg, YOLOV5_RECIPES)
 
 
 def test_explicit_optimizer_wins_and_brings_its_recipe_file() -> None:
@@ -145,7 +140,7 @@ def test_yolov5_hyp_file_trains_with_yolov5s_accumulation(tmp_path: Path, global
     spec = spec_from_cfg("yolov5n", 2)
     torch.manual_seed(0)
     bundle = ModelBundle(build_model(spec), spec, ("a", "b"))
-    state = build_train_state(bundle, cfg, DETECT, DistContext(), batches=4)
+    state = build_train_state(bundle, cfg, DETECT_TRAINING, DistContext(), batches=4)
     assert state.accumulate == max(round(64 / global_batch), 1) == accumulate_steps(global_batch, 64)
     assert isinstance(state.optimizer, torch.optim.SGD)
     decay = state.optimizer.param_groups[1]["weight_decay"]
@@ -155,8 +150,8 @@ def test_yolov5_hyp_file_trains_with_yolov5s_accumulation(tmp_path: Path, global
 def test_label_smoothing_flag_applies_to_the_file_auto_picks() -> None:
     cfg = train_config_from_argv(["--label-smoothing", "0.1"])
     assert cfg.hyp is None and cfg.label_smoothing == 0.1
-    assert resolve_recipe(cfg, 1000)[0].hyp.label_smoothing == pytest.approx(0.1)
-    assert resolve_recipe(train_config_from_argv([]), 1000)[0].hyp.label_smoothing == 0.0
+    assert resolve_recipe(cfg, YOLOV5_RECIPES, 1000)[0].hyp.label_smoothing == pytest.approx(0.1)
+    assert resolve_recipe(train_config_from_argv([]), YOLOV5_RECIPES, 1000)[0].hyp.label_smoothing == 0.0
 
 
 def test_resolved_choice_is_written_to_the_run_folder_and_restores_unchanged(tmp_path: Path) -> None:
@@ -169,7 +164,10 @@ def test_resolved_choice_is_written_to_the_run_folder_and_restores_unchanged(tmp
     restored = config_from_dict({**options, "hyp": hyp})  # what a checkpoint's train_config holds
     assert restored == dataclasses.replace(cfg, explicit=frozenset()) and not needs_image_count(restored)
     # --resume: the stored choice stands, on any world size, whatever the train set or the step count now is.
-    assert resolve_run_recipe(restored, _no_data(tmp_path), DistContext(world_size=2), resumed=True) == restored
+    assert (
+        resolve_run_recipe(restored, _no_data(tmp_path), DistContext(world_size=2), resumed=True, files=YOLOV5_RECIPES)
+        == restored
+    )
     with pytest.raises(AssertionError, match="resolve the recipe first"):
         save_run_config(train_config_from_argv([]), tmp_path, DistContext())
 
@@ -186,7 +184,12 @@ def test_run_recipe_counts_the_train_split_only_when_both_are_auto(tmp_path: Pat
         (images / f"{index}.jpg").write_bytes(b"")  # listed, not read: the rule counts the split's files
     data = DataConfig(tmp_path / "d.yaml", tmp_path, {"train": (images,)}, ("a",), {})
     with caplog.at_level(logging.INFO, logger="utils.train.setup"):
-        cfg = resolve_run_recipe(train_config_from_argv(["--batch-size", "2"]), data, DistContext(), resumed=False)
+        cfg = resolve_run_recipe(
+            train_config_from_argv(["--batch-size", "2"]), data, DistContext(), resumed=False, files=YOLOV5_RECIPES
+        )
     assert cfg.optimizer == "AdamW" and "(5 images / batch 2 x 20 epochs)" in caplog.text
     explicit = train_config_from_argv(["--optimizer", "SGD"])
-    assert resolve_run_recipe(explicit, _no_data(tmp_path), DistContext(), resumed=False).hyp_path == DEFAULT_HYP
+    assert (
+        resolve_run_recipe(explicit, _no_data(tmp_path), DistContext(), resumed=False, files=YOLOV5_RECIPES).hyp_path
+        == DEFAULT_HYP
+    )

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from models.yolo import SegmentationModel, build_model, spec_from_cfg
-from segment.loss import SegmentationLoss, build_segmentation_loss
+from segment.loss import SegmentationLoss
 from segment.mask_targets import overlap_instance_ids
 from segment.ops import assemble_masks, assemble_masks_by_image, crop_mask, process_masks
+from segment.training import SEGMENT_TRAINING
 from utils.boxes import xywhn_to_xyxy
-from utils.config import DEFAULT_HYP, TrainConfig
+from utils.config import DEFAULT_HYP
 from utils.hyp import load_hyp
+from utils.train.config import TrainConfig
 from utils.train.loss import assign_targets, scale_loss_gains
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -270,7 +272,7 @@ def test_mask_loss_falls_when_overfitting_one_batch() -> None:
     torch.manual_seed(0)
     model = build_model(spec_from_cfg("yolov5n-seg", 2))
     cfg = TrainConfig(hyp=load_hyp(DEFAULT_HYP), imgsz=IMGSZ)
-    loss_fn = build_segmentation_loss(model, cfg)
+    loss_fn = SEGMENT_TRAINING.build_loss(model, cfg)
     assert loss_fn.gains == scale_loss_gains(cfg.hyp.box, cfg.hyp.cls, cfg.hyp.obj, 2, IMGSZ, 3)
     images = torch.rand(2, 3, IMGSZ, IMGSZ, generator=torch.Generator().manual_seed(0))
     masks = _ellipse_masks(TARGETS)

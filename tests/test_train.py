@@ -20,8 +20,8 @@ from utils.config import QUICKSTART_HYP
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext
 from utils.errors import ConfigError
-from utils.eval.checkpoint_val import load_model_for_eval
 from utils.hyp import load_hyp
+from utils.inference_model import load_inference_model
 from utils.tasks import DETECT
 
 TINY = SyntheticSpec(num_train=16, num_val=8, max_objects=4, min_object_frac=0.15)
@@ -181,7 +181,7 @@ def test_val_reproduces_training_metrics_on_best(trained_run, tiny_data: Path, t
 
 @pytest.mark.parametrize("channels_last", [True, False])
 def test_eval_model_layout_follows_flag(trained_run, channels_last: bool) -> None:
-    model, _ = load_model_for_eval(trained_run.best, DETECT, DistContext(), channels_last=channels_last)
+    model, _ = load_inference_model(trained_run.best, (DETECT).name, torch.device("cpu"), channels_last=channels_last)
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3)]
     assert weights and all(w.is_contiguous(memory_format=torch.channels_last) == channels_last for w in weights)
     assert all(w.is_contiguous() != channels_last for w in weights)
@@ -233,8 +233,8 @@ def _copy_run(trained_run, tmp_path: Path) -> Path:
 
 
 def test_resume_refuses_options_it_would_ignore_and_applies_epochs(trained_run, tmp_path: Path) -> None:
-    from utils.config import train_config_from_argv
-    from utils.train.setup import resolve_resume
+    from utils.train.config import train_config_from_argv
+    from utils.train.plan import resolve_resume
 
     last = str(_copy_run(trained_run, tmp_path) / "weights" / "last.pt")
     with pytest.raises(ConfigError, match="--imgsz cannot be changed"):
@@ -257,8 +257,8 @@ def test_resume_refuses_options_it_would_ignore_and_applies_epochs(trained_run, 
 
 
 def test_resumed_batch_is_checked_against_the_new_world_size(trained_run, tmp_path: Path) -> None:
-    from utils.config import train_config_from_argv
-    from utils.train.setup import resolve_resume
+    from utils.train.config import train_config_from_argv
+    from utils.train.plan import resolve_resume
 
     last = str(_copy_run(trained_run, tmp_path) / "weights" / "last.pt")
     three_ranks = DistContext(rank=0, world_size=3)  # no process group: collectives are local no-ops
@@ -272,8 +272,8 @@ def _resume_from_own_folder(ctx: DistContext, node_dirs: list[str], relative_las
     """A rank of test_resume_needs_the_run_folder_on_rank_0_only: resume `relative_last` from its own folder."""
     import os
 
-    from utils.config import train_config_from_argv
-    from utils.train.setup import resolve_resume
+    from utils.train.config import train_config_from_argv
+    from utils.train.plan import resolve_resume
 
     os.chdir(node_dirs[ctx.rank])  # each rank's "node" has its own disk; only rank 0's holds the run
     cfg, checkpoint = resolve_resume(train_config_from_argv(["--resume", relative_last]), ctx)
@@ -295,8 +295,8 @@ def test_resume_needs_the_run_folder_on_rank_0_only(trained_run, tmp_path: Path)
 
 
 def test_a_damaged_last_pt_falls_back_to_the_newest_intact_checkpoint(trained_run, tmp_path: Path, caplog) -> None:
-    from utils.config import train_config_from_argv
-    from utils.train.setup import resolve_resume
+    from utils.train.config import train_config_from_argv
+    from utils.train.plan import resolve_resume
 
     weights = _copy_run(trained_run, tmp_path) / "weights"
     for later in weights.glob("epoch*.pt"):  # keep one intact fallback: epoch1.pt

@@ -22,12 +22,13 @@ from segment import val as segment_val
 from segment.task import SEGMENT
 from tests.dist_helpers import run_distributed
 from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
-from utils.config import ValConfig
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 from utils.distributed import DistContext, gather_objects
 from utils.errors import ConfigError
 from utils.eval.checkpoint_val import validate_checkpoint
 from utils.eval.coco import EVAL_FILE, PREDICTIONS_FILE, STAT_NAMES
+from utils.eval.config import ValConfig
+from utils.families import build_model as build_family_model
 from utils.tasks import DETECT, Task
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ def untrained_checkpoint(path: Path, task: Task, cfg: str) -> Path:
     coefficients are biased positive, so each mask fills its box (a box-shaped mask overlaps its object)."""
     torch.manual_seed(0)
     spec = task.spec_from_cfg(cfg, len(SHAPE_NAMES))
-    model = task.build_model(spec)
+    model = build_family_model(spec)
     with torch.no_grad():
         for conv in model.head.convs:
             bias = conv.bias.view(model.head.num_anchors, model.head.num_outputs)

@@ -25,8 +25,8 @@ from utils.boxes import best_detections
 from utils.convert import load_weights
 from utils.distributed import DistContext
 from utils.errors import ConfigError
-from utils.eval.checkpoint_val import model_from_checkpoint
 from utils.families import family_of
+from utils.inference_model import inference_model
 from utils.tasks import Task
 
 LOGGER = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class ExportWrapper(nn.Module):
         self.model = model
         head = model.head
         self.with_protos = head.num_masks > 0
-        self.channels_first = family_of(model).output.channels_first
+        self.channels_first = family_of(model).channels_first
         self.end_to_end = bool(getattr(head, "end_to_end", False) and getattr(head, "use_one_to_one", False))
         self.num_classes = head.num_classes
         self.max_det = max_det
@@ -219,7 +219,7 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
     check_export_dependencies(cfg, ctx)
     checkpoint = load_weights(cfg.weights)  # read once; a YOLOv5 file is converted, its task included
     task = tasks[checkpoint["task"]]
-    model = model_from_checkpoint(checkpoint, task, ctx, half=cfg.half, channels_last=False, nms=cfg.nms)
+    model = inference_model(checkpoint, ctx.device, half=cfg.half, channels_last=False, nms=cfg.nms)
     wrapper = ExportWrapper(model).eval()  # eval: exporters restore the wrapper's mode, and with it the model's
     metadata = ExportMetadata(
         stride=int(model.stride.max()),

@@ -43,8 +43,8 @@ class Hyp:
     mixup: float
     copy_paste: float
     nbs: float  # nominal batch: gradients are accumulated up to it, weight decay scales with it
-    # Loss keys of one model family only (utils/families.py: Family.hyp_keys says which its loss reads;
-    # a run checks them once its model is known). None: not in the file.
+    # Loss keys of one model family only (utils/train/records.py: FamilyTraining.hyp_keys says which its
+    # losses read; a run checks them once its model is known). None: not in the file.
     obj: float | None = None  # YOLOv5: objectness gain
     obj_pw: float | None = None  # YOLOv5: objectness BCE positive weight
     anchor_t: float | None = None  # YOLOv5: anchor-to-label size ratio limit for matching (and AutoAnchor)
@@ -59,8 +59,8 @@ class Hyp:
         return [key for key in keys if getattr(self, key) is None]
 
 
-# Keys only some model families' losses read (Hyp fields that default to None): a file may leave them out.
-FAMILY_HYP_KEYS = ("obj", "obj_pw", "anchor_t", "dfl")
+# Keys only some model families' losses read: the Hyp fields that default to None. A file may leave them out.
+FAMILY_HYP_KEYS = tuple(f.name for f in fields(Hyp) if f.default is None)
 
 
 # Keys YOLOv5's hyp files leave out, with the values YOLOv5's train.py uses for them: it hard-codes the
@@ -77,7 +77,7 @@ def load_hyp(path: Path, overrides: dict[str, float] | None = None) -> Hyp:
     """Load a hyp YAML into a Hyp; unknown, missing or non-numeric keys are one-line errors naming the file.
 
     The loss keys of one family (FAMILY_HYP_KEYS) may be absent; the run checks the ones its model's
-    family needs once the model is known (utils/families.py: Family.check_hyp).
+    family needs once the model is known (utils/train/records.py: FamilyTraining.check_hyp).
     A YOLOv5 hyp file loads as it is: a missing `nbs`, `label_smoothing` or `fl_gamma` takes
     YOLOV5_HYP_DEFAULTS, and YOLOv5's `anchors` key (anchors per level for AutoAnchor) is ignored,
     because anchors come from `--cfg` (or `--weights`) and are refitted only when they fit the labels poorly.

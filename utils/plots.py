@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from utils.data.loader import images_on_device
-from utils.eval.metrics import RECALL_LEVELS, DetectionMetrics
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # figures of evaluation results: the types only, so evaluation can draw without a cycle
     from utils.eval.evaluate import EvalResult, PredictedBatch
+    from utils.eval.metrics import DetectionMetrics
     from utils.train.results import ResultsCSV
 
 LOGGER = logging.getLogger(__name__)
@@ -328,7 +328,7 @@ def plot_curves(
     labels = [names[c] if c < len(names) else str(c) for c in curves.class_ids.tolist()]
     written = [
         _curve_figure(
-            RECALL_LEVELS,
+            np.linspace(0.0, 1.0, curves.pr_curve.shape[1]),  # the recall levels AP interpolates at (101)
             curves.pr_curve,
             labels,
             ("Recall", "Precision"),

@@ -1,4 +1,7 @@
-"""The Task record: the few functions that differ between detection and segmentation; DETECT."""
+"""The Task record: what differs between detection and segmentation for inference and evaluation; DETECT.
+
+Training's side of a task (its losses) is the TrainingTask record in utils/train/records.py.
+"""
 
 from __future__ import annotations
 
@@ -10,23 +13,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from utils.config import TrainConfig
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.eval.evaluate import DetectionScorer, EvalOptions, EvalResult, LossInputs, evaluate
-from utils.families import build_model, family_of, spec_from_cfg
+from utils.families import spec_from_cfg
 
 BOX_METRICS = ("precision", "recall", "mAP50", "mAP50-95")
 
 
 @dataclass(frozen=True)
 class Task:
-    """The seam between the engine and a task; the engine and the evaluation loop call only these.
+    """The seam between the shared code and a task; the engine, evaluation and prediction call only these.
 
-    - build_model(spec) -> nn.Module (the spec's family builds it: utils/families.py)
+    Models are built by their family (utils/families.py: build_model), the same for every task.
     - spec_from_cfg(model, num_classes) -> a family's spec: resolves `--cfg` (a size name or a model YAML)
-    - build_loss(model, cfg) -> callable (preds, *, targets, [masks,] reduce_counts) -> (loss, items); the
-      loss's `item_names` name its items (results.csv columns); `loss_names` are the YOLOv5 family's
     - loss_inputs(batch, device) -> the loss's keyword inputs taken from a batch; training and
       validation both get them here
     - make_scorer(model) -> the evaluation loop's task-specific matching (DetectionScorer or a subclass)
@@ -36,11 +36,8 @@ class Task:
 
     name: str
     with_masks: bool  # the dataset emits polygons and masks, the collate concatenates them
-    loss_names: tuple[str, ...]
     metric_names: tuple[str, ...]  # keys of EvalResult.as_dict() logged per epoch (besides fitness)
-    build_model: Callable[[Any], nn.Module]
     spec_from_cfg: Callable[[str, int], Any]
-    build_loss: Callable[[nn.Module, TrainConfig], Callable[..., Any]]
     loss_inputs: LossInputs
     make_scorer: Callable[[nn.Module], DetectionScorer]
     predict_masks: Callable[..., np.ndarray] | None = None
@@ -71,19 +68,11 @@ def detect_spec_from_cfg(model: str, num_classes: int) -> Any:
     return spec
 
 
-def build_detection_loss(model: nn.Module, cfg: TrainConfig) -> Any:
-    """Build the detection loss of the model's family, with gains scaled for its head, class count and image size."""
-    return family_of(model).build_loss(model, cfg.hyp, cfg.imgsz)
-
-
 DETECT = Task(
     name="detect",
     with_masks=False,
-    loss_names=("box", "obj", "cls"),
     metric_names=BOX_METRICS,
-    build_model=build_model,
     spec_from_cfg=detect_spec_from_cfg,
-    build_loss=build_detection_loss,
     loss_inputs=detection_loss_inputs,
     make_scorer=lambda model: DetectionScorer(),
 )

@@ -5,60 +5,28 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch import nn
 
-from models.yolo import memory_format
-from utils import checkpoint as ckpt_io
 from utils.boxes import xyxy_to_xywhn
-from utils.config import ValConfig
-from utils.convert import load_weights
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
 from utils.data.loader import build_val_loader
 from utils.distributed import DistContext, all_gather_objects, per_rank_batch
 from utils.errors import ConfigError
 from utils.eval.coco import CocoTarget, check_coco_target, coco_evaluate
+from utils.eval.config import ValConfig
 from utils.eval.evaluate import EvalOptions, EvalResult, format_results
-from utils.families import family_of, spec_from_checkpoint
+from utils.inference_model import load_inference_model
 from utils.plots import plot_evaluation, val_batch_drawer
 from utils.runs import create_run_dir
-from utils.tasks import Task
+
+if TYPE_CHECKING:  # the task is handed in by the entry point; evaluation sits below the task records
+    from utils.tasks import Task
 
 LOGGER = logging.getLogger(__name__)
-
-
-def load_model_for_eval(
-    path: Path, task: Task, ctx: DistContext, half: bool = False, channels_last: bool = True, nms: bool = False
-) -> tuple[nn.Module, dict]:
-    """Build the model stored in checkpoint `path`: EMA weights (or raw ones), fused, eval mode, on ctx.device.
-
-    Laid out NHWC when `channels_last` (see models.yolo.memory_format); fp16 with `half` on CUDA.
-    A YOLOv5 / Ultralytics .pt is converted in memory (utils/convert.py). A checkpoint of
-    another task (segment vs detect) is a one-line ConfigError.
-    """
-    checkpoint = load_weights(path)
-    ckpt_io.check_checkpoint_task(checkpoint, task.name, path, "val")
-    return model_from_checkpoint(checkpoint, task, ctx, half, channels_last, nms), checkpoint
-
-
-def model_from_checkpoint(
-    checkpoint: dict, task: Task, ctx: DistContext, half: bool = False, channels_last: bool = True, nms: bool = False
-) -> nn.Module:
-    """The eval model of an already loaded checkpoint (see load_model_for_eval), for callers that read it first.
-
-    `nms` (--nms) makes an end-to-end model decode its one-to-many head, for NMS, as other models do.
-    """
-    model = task.build_model(spec_from_checkpoint(checkpoint))
-    if nms:
-        family_of(model).force_nms(model)
-    model.load_state_dict(checkpoint.get("ema") or checkpoint["model"])
-    model = model.fuse().eval().to(ctx.device, memory_format=memory_format(channels_last))
-    if half and ctx.device.type == "cuda":
-        model = model.half()
-    return model
 
 
 @dataclass
@@ -123,7 +91,7 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     if cfg.half and ctx.device.type != "cuda":
         LOGGER.warning("--half needs CUDA; validating in FP32 on CPU")
     # First: cheap, and a wrong checkpoint fails fast.
-    model, checkpoint = load_model_for_eval(cfg.weights, task, ctx, cfg.half, cfg.channels_last, cfg.nms)
+    model, checkpoint = load_inference_model(cfg.weights, task.name, ctx.device, cfg.half, cfg.channels_last, cfg.nms)
     data = load_data_config(cfg.data, ctx)
     coco_target = check_coco_target(data, cfg.split, ctx, cfg.single_cls) if cfg.save_json else None
     names = ("item",) if cfg.single_cls else data.names

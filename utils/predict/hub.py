@@ -22,12 +22,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from utils.distributed import DistContext, select_device
+from utils.distributed import select_device
 from utils.errors import ConfigError
-from utils.eval.checkpoint_val import model_from_checkpoint
 from utils.eval.coco import predictions_to_coco
 from utils.eval.evaluate import ImagePredictions
 from utils.families import build_model, segmentation_spec, spec_from_cfg
+from utils.inference_model import inference_model
 from utils.predict.config import PredictConfig
 from utils.predict.outputs import txt_lines
 from utils.predict.prediction import Prediction, class_name
@@ -120,7 +120,7 @@ class Detector(nn.Module):
         if checkpoint["task"] not in tasks:
             raise ConfigError(f"{path}: unknown task {checkpoint['task']!r}")
         task = tasks[checkpoint["task"]]
-        model = model_from_checkpoint(checkpoint, task, DistContext(device=select_device(device)), nms=nms)
+        model = inference_model(checkpoint, select_device(device), nms=nms)
         return cls(model, task, checkpoint["names"])
 
     def forward(self, images: Any, size: int | None = None) -> list[ImageResult]:

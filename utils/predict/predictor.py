@@ -27,8 +27,8 @@ from utils.data.augment import bgr_to_rgb_chw, letterbox
 from utils.data.loader import ShapeInfo
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, run_on_main
 from utils.errors import ConfigError
-from utils.eval.checkpoint_val import load_model_for_eval
 from utils.families import family_of
+from utils.inference_model import load_inference_model
 from utils.predict.config import PredictConfig
 from utils.predict.draw import annotate
 from utils.predict.outputs import RunWriter, VideoSink, write_image
@@ -251,8 +251,8 @@ def load_predictor_model(cfg: PredictConfig, task: Task, ctx: DistContext) -> tu
     """Load the fused eval model of `cfg.weights` and its class names; check --half and --classes against them."""
     if cfg.half and ctx.device.type != "cuda":
         LOGGER.warning("--half needs CUDA; predicting in FP32 on CPU")
-    model, checkpoint = load_model_for_eval(
-        cfg.weights, task, ctx, half=cfg.half, channels_last=cfg.channels_last, nms=cfg.nms
+    model, checkpoint = load_inference_model(
+        cfg.weights, task.name, ctx.device, half=cfg.half, channels_last=cfg.channels_last, nms=cfg.nms
     )
     stored = checkpoint["names"]
     names = tuple(str(stored[key]) for key in sorted(stored)) if isinstance(stored, dict) else tuple(map(str, stored))

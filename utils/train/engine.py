@@ -18,8 +18,7 @@ from tqdm import tqdm
 from models.yolo import memory_format
 from utils import checkpoint as ckpt_io
 from utils.callbacks import Callbacks, load_callback_modules
-from utils.config import AUTO, TrainConfig
-from utils.data.data_config import load_data_config
+from utils.config import AUTO
 from utils.data.loader import TrainLoader, images_on_device
 from utils.distributed import (
     DistContext,
@@ -34,11 +33,11 @@ from utils.distributed import (
 from utils.errors import Preempted
 from utils.eval.coco import check_coco_target, coco_evaluate
 from utils.eval.evaluate import EvalOptions, EvalResult
-from utils.families import family_of
+from utils.families import build_model
 from utils.logs import tqdm_disabled
 from utils.plots import batch_drawer, plot_run, plot_start, val_batch_drawer
 from utils.runs import create_run_dir
-from utils.tasks import Task
+from utils.train.config import TrainConfig
 from utils.train.ema import ModelEMA
 from utils.train.mlflow_logger import MLflowLogger, mlflow_wanted
 from utils.train.optim import (
@@ -50,7 +49,9 @@ from utils.train.optim import (
     scaled_weight_decay,
     warmup_iterations,
 )
+from utils.train.plan import plan_run
 from utils.train.prefetch import DevicePrefetcher, WaitTimer
+from utils.train.records import TrainingTask
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV, loss_columns, lr_columns
 from utils.train.saving import prepare_run_dir, restore_state, save_epoch, save_mid_epoch
 from utils.train.setup import (
@@ -58,8 +59,6 @@ from utils.train.setup import (
     build_datasets,
     build_model_bundle,
     log_startup,
-    resolve_resume,
-    resolve_run_recipe,
     verify_identical_weights,
 )
 from utils.train.state import FitResult, TrainedEpoch, TrainRun, TrainState
@@ -224,7 +223,9 @@ def _optimizer_step(state: TrainState) -> None:
     state.ema.update(state.model)
 
 
-def build_train_state(bundle: ModelBundle, cfg: TrainConfig, task: Task, ctx: DistContext, batches: int) -> TrainState:
+def build_train_state(
+    bundle: ModelBundle, cfg: TrainConfig, training: TrainingTask, ctx: DistContext, batches: int
+) -> TrainState:
     """Wrap the model for DDP, then create optimizer, LR schedule, scaler, EMA and loss identically on every rank.
 
     `cfg` must name a concrete optimizer and hyp (fit() resolves `auto` first: resolve_run_recipe).
@@ -243,10 +244,11 @@ def build_train_state(bundle: ModelBundle, cfg: TrainConfig, task: Task, ctx: Di
     # bf16 has fp32's exponent range: no loss scaling needed. fp16 needs the GradScaler.
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
     ema = ModelEMA(model)
-    loss_fn = task.build_loss(model, cfg)
+    loss_fn = training.build_loss(model, cfg)
     warmup = Warmup.from_hyp(cfg.hyp, warmup_iterations(cfg.hyp.warmup_epochs, batches))
+    loss_inputs = training.task.loss_inputs
     return TrainState(
-        model, ddp, optimizer, scheduler, scaler, ema, loss_fn, task.loss_inputs, accumulate, warmup, lr_fn, amp_dtype
+        model, ddp, optimizer, scheduler, scaler, ema, loss_fn, loss_inputs, accumulate, warmup, lr_fn, amp_dtype
     )
 
 
@@ -257,15 +259,15 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
 
 
-def fit(cfg: TrainConfig, task: Task, ctx: DistContext, callbacks: Callbacks | None = None) -> FitResult:
-    """Train `task` with options `cfg` on this rank; every rank of the job calls it.
+def fit(cfg: TrainConfig, training: TrainingTask, ctx: DistContext, callbacks: Callbacks | None = None) -> FitResult:
+    """Train `training`'s task with options `cfg` on this rank; every rank of the job calls it.
 
     Rank 0 writes the run folder, checkpoints, results.csv and the plots, and tells `callbacks`
     (with those of `--callbacks` modules, TensorBoard and MLflow when enabled) of the run's events;
     decisions that end the loop are taken on rank 0 and broadcast, so every rank leaves at the
     same epoch.
     """
-    run, state = _start_run(cfg, task, ctx, callbacks or Callbacks())
+    run, state = _start_run(cfg, training, ctx, callbacks or Callbacks())
     error: BaseException | None = None
     try:
         result = _train_epochs(run, state)
@@ -278,18 +280,17 @@ def fit(cfg: TrainConfig, task: Task, ctx: DistContext, callbacks: Callbacks | N
         run.fire("teardown", error=error)
 
 
-def _start_run(cfg: TrainConfig, task: Task, ctx: DistContext, callbacks: Callbacks) -> tuple[TrainRun, TrainState]:
+def _start_run(
+    cfg: TrainConfig, training: TrainingTask, ctx: DistContext, callbacks: Callbacks
+) -> tuple[TrainRun, TrainState]:
     """Everything before the first epoch: options resolved, model, recipe, run folder, data, state, callbacks."""
-    cfg, resume_ckpt = resolve_resume(cfg, ctx)
+    task = training.task
+    plan = plan_run(cfg, training, ctx)
+    cfg, resume_ckpt, data, family = plan.cfg, plan.resume, plan.data, plan.family
     seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
     if ctx.device.type == "cuda" and not cfg.deterministic and not cfg.rect:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: cuDNN times its kernels once and keeps the best
-    data = load_data_config(cfg.data, ctx)
-    bundle = build_model_bundle(cfg, task, data, ctx, resume_ckpt)
-    family = family_of(bundle.model)
-    # Before the run folder: opt.yaml and hyp.yaml record the concrete optimizer and hyp, never "auto".
-    cfg = resolve_run_recipe(cfg, data, ctx, resume_ckpt is not None, family.recipe_files)
-    family.check_hyp(cfg.hyp, cfg.hyp_path)  # a hyp file without a key this family's loss reads
+    bundle = build_model_bundle(plan, ctx)
     # Before the run folder too: a --callbacks module that does not import fails the run before it writes anything.
     modules = load_callback_modules(cfg.callbacks)
     run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resume_ckpt is not None, ctx, subdirs=("weights",))
@@ -300,14 +301,14 @@ def _start_run(cfg: TrainConfig, task: Task, ctx: DistContext, callbacks: Callba
     callbacks = _run_callbacks(cfg, run_dir, ctx, modules, callbacks)
     run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir, callbacks)
     try:  # from here on the callbacks are open (a TensorBoard writer): a failure is their teardown too
-        if resume_ckpt is None and not cfg.weights:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
+        if plan.from_scratch:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
             family.prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx)
-        state = build_train_state(bundle, cfg, task, ctx, len(datasets.train_loader))
+        state = build_train_state(bundle, cfg, training, ctx, len(datasets.train_loader))
         verify_identical_weights(state.model, ctx)
         if resume_ckpt is not None:
             restore_state(state, resume_ckpt, cfg, len(datasets.train_loader), ctx)
             callbacks.state.update(resume_ckpt.get("callback_state") or {})
-            del resume_ckpt
+            del resume_ckpt, plan  # the checkpoint's tensors are in the model and optimizer now
         log_startup(cfg, bundle, datasets, state.accumulate, ctx)
         run.fire("on_pretrain_routine_end", epoch=state.start_epoch)
     except BaseException as error:
@@ -430,7 +431,7 @@ def _final_validation(run: TrainRun) -> tuple[Path, EvalResult]:
     path = Path(broadcast_object(str(run.best if run.best.exists() else run.last) if ctx.is_main else None, ctx))
     read = run_on_main(lambda: ckpt_io.inference_weights(ckpt_io.load_checkpoint(path)), ctx, f"reading {path}")
     weights = broadcast_object(read, ctx)
-    model = run.task.build_model(bundle.spec).to(ctx.device)
+    model = build_model(bundle.spec).to(ctx.device)
     model.load_state_dict(weights)
     # Fused and laid out as val.py does (same batch size there gives the same numbers).
     model = model.fuse().to(memory_format=memory_format(cfg.channels_last))

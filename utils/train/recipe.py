@@ -7,8 +7,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.config import AUTO, DEFAULT_HYP, QUICKSTART_HYP, ROOT, TrainConfig
+from utils.config import AUTO, DEFAULT_HYP, QUICKSTART_HYP, ROOT
 from utils.hyp import Hyp, hyp_overrides, load_hyp
+from utils.train.config import TrainConfig
 from utils.train.optim import accumulate_steps
 
 
@@ -26,7 +27,7 @@ class Recipe:
 # Both files share every augmentation and loss value; they differ in lr0, momentum, warmup and nbs.
 @dataclass(frozen=True)
 class RecipeFiles:
-    """A model family's two recipe files: the short-run (AdamW) and the long-run (SGD) one (utils/families.py)."""
+    """A model family's two recipe files: the short-run (AdamW) and the long-run (SGD) one (utils/train/records.py)."""
 
     short: Path
     long: Path
@@ -83,7 +84,7 @@ def optimizer_for_lr0(lr0: float) -> str:
     return LONG_RUN.optimizer if lr0 >= SGD_MIN_LR0 else SHORT_RUN.optimizer
 
 
-def hyp_file_for(optimizer: str, files: RecipeFiles = YOLOV5_RECIPES) -> Path:
+def hyp_file_for(optimizer: str, files: RecipeFiles) -> Path:
     """The recipe file that goes with an explicit --optimizer: the long-run one for SGD (YOLOv5's scratch-low for
     YOLOv5 models), the short-run one for Adam/AdamW."""
     return files.long if optimizer == LONG_RUN.optimizer else files.short
@@ -95,7 +96,7 @@ def needs_image_count(cfg: TrainConfig) -> bool:
 
 
 def resolve_recipe(
-    cfg: TrainConfig, num_train_images: int | None = None, files: RecipeFiles = YOLOV5_RECIPES
+    cfg: TrainConfig, files: RecipeFiles, num_train_images: int | None = None
 ) -> tuple[TrainConfig, str]:
     """Return `cfg` with a concrete optimizer and hyp, and the one start-up line that says why.
 

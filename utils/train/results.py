@@ -85,13 +85,12 @@ class EpochSummary:
         """The number best.pt and early stopping compare (0 when not validated)."""
         return self.metrics.get("fitness", 0.0)
 
-    def as_row(self, task: Task, loss_names: tuple[str, ...] | None = None) -> dict[str, Any]:
+    def as_row(self, task: Task, loss_names: tuple[str, ...]) -> dict[str, Any]:
         """Return the results.csv row: epoch (1-based), train/val losses, metrics, learning rates, time.
 
-        `loss_names` are the run's loss items (its loss's `item_names`, which depend on the model family);
-        None takes the task's YOLOv5 names.
+        `loss_names` are the run's loss items (its loss's `item_names`, which depend on the model family).
         """
-        names = loss_names if loss_names is not None else task.loss_names
+        names = loss_names
         row: dict[str, Any] = {"epoch": self.epoch + 1, **loss_columns("train", names, self.train_loss)}
         for key in (*task.metric_names, "fitness"):
             row[f"metrics/{key}"] = float(self.metrics.get(key, float("nan")))

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from utils import checkpoint as ckpt_io
-from utils.config import TrainConfig, save_run_config
 from utils.distributed import DistContext, all_gather_objects, run_on_main
 from utils.errors import ConfigError
+from utils.train.config import TrainConfig, save_run_config
 from utils.train.faults import mark_run
 from utils.train.optim import build_scheduler
 

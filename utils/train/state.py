@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from utils.callbacks import Callbacks
-from utils.config import TrainConfig
 from utils.data.data_config import DataConfig
 from utils.distributed import DistContext
 from utils.tasks import Task
+from utils.train.config import TrainConfig
 from utils.train.ema import ModelEMA
 from utils.train.faults import StopSignals
 from utils.train.optim import Warmup

@@ -1,0 +1,55 @@
+"""Load a checkpoint or foreign weights into an inference-ready model: what val, detect, export and torch.hub share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.yolo import memory_format
+from utils import checkpoint as ckpt_io
+from utils.convert import load_weights
+from utils.families import build_model, family_of, spec_from_checkpoint
+
+
+def load_inference_model(
+    path: Path | str,
+    task_name: str,
+    device: torch.device,
+    half: bool = False,
+    channels_last: bool = True,
+    nms: bool = False,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Build the model stored in checkpoint `path` for inference on `device`; return it with the checkpoint.
+
+    A YOLOv5 / Ultralytics .pt is converted in memory (utils/convert.py). A checkpoint of another
+    task than `task_name` (segment vs detect) is a one-line ConfigError. See `inference_model`
+    for the rest.
+    """
+    checkpoint = load_weights(path)
+    ckpt_io.check_checkpoint_task(checkpoint, task_name, path, "val")
+    return inference_model(checkpoint, device, half, channels_last, nms), checkpoint
+
+
+def inference_model(
+    checkpoint: dict[str, Any],
+    device: torch.device,
+    half: bool = False,
+    channels_last: bool = True,
+    nms: bool = False,
+) -> nn.Module:
+    """The inference model of a loaded checkpoint: EMA weights (or raw ones), fused, eval mode, on `device`.
+
+    Laid out NHWC when `channels_last` (see memory_format); fp16 with `half` on CUDA (ignored elsewhere).
+    `nms` (--nms) makes an end-to-end model decode its one-to-many head, for NMS, as other models do.
+    """
+    model = build_model(spec_from_checkpoint(checkpoint))
+    if nms:
+        family_of(model).force_nms(model)
+    model.load_state_dict(checkpoint.get("ema") or checkpoint["model"])
+    model = model.fuse().eval().to(device, memory_format=memory_format(channels_last))
+    if half and device.type == "cuda":
+        model = model.half()
+    return model
