@@ -129,7 +129,7 @@ def check_anchors(
     Deterministic for the same inputs and `seed`, so every rank reaches the same anchors; call it
     before wrapping the model in DDP or building the EMA. Returns whether the anchors changed.
     """
-    head = getattr(model, "module", model).head
+    head = model.head  # a plain model: AutoAnchor runs before the DDP wrapper exists
     strides = head.stride.detach().cpu().numpy().astype(np.float64)
     current = (head.anchors.detach().cpu().numpy() * strides[:, None, None]).reshape(-1, 2)
     wh = np.asarray(label_wh, dtype=np.float64).reshape(-1, 2)

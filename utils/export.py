@@ -25,7 +25,7 @@ from utils.boxes import best_detections
 from utils.convert import load_weights
 from utils.distributed import DistContext
 from utils.errors import ConfigError
-from utils.families import family_of
+from utils.families import decodes_end_to_end, family_of
 from utils.inference_model import inference_model
 from utils.tasks import Task
 
@@ -120,7 +120,7 @@ class ExportWrapper(nn.Module):
         head = model.head
         self.with_protos = head.num_masks > 0
         self.channels_first = family_of(model).channels_first
-        self.end_to_end = bool(getattr(head, "end_to_end", False) and getattr(head, "use_one_to_one", False))
+        self.end_to_end = decodes_end_to_end(model)
         self.num_classes = head.num_classes
         self.max_det = max_det
 

@@ -77,10 +77,18 @@ YOLOV5 = Family(
 )
 
 
+def decodes_end_to_end(model: nn.Module) -> bool:
+    """Whether `model` decodes an end-to-end (one-to-one) head: its rows need no NMS, only the top scores.
+
+    False for YOLOv5 models, for other anchor-free models and for an end-to-end one given --nms.
+    """
+    head = unwrap_model(model).head
+    return bool(getattr(head, "end_to_end", False) and getattr(head, "use_one_to_one", False))
+
+
 def dense_selector(model: nn.Module) -> Callable[..., list[torch.Tensor]]:
     """NMS without objectness, or, for an end-to-end model decoding its one-to-one branch, the top scores."""
-    head = unwrap_model(model).head
-    if head.end_to_end and head.use_one_to_one:
+    if decodes_end_to_end(model):
         return top_detections
     return functools.partial(non_max_suppression, objectness=False)
 

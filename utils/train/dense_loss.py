@@ -12,6 +12,7 @@ from torch import nn
 
 from models.dense_head import DenseRaw, anchor_points, distribution_to_distances
 from utils.boxes import bbox_iou, xywh_to_xyxy
+from utils.distributed import unwrap_model
 from utils.train.assign import AlignOptions, Assignment, assign
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class DenseLoss:
     def __init__(
         self, model: nn.Module, gains: DenseGains, *, label_smoothing: float = 0.0, align: AlignOptions | None = None
     ) -> None:
-        self.head = getattr(model, "module", model).head
+        self.head = unwrap_model(model).head
         self.gains = gains
         self.label_smoothing = label_smoothing
         self.align = align or AlignOptions()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from utils.boxes import bbox_iou
+from utils.distributed import unwrap_model
 
 if TYPE_CHECKING:
     from utils.hyp import Hyp
@@ -190,7 +191,7 @@ class DetectionLoss:
         cls_pw: float = 1.0,
         obj_pw: float = 1.0,
     ) -> None:
-        self.head = getattr(model, "module", model).head
+        self.head = unwrap_model(model).head
         if self.head.num_levels not in LEVEL_BALANCE:
             raise ValueError(f"DetectionLoss: no objectness balance for {self.head.num_levels} levels")
         self.gains = gains
@@ -206,7 +207,7 @@ class DetectionLoss:
 
         `kwargs` are extra constructor arguments of a subclass (e.g. segmentation's `overlap`).
         """
-        head = getattr(model, "module", model).head
+        head = unwrap_model(model).head
         gains = scale_loss_gains(hyp.box, hyp.cls, hyp.obj, head.num_classes, imgsz, head.num_levels)
         options = {"anchor_t": hyp.anchor_t, "fl_gamma": hyp.fl_gamma, "cls_pw": hyp.cls_pw, "obj_pw": hyp.obj_pw}
         return cls(model, gains, label_smoothing=hyp.label_smoothing, **options, **kwargs)
