@@ -139,6 +139,7 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
         single_cls=cfg.single_cls,
         with_masks=task.with_masks,
         num_classes=len(data.names),
+        names_file=data.yaml_file,
         workers=cfg.workers,
     )
     dataset = LoadImagesAndLabels(data.split(cfg.split), options, ctx, data.coco_source(cfg.split))
