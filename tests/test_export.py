@@ -16,7 +16,7 @@ import export
 from models.yolo import DEFAULT_ANCHORS, ModelSpec, build_model, segmentation_spec
 from segment.task import SEGMENT
 from utils import export as export_lib
-from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
+from utils.checkpoint import RunInfo, build_checkpoint, load_checkpoint, save_checkpoint
 from utils.distributed import DistContext
 from utils.errors import ConfigError, exit_on_user_error
 from utils.eval.checkpoint_val import load_model_for_eval
@@ -119,6 +119,16 @@ def test_torchscript_matches_pytorch_at_any_batch_and_size(
         "end2end": False,
         "channels": 3,
     }
+
+
+def test_export_traces_at_the_size_the_checkpoint_was_trained_at(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    checkpoint = load_checkpoint(checkpoints[DETECT.name])
+    checkpoint["train_config"] = {"imgsz": 96}
+    save_checkpoint(checkpoint, tmp_path / "best.pt", DistContext())
+    cfg = export_config_from_args(build_export_parser().parse_args(["--weights", str(tmp_path / "best.pt")]))
+    assert cfg.imgsz is None  # resolved when the checkpoint is read
+    (result,) = export_checkpoint(cfg, TASKS, DistContext())
+    assert read_metadata(result.path)["imgsz"] == [96, 96]
 
 
 @pytest.mark.parametrize("task", [DETECT, SEGMENT], ids=lambda task: task.name)
@@ -226,7 +236,7 @@ def test_only_rank_0_exports(checkpoints: dict[str, Path], tmp_path: Path) -> No
 def test_flags_follow_yolov5_and_bad_ones_are_one_line() -> None:
     parser = build_export_parser()
     cfg = export_config_from_args(parser.parse_args(["--weights", "w.pt", "--include", "ONNX", "torchscript", "onnx"]))
-    assert cfg.include == ("onnx", "torchscript") and cfg.imgsz == (640, 640) and cfg.opset == 17
+    assert cfg.include == ("onnx", "torchscript") and cfg.imgsz is None and cfg.opset == 17
     assert export_config_from_args(parser.parse_args(["--weights", "w.pt", "--img", "320", "640"])).imgsz == (320, 640)
     refusals = {
         ("--include", "tflite"): "--include tflite is not supported; choose from torchscript, onnx",

@@ -35,6 +35,11 @@ DEFAULT_SEGMENT_MODEL = "yolov5n-seg"
 DEFAULT_HYP = ROOT / "data" / "hyps" / "hyp.scratch-low.yaml"  # YOLOv5's default; auto's long-run recipe
 QUICKSTART_HYP = ROOT / "data" / "hyps" / "hyp.quickstart.yaml"  # auto's short-run recipe (AdamW)
 QUICKSTART_IMGSZ = 224
+# --imgsz of every entry point that reads a checkpoint (val, detect, export): the size it was trained at.
+IMGSZ_FROM_CHECKPOINT_HELP = (
+    "image size in pixels (default: the size the checkpoint was trained at, 640 for converted YOLOv5 / "
+    "Ultralytics weights)"
+)
 QUICKSTART_EPOCHS = 20
 QUICKSTART_BATCH = 16
 QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)
@@ -134,11 +139,8 @@ def config_from_dict(options: dict[str, Any]) -> TrainConfig:
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by training and validation entry points."""
+    """Flags shared by training and validation entry points (--imgsz differs: see each parser)."""
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="dataset YAML")
-    parser.add_argument(
-        "--imgsz", "--img", "--img-size", type=int, default=QUICKSTART_IMGSZ, help="image size in pixels (YOLOv5: 640)"
-    )
     parser.add_argument("--device", default="", help="cuda device, e.g. 0 or 0,1, or cpu (default: GPU if present)")
     parser.add_argument("--workers", type=int, default=4, help="max dataloader workers per rank")
     parser.add_argument("--single-cls", action="store_true", help="train/validate as a single-class dataset")
@@ -179,6 +181,14 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
         "the run's size unless given (docs/training.md: Choosing a recipe)."
     )
     add_common_flags(parser)
+    parser.add_argument(
+        "--imgsz",
+        "--img",
+        "--img-size",
+        type=int,
+        default=QUICKSTART_IMGSZ,
+        help=f"training image size in pixels (default {QUICKSTART_IMGSZ}, the quick start's; YOLOv5: 640)",
+    )
     _add_model_flags(parser, task)
     _add_training_flags(parser)
     _add_run_flags(parser, task)
@@ -362,7 +372,7 @@ class ValConfig:
     weights: Path
     data: Path = DEFAULT_DATA
     batch_size: int = 32  # global
-    imgsz: int = QUICKSTART_IMGSZ
+    imgsz: int | None = None  # None: the size the checkpoint was trained at (utils/checkpoint.py: trained_imgsz)
     conf_thres: float = 0.001
     iou_thres: float = 0.6
     max_det: int = 300
@@ -390,6 +400,7 @@ def build_val_parser(task: str = "detect") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=f"Validate a YOLO {task} checkpoint on a dataset")
     add_common_flags(parser)
     parser.add_argument("--weights", type=Path, required=True, help="checkpoint path (best.pt / last.pt)")
+    parser.add_argument("--imgsz", "--img", "--img-size", type=int, default=None, help=IMGSZ_FROM_CHECKPOINT_HELP)
     parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch size, summed over all ranks")
     parser.add_argument("--conf-thres", type=float, default=0.001, help="confidence threshold")
     parser.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
@@ -422,7 +433,7 @@ def val_config_from_args(args: argparse.Namespace) -> ValConfig:
     for flag, value in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{flag} {value} must be within [0, 1]")
-    if args.imgsz < 32 or args.imgsz % 32:
+    if args.imgsz is not None and (args.imgsz < 32 or args.imgsz % 32):
         raise ConfigError(f"--imgsz {args.imgsz} must be a positive multiple of 32 (the largest model stride)")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import dataclasses
 import datetime
 import importlib
 import json
@@ -22,6 +23,8 @@ import torch
 from torch import nn
 
 from utils.boxes import best_detections
+from utils.checkpoint import trained_imgsz
+from utils.config import IMGSZ_FROM_CHECKPOINT_HELP
 from utils.convert import load_weights
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -44,7 +47,7 @@ class ExportConfig:
 
     weights: Path
     include: tuple[str, ...] = ("torchscript",)  # any of SUFFIXES
-    imgsz: tuple[int, int] = (640, 640)  # (height, width) of the traced input, multiples of 32
+    imgsz: tuple[int, int] | None = None  # (height, width) of the traced input, multiples of 32; None: trained size
     batch_size: int = 1
     device: str = "cpu"
     half: bool = False  # fp16 weights and input; CUDA only
@@ -139,7 +142,9 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Export a detection or segmentation checkpoint to TorchScript/ONNX")
     parser.add_argument("--weights", type=Path, required=True, help="checkpoint path (best.pt / last.pt)")
     parser.add_argument("--include", nargs="+", default=["torchscript"], help="formats: torchscript onnx")
-    parser.add_argument("--imgsz", "--img", "--img-size", nargs="+", type=int, default=[640], help="image (h, w)")
+    parser.add_argument(
+        "--imgsz", "--img", "--img-size", nargs="+", type=int, help=f"(h [w]) {IMGSZ_FROM_CHECKPOINT_HELP}"
+    )
     parser.add_argument("--batch-size", type=int, default=1, help="batch size of the traced input")
     parser.add_argument("--device", default="cpu", help="cpu or a cuda device, e.g. 0")
     parser.add_argument("--half", action="store_true", help="FP16 export (CUDA only; not with --dynamic)")
@@ -158,7 +163,9 @@ def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
     unknown = [name for name in include if name not in SUFFIXES]
     if unknown:
         raise ConfigError(f"--include {unknown[0]} is not supported; choose from {', '.join(SUFFIXES)}")
-    if len(args.imgsz) not in (1, 2) or any(side < MAX_STRIDE or side % MAX_STRIDE for side in args.imgsz):
+    if args.imgsz is not None and (
+        len(args.imgsz) not in (1, 2) or any(side < MAX_STRIDE or side % MAX_STRIDE for side in args.imgsz)
+    ):
         given = " ".join(map(str, args.imgsz))
         raise ConfigError(f"--imgsz {given} must be one or two positive multiples of {MAX_STRIDE} (height width)")
     if args.batch_size < 1:
@@ -167,11 +174,10 @@ def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
         raise ConfigError(f"--opset {args.opset} must be within {OPSET_RANGE[0]}..{OPSET_RANGE[1]}")
     if args.half and args.dynamic:  # YOLOv5 refuses the pair too (it traces dynamic graphs on CPU, which lacks fp16)
         raise ConfigError("--half and --dynamic cannot be combined; use one of them")
-    height, width = args.imgsz * 2 if len(args.imgsz) == 1 else args.imgsz
     return ExportConfig(
         weights=args.weights,
         include=include,
-        imgsz=(height, width),
+        imgsz=None if args.imgsz is None else (args.imgsz[0], args.imgsz[-1]),
         batch_size=args.batch_size,
         device=args.device,
         half=args.half,
@@ -219,6 +225,7 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
     check_export_dependencies(cfg, ctx)
     checkpoint = load_weights(cfg.weights)  # read once; a YOLOv5 file is converted, its task included
     task = tasks[checkpoint["task"]]
+    cfg = dataclasses.replace(cfg, imgsz=cfg.imgsz or (trained_imgsz(checkpoint),) * 2)
     model = model_from_checkpoint(checkpoint, task, ctx, half=cfg.half, channels_last=False, nms=cfg.nms)
     wrapper = ExportWrapper(model).eval()  # eval: exporters restore the wrapper's mode, and with it the model's
     metadata = ExportMetadata(

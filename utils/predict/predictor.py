@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from utils.boxes import scale_boxes
+from utils.checkpoint import trained_imgsz
 from utils.data.augment import bgr_to_rgb_chw, letterbox
 from utils.data.loader import ShapeInfo
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, run_on_main
@@ -247,8 +248,14 @@ class PredictionLoop:
         return annotate(image, prediction, names, self.cfg.style) if self.writer.options.save_images else None
 
 
-def load_predictor_model(cfg: PredictConfig, task: Task, ctx: DistContext) -> tuple[nn.Module, tuple[str, ...]]:
-    """Load the fused eval model of `cfg.weights` and its class names; check --half and --classes against them."""
+def load_predictor_model(
+    cfg: PredictConfig, task: Task, ctx: DistContext
+) -> tuple[nn.Module, tuple[str, ...], tuple[int, int]]:
+    """Load the fused eval model of `cfg.weights`, its class names and the (h, w) to predict at.
+
+    The size is --imgsz, else the one the checkpoint was trained at (trained_imgsz). --half and
+    --classes are checked against the model.
+    """
     if cfg.half and ctx.device.type != "cuda":
         LOGGER.warning("--half needs CUDA; predicting in FP32 on CPU")
     model, checkpoint = load_model_for_eval(
@@ -260,7 +267,7 @@ def load_predictor_model(cfg: PredictConfig, task: Task, ctx: DistContext) -> tu
         raise ConfigError(
             f"--classes {' '.join(map(str, cfg.classes))}: {cfg.weights} has {len(names)} classes (0-{len(names) - 1})"
         )
-    return model, names
+    return model, names, cfg.imgsz or (trained_imgsz(checkpoint),) * 2
 
 
 def predict(cfg: PredictConfig, task: Task, ctx: DistContext) -> PredictResult:
@@ -271,7 +278,8 @@ def predict(cfg: PredictConfig, task: Task, ctx: DistContext) -> PredictResult:
     rank. Each rank writes its own inputs' outputs there. The summary (speeds, counts, skipped
     inputs, where results went) is logged by rank 0 after one gather that every rank joins.
     """
-    model, names = load_predictor_model(cfg, task, ctx)
+    model, names, imgsz = load_predictor_model(cfg, task, ctx)
+    cfg = dataclasses.replace(cfg, imgsz=imgsz)
     found = run_on_main(lambda: discover_inputs(cfg.source), ctx, "finding the --source inputs")
     items: list[InputItem] = broadcast_object(found, ctx)
     mine = shard_inputs(items, ctx)
