@@ -21,7 +21,7 @@ from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.predict.config import PredictConfig, SaveOptions, build_predict_parser, predict_config_from_args
 from utils.predict.outputs import mask_polygon, txt_lines
-from utils.predict.prediction import Prediction
+from utils.predict.prediction import Prediction, counted
 from utils.predict.predictor import FramePredictor, PredictResult, describe, load_predictor_model, predict
 from utils.predict.sources import InputItem, UnreadableInputError, VideoReader, discover_inputs, shard_inputs
 from utils.tasks import DETECT, Task
@@ -215,6 +215,11 @@ def test_txt_lines_boxes_and_polygons() -> None:
     corners = "0.050000 0.200000 0.250000 0.200000 0.250000 0.600000 0.050000 0.600000"
     assert txt_lines(empty, (100, 200), False) == [f"2 {corners}"]
     assert describe(replace(prediction, class_ids=np.array([2])), SHAPE_NAMES) == "1 square"
+    several = replace(prediction, class_ids=np.array([4, 0, 4, 0, 5, 5, 5]), scores=np.ones(7, np.float32))
+    assert describe(several, SHAPE_NAMES) == "2 circles, 2 crosses, 3 crescents"  # YOLOv5 says "2 crosss"
+    words = ["bus", "glass", "box", "batch", "dish", "battery", "toy", "skis", "scissors", "person"]
+    plurals = ["buses", "glasses", "boxes", "batches", "dishes", "batteries", "toys", "skis", "scissors", "persons"]
+    assert [counted(2, word) for word in words] == [f"2 {word}" for word in plurals]
 
 
 # ---- the loop ---------------------------------------------------------------------------------------

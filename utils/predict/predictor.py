@@ -33,7 +33,7 @@ from utils.families import family_of
 from utils.predict.config import PredictConfig
 from utils.predict.draw import annotate
 from utils.predict.outputs import RunWriter, VideoSink, write_image
-from utils.predict.prediction import Prediction, class_name
+from utils.predict.prediction import Prediction, class_name, counted
 from utils.predict.sources import (
     InputItem,
     UnreadableInputError,
@@ -157,12 +157,12 @@ class FramePredictor:
 
 
 def describe(prediction: Prediction, names: Sequence[str]) -> str:
-    """YOLOv5's per-image summary: '2 circles, 1 square', or '(no detections)'."""
+    """YOLOv5's per-image summary: '2 circles, 2 crosses, 1 square', or '(no detections)'."""
     if not len(prediction):
         return "(no detections)"
     ids, counts = np.unique(prediction.class_ids, return_counts=True)
     parts = [(class_name(names, int(c)), int(n)) for c, n in zip(ids, counts, strict=True)]
-    return ", ".join(f"{n} {name}{'s' * (n > 1)}" for name, n in parts)
+    return ", ".join(counted(n, name) for name, n in parts)
 
 
 class PredictionLoop:
