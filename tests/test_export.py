@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
 import sys
 import types
@@ -21,6 +22,7 @@ from utils.distributed import DistContext
 from utils.errors import ConfigError, exit_on_user_error
 from utils.eval.checkpoint_val import load_model_for_eval
 from utils.export import (
+    FP32_TOLERANCE,
     ExportConfig,
     ExportMismatchError,
     ExportWrapper,
@@ -215,12 +217,31 @@ def test_failed_parity_leaves_no_file(
     assert sorted(path.name for path in tmp_path.iterdir()) == ["best.pt"]  # neither the file nor its temp
 
 
+def test_the_margin_is_set_by_the_element_nearest_its_tolerance_not_the_largest_difference(
+    checkpoints: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A box corner at 200 px off by 0.05 uses 0.25 of its tolerance; one at 1 px off by 0.0015 uses 0.75.
+    images = [torch.tensor([[200.0, 1.0]])]
+    off = torch.tensor([[0.05, 0.0015]])
+    parity = check_parity(torch.nn.Identity(), lambda x: [(x + off).numpy()], images, FP32_TOLERANCE, Path("m"))
+    assert parity.max_abs_diff == pytest.approx(0.05, rel=1e-3)
+    assert parity.tolerance_share == pytest.approx(0.75, rel=1e-2) and parity.worst_value == 1.0
+    weights = _copy(checkpoints, DETECT, tmp_path)
+    with caplog.at_level(logging.INFO):
+        (result,) = export_checkpoint(_config(weights, "torchscript"), TASKS, DistContext())
+    assert result.tolerance_share is not None and 0 <= result.tolerance_share < 0.1  # TorchScript: ~exact
+    line = next(message for message in caplog.messages if message.startswith("torchscript: "))
+    assert f"matches PyTorch at batch 1: max |diff| {result.max_abs_diff:.1e}, {result.tolerance_share:.2f} " in line
+    assert "of the tolerance 0.001 + 0.001 * |value| (closest at a value of " in line
+
+
 def test_check_parity_measures_and_rejects() -> None:
     wrapper = torch.nn.Identity()
     images = [torch.full((1, 2), 100.0), torch.full((3, 2), 100.0)]
     tolerance = Tolerance(rtol=1e-3, atol=1e-3)  # 0.101 allowed at 100
-    worst = check_parity(wrapper, lambda x: [x.numpy() + 0.05], images, tolerance, Path("m.onnx"))
-    assert worst == pytest.approx(0.05, abs=1e-5)
+    parity = check_parity(wrapper, lambda x: [x.numpy() + 0.05], images, tolerance, Path("m.onnx"))
+    assert parity.max_abs_diff == pytest.approx(0.05, abs=1e-5)
+    assert parity.tolerance_share == pytest.approx(0.05 / 0.101, rel=1e-3) and parity.worst_value == 100.0
     with pytest.raises(ExportMismatchError, match=r"m\.onnx: outputs differ from PyTorch by up to 0\.2 at batch 1"):
         check_parity(wrapper, lambda x: [x.numpy() + 0.2], images, tolerance, Path("m.onnx"))
     with pytest.raises(ExportMismatchError, match="output shape"):
