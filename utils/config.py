@@ -176,9 +176,9 @@ def check_dist_timeout(minutes: float) -> None:
 def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     """Return the argparse parser of train.py (and segment/train.py), YOLOv5-compatible flags."""
     parser = argparse.ArgumentParser(
-        description=f"Train a YOLO {task} model (launch with torchrun for several GPUs). With no flags: the 15-minute "
-        "CPU quick start on the built-in dataset; add --data for your own. The optimizer and hyp file are chosen from "
-        "the run's size unless given (docs/training.md: Choosing a recipe)."
+        description=f"Train a YOLO {task} model (launch with torchrun for several GPUs). With no flags: the CPU "
+        "quick start on the built-in dataset (its time and mAP: docs/models.md); add --data for your own. The "
+        "optimizer and hyp file are chosen from the run's size unless given (docs/training.md: Choosing a recipe)."
     )
     add_common_flags(parser)
     parser.add_argument(
@@ -213,8 +213,9 @@ def _add_model_flags(parser: argparse.ArgumentParser, task: str) -> None:
     parser.add_argument(
         "--hyp",
         default=AUTO,
-        help="hyperparameter YAML, or auto (default): the recipe file of the optimizer, data/hyps/hyp.scratch-low.yaml "
-        "(YOLOv5's) for SGD, data/hyps/hyp.quickstart.yaml for Adam/AdamW",
+        help="hyperparameter YAML, or auto (default): the recipe file of the optimizer for the model's family, "
+        "data/hyps/hyp.scratch-low.yaml (YOLOv5's) or hyp.anchor-free.scratch.yaml for SGD, "
+        "data/hyps/hyp.quickstart.yaml or hyp.anchor-free.quickstart.yaml for Adam/AdamW",
     )
 
 
