@@ -41,6 +41,7 @@ SEG_BASE_PROTOS = 256
 # At these sizes every C3k2 link is a C3k whatever the layout row says (how the published m/l/x models are built).
 FORCED_C3K_SCALES = ("m", "l", "x")
 CFG_NAME = re.compile(r"^(yolov8|yolo11|yolo26)([nsmlx])(-seg)?$")
+CFG_NAMES = "yolov8|yolo11|yolo26 + n|s|m|l|x"  # what CFG_NAME accepts (each optionally -seg), as errors list it
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,7 @@ def spec_for_name(name: str, num_classes: int) -> AnchorFreeSpec:
     """The spec of a published model name: 'yolov8n', 'yolo11s-seg', 'yolo26x' ... (ConfigError otherwise)."""
     match = CFG_NAME.match(name.lower())
     if match is None:
-        raise ConfigError(
-            f"--cfg {name}: not an anchor-free model name (yolov8|yolo11|yolo26 + n|s|m|l|x, optional -seg)"
-        )
+        raise ConfigError(f"--cfg {name}: not an anchor-free model name ({CFG_NAMES}, optionally -seg)")
     layout, size, seg = match.groups()
     depth, width, max_channels = SCALES[layout][size]
     is_26 = layout == "yolo26"

@@ -26,6 +26,7 @@ SCALES: dict[str, tuple[float, float]] = {
     "l": (1.0, 1.0),
     "x": (1.33, 1.25),
 }
+CFG_NAMES = "yolov5n|s|m|l|x"  # the size names spec_from_cfg accepts (each optionally -seg), as errors list them
 # Anchor w, h pairs in pixels for P3/8, P4/16, P5/32 (fitted on COCO at 640).
 DEFAULT_ANCHORS: tuple[tuple[float, ...], ...] = (
     (10, 13, 16, 30, 33, 23),
@@ -103,6 +104,20 @@ def segmentation_spec(spec: ModelSpec, num_masks: int = SEG_NUM_MASKS, base_prot
     return replace(spec, num_masks=num_masks, num_protos=scale_width(base_protos, spec.width_multiple))
 
 
+def parse_size_name(cfg: str) -> tuple[str, bool] | None:
+    """(scale 'n'..'x', is -seg) of a YOLOv5 size name ('yolov5s', 's', 'yolov5s-seg', 'yolov5s.yaml'), else None."""
+    path = Path(cfg)
+    name = (path.stem if path.suffix in {".yaml", ".yml"} else cfg).lower()
+    size = name.removesuffix("-seg").removeprefix("yolov5")
+    return (size, name.endswith("-seg")) if size in SCALES else None
+
+
+def claims_cfg(cfg: str) -> bool:
+    """Whether `--cfg` is for this resolver: a YOLOv5 size name or an existing model YAML file of any other kind."""
+    path = Path(cfg)
+    return (path.suffix in {".yaml", ".yml"} and path.is_file()) or parse_size_name(cfg) is not None
+
+
 def spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
     """Resolve `--cfg` to a ModelSpec: a size name ('yolov5s', 's', 'yolov5s-seg', 'yolov5s.yaml') or a YAML file.
 
@@ -115,11 +130,10 @@ def spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
     path = Path(cfg)
     if path.suffix in {".yaml", ".yml"} and path.is_file():
         return _spec_from_yaml(path, num_classes)
-    name = (path.stem if path.suffix in {".yaml", ".yml"} else cfg).lower()
-    is_seg = name.endswith("-seg")
-    size = name.removesuffix("-seg").removeprefix("yolov5")
-    if size not in SCALES:
-        raise ConfigError(f"--cfg {cfg}: not a YAML file and not a model name (yolov5n|s|m|l|x, optionally -seg)")
+    parsed = parse_size_name(cfg)
+    if parsed is None:
+        raise ConfigError(f"--cfg {cfg}: not a YAML file and not a model name ({CFG_NAMES}, optionally -seg)")
+    size, is_seg = parsed
     depth, width = SCALES[size]
     spec = ModelSpec(depth_multiple=depth, width_multiple=width, anchors=DEFAULT_ANCHORS, num_classes=num_classes)
     return segmentation_spec(spec) if is_seg else spec

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
 import sys
 import types
@@ -16,10 +17,11 @@ import export
 from models.yolo import DEFAULT_ANCHORS, ModelSpec, build_model, segmentation_spec
 from segment.task import SEGMENT
 from utils import export as export_lib
-from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
+from utils.checkpoint import RunInfo, build_checkpoint, load_checkpoint, save_checkpoint
 from utils.distributed import DistContext
 from utils.errors import ConfigError, exit_on_user_error
 from utils.export import (
+    FP32_TOLERANCE,
     ExportConfig,
     ExportMismatchError,
     ExportWrapper,
@@ -121,6 +123,16 @@ def test_torchscript_matches_pytorch_at_any_batch_and_size(
     }
 
 
+def test_export_traces_at_the_size_the_checkpoint_was_trained_at(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    checkpoint = load_checkpoint(checkpoints[DETECT.name])
+    checkpoint["train_config"] = {"imgsz": 96}
+    save_checkpoint(checkpoint, tmp_path / "best.pt", DistContext())
+    cfg = export_config_from_args(build_export_parser().parse_args(["--weights", str(tmp_path / "best.pt")]))
+    assert cfg.imgsz is None  # resolved when the checkpoint is read
+    (result,) = export_checkpoint(cfg, TASKS, DistContext())
+    assert read_metadata(result.path)["imgsz"] == [96, 96]
+
+
 @pytest.mark.parametrize("task", [DETECT, SEGMENT], ids=lambda task: task.name)
 def test_dynamic_onnx_matches_pytorch_at_batch_1_and_3(
     checkpoints: dict[str, Path], task: Task, tmp_path: Path
@@ -205,12 +217,31 @@ def test_failed_parity_leaves_no_file(
     assert sorted(path.name for path in tmp_path.iterdir()) == ["best.pt"]  # neither the file nor its temp
 
 
+def test_the_margin_is_set_by_the_element_nearest_its_tolerance_not_the_largest_difference(
+    checkpoints: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A box corner at 200 px off by 0.05 uses 0.25 of its tolerance; one at 1 px off by 0.0015 uses 0.75.
+    images = [torch.tensor([[200.0, 1.0]])]
+    off = torch.tensor([[0.05, 0.0015]])
+    parity = check_parity(torch.nn.Identity(), lambda x: [(x + off).numpy()], images, FP32_TOLERANCE, Path("m"))
+    assert parity.max_abs_diff == pytest.approx(0.05, rel=1e-3)
+    assert parity.tolerance_share == pytest.approx(0.75, rel=1e-2) and parity.worst_value == 1.0
+    weights = _copy(checkpoints, DETECT, tmp_path)
+    with caplog.at_level(logging.INFO):
+        (result,) = export_checkpoint(_config(weights, "torchscript"), TASKS, DistContext())
+    assert result.tolerance_share is not None and 0 <= result.tolerance_share < 0.1  # TorchScript: ~exact
+    line = next(message for message in caplog.messages if message.startswith("torchscript: "))
+    assert f"matches PyTorch at batch 1: max |diff| {result.max_abs_diff:.1e}, {result.tolerance_share:.2f} " in line
+    assert "of the tolerance 0.001 + 0.001 * |value| (closest at a value of " in line
+
+
 def test_check_parity_measures_and_rejects() -> None:
     wrapper = torch.nn.Identity()
     images = [torch.full((1, 2), 100.0), torch.full((3, 2), 100.0)]
     tolerance = Tolerance(rtol=1e-3, atol=1e-3)  # 0.101 allowed at 100
-    worst = check_parity(wrapper, lambda x: [x.numpy() + 0.05], images, tolerance, Path("m.onnx"))
-    assert worst == pytest.approx(0.05, abs=1e-5)
+    parity = check_parity(wrapper, lambda x: [x.numpy() + 0.05], images, tolerance, Path("m.onnx"))
+    assert parity.max_abs_diff == pytest.approx(0.05, abs=1e-5)
+    assert parity.tolerance_share == pytest.approx(0.05 / 0.101, rel=1e-3) and parity.worst_value == 100.0
     with pytest.raises(ExportMismatchError, match=r"m\.onnx: outputs differ from PyTorch by up to 0\.2 at batch 1"):
         check_parity(wrapper, lambda x: [x.numpy() + 0.2], images, tolerance, Path("m.onnx"))
     with pytest.raises(ExportMismatchError, match="output shape"):
@@ -226,7 +257,7 @@ def test_only_rank_0_exports(checkpoints: dict[str, Path], tmp_path: Path) -> No
 def test_flags_follow_yolov5_and_bad_ones_are_one_line() -> None:
     parser = build_export_parser()
     cfg = export_config_from_args(parser.parse_args(["--weights", "w.pt", "--include", "ONNX", "torchscript", "onnx"]))
-    assert cfg.include == ("onnx", "torchscript") and cfg.imgsz == (640, 640) and cfg.opset == 17
+    assert cfg.include == ("onnx", "torchscript") and cfg.imgsz is None and cfg.opset == 17
     assert export_config_from_args(parser.parse_args(["--weights", "w.pt", "--img", "320", "640"])).imgsz == (320, 640)
     refusals = {
         ("--include", "tflite"): "--include tflite is not supported; choose from torchscript, onnx",

@@ -50,6 +50,16 @@ def test_every_input_kind_gives_the_same_detections_in_original_pixels(detector_
     assert len(model(path)[0]) == 0
 
 
+def test_hub_model_predicts_at_the_size_the_checkpoint_was_trained_at(detector_file: Path, tmp_path: Path) -> None:
+    trained_224 = untrained_checkpoint(tmp_path / "w224.pt", DETECT, "yolov5n", train_imgsz=224)
+    model = _hub("custom", path=str(trained_224), device="cpu")
+    assert model.size == 224 and _hub("custom", path=str(detector_file), device="cpu").size == 640  # none recorded
+    path = str(write_image(tmp_path / "a.jpg", seed=3, hw=(96, 128)))
+    [default], [at_224], [at_640] = model(path), model(path, size=224), model(path, size=640)
+    np.testing.assert_array_equal(default.boxes, at_224.boxes)
+    assert not np.array_equal(default.boxes, at_640.boxes)  # the size matters: 640 gives other detections
+
+
 def test_results_as_plain_data_and_coco_rows(detector_file: Path, tmp_path: Path) -> None:
     model = _hub("custom", path=str(detector_file), device="cpu")
     [result] = model(str(write_image(tmp_path / "7.jpg", seed=1)), size=64)

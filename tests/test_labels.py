@@ -20,6 +20,7 @@ from utils.data.labels import (
 )
 from utils.data.scan import scan_labels
 from utils.distributed import DistContext
+from utils.errors import ConfigError
 
 CTX = DistContext()
 
@@ -43,7 +44,7 @@ BAD_LABELS = {
     "nan": "0 nan 0.5 0.2 0.2\n",
     "negative": "0 -0.2 0.5 0.2 0.2\n",
     "over_one": "0 0.5 1.3 0.2 0.2\n",
-    "class_id": "3 0.5 0.5 0.2 0.2\n",
+    "class_negative": "-1 0.5 0.5 0.2 0.2\n",
     "class_float": "1.5 0.5 0.5 0.2 0.2\n",
     "not_numeric": "0 0.5 abc 0.2 0.2\n",
     "not_utf8": b"\xff\xfe\x00\x810 0.5 0.5 0.2 0.2\n",
@@ -197,7 +198,8 @@ def test_label_cache_reused_then_invalidated(tmp_path: Path, monkeypatch: pytest
     os.utime(label, ns=(label.stat().st_atime_ns, label.stat().st_mtime_ns + 10**9))
     third = scan_labels(files, 3, CTX)
     assert third.labels_of(1)[:, 0].tolist() == [2, 2]
-    assert scan_labels(files, 2, CTX).counts["corrupt"] == 2  # num_classes is part of the key
+    with pytest.raises(ConfigError, match="declares 2 classes"):  # num_classes is part of the key: scanned again
+        scan_labels(files, 2, CTX)
 
 
 def test_unwritable_cache_warns_and_continues(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -260,6 +262,22 @@ def test_degenerate_instances_are_dropped_counted_and_reported(
     cached = scan_labels(files, 3, CTX)
     assert "(cached)" in caplog.text and cached.num_degenerate == 4
     assert cached.reordered(np.array([2, 1, 0])).num_degenerate == 4
+
+
+def test_class_ids_say_what_is_wrong_and_out_of_range_ones_are_kept_apart(tmp_path: Path) -> None:
+    image = str(_image(tmp_path / "images" / "a.jpg"))
+
+    def verify(content: str) -> object:
+        return verify_image_label(image, str(_label(tmp_path, "a", content)), num_classes=2)
+
+    record = verify("0 0.5 0.5 0.2 0.2\n3 0.5 0.5 0.2 0.2\n1 0.3 0.3 0.1 0.1\n3 0.2 0.2 0.1 0.1\n")
+    assert record.status == "corrupt" and record.class_ids_out_of_range == [3, 3]
+    assert "row 2 class id 3 is out of range [0, 2) (and 1 more row(s)); skipped" in record.message
+    # Another problem in the same file: a damaged file, not a class count contradicted by valid labels.
+    damaged = verify("3 0.5 0.5 0.2 0.2\n0 0.5 7.0 0.2 0.2\n")
+    assert damaged.class_ids_out_of_range == [] and "coordinate 7 is outside [0, 1]" in damaged.message
+    assert "is not a non-negative integer" in verify("1.5 0.5 0.5 0.2 0.2\n").message
+    assert "class id -1 is not a non-negative integer" in verify("-1 0.5 0.5 0.2 0.2\n").message
 
 
 def test_label_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ def _folder(root: Path, sizes: list[tuple[int, int]] = SIZES_WH) -> Path:
 
 def _assert_same_index(a: LabelIndex, b: LabelIndex) -> None:
     assert a.im_files == b.im_files and a.counts == b.counts and a.messages == b.messages
-    assert a.num_degenerate == b.num_degenerate
+    assert a.num_degenerate == b.num_degenerate and a.class_ids_out_of_range == b.class_ids_out_of_range
     for name in ("shapes", "labels", "label_offsets", "seg_points", "seg_offsets"):
         first, second = getattr(a, name), getattr(b, name)
         assert first.dtype == second.dtype, name
@@ -137,7 +137,7 @@ def _varied_folder(root: Path) -> Path:
         "j00": _many_polygons(30, 24, seed=1),
         "j01": _many_polygons(5, 40, seed=2),
         "j02": "0 0.5 0.5\n",  # 3 columns: corrupt
-        "j03": "5 0.5 0.5 0.2 0.2\n",  # class 5 of 3: corrupt
+        "j03": "-1 0.5 0.5 0.2 0.2\n",  # a negative class: corrupt (class 5 of 3 would stop the run)
         "j04": "0 0.5 0.5 0.2 0.204\n1 0.3 0.3 0.1 0.1\n",  # a coordinate 0.004 past the edge: clipped
         "j05": "0 0.1 0.1 0.5 0.5 0.9 0.9\n",  # collinear: dropped, the file becomes empty
         "j06": "0 x 0.5 0.2 0.2\n",  # non-numeric: corrupt
@@ -375,3 +375,44 @@ def test_ranks_with_different_datasets_fail_fast_with_one_line(tmp_path: Path) -
         assert order.startswith("train set differs across ranks: rank 0 has 10 images (digest "), order
         assert "rank 1 has 10 (digest" in order and seconds < timeout_s / 3
     assert rank0 == {case: (rank1[case][0], rank0[case][1]) for case in rank0}  # the same line on both ranks
+
+
+def _short_names_dataset(root: Path) -> Path:
+    """The _folder dataset with class ids 3 and 5 in the last two label files, and a YAML whose names list 2."""
+    images = _folder(root)
+    for name, content in (("09", "5 0.5 0.5 0.2 0.2\n3 0.2 0.2 0.1 0.1\n"), ("10", "5 0.4 0.4 0.2 0.2\n")):
+        Path(image_to_label_path(images / f"{name}.png")).write_text(content)
+    return _write_yaml(root, "short_names.yaml", "images/train")
+
+
+def _build_short_names(ctx: DistContext, yaml_file: str) -> list[str]:
+    """build_datasets on the short-names YAML twice (scanned, then from the label cache): each error line."""
+    hyp = load_hyp(DEFAULT_HYP)
+    bundle = SimpleNamespace(model=SimpleNamespace(stride=torch.tensor([8.0, 16.0, 32.0])))
+    cfg = TrainConfig(hyp=hyp, batch_size=2 * ctx.world_size, imgsz=64, workers=0, cache="none", epochs=1)
+    errors = []
+    for _ in range(2):
+        with pytest.raises(ConfigError) as caught:
+            build_datasets(cfg, DETECT, load_data_config(Path(yaml_file), ctx), bundle, ctx)  # type: ignore[arg-type]
+        errors.append(str(caught.value))
+    return errors
+
+
+SHORT_NAMES_ERROR = (
+    "short_names.yaml declares 2 classes ('names') but the labels use class ids up to 5 (2 labels with class 5; "
+    "3 labels in all use ids >= 2)"
+)
+
+
+def test_names_shorter_than_the_labels_stop_the_run_with_one_line(tmp_path: Path) -> None:
+    yaml_file = _short_names_dataset(tmp_path)
+    scanned, cached = _build_short_names(DistContext(), str(yaml_file))
+    assert SHORT_NAMES_ERROR in scanned and str(yaml_file) in scanned and "\n" not in scanned
+    assert cached == scanned  # the label cache keeps the out-of-range ids: a rerun stops the same way
+
+
+@pytest.mark.distributed
+def test_two_ranks_stop_alike_when_only_one_rank_scanned_the_out_of_range_ids(tmp_path: Path) -> None:
+    yaml_file = _short_names_dataset(tmp_path / "data")  # files 09 and 10 fall in rank 1's block of the scan
+    rank0, rank1 = run_distributed(_build_short_names, 2, tmp_path / "dist", str(yaml_file))
+    assert rank0 == rank1 and SHORT_NAMES_ERROR in rank0[0]

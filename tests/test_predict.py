@@ -22,7 +22,7 @@ from utils.errors import ConfigError
 from utils.families import build_model as build_family_model
 from utils.predict.config import PredictConfig, SaveOptions, build_predict_parser, predict_config_from_args
 from utils.predict.outputs import mask_polygon, txt_lines
-from utils.predict.prediction import Prediction
+from utils.predict.prediction import Prediction, counted
 from utils.predict.predictor import FramePredictor, PredictResult, describe, load_predictor_model, predict
 from utils.predict.sources import InputItem, UnreadableInputError, VideoReader, discover_inputs, shard_inputs
 from utils.tasks import DETECT, Task
@@ -32,10 +32,11 @@ VIDEO_FRAMES = 5
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def untrained_checkpoint(path: Path, task: Task, cfg: str) -> Path:
+def untrained_checkpoint(path: Path, task: Task, cfg: str, train_imgsz: int | None = None) -> Path:
     """Save an untrained `cfg` model that finds small boxes everywhere: objectness biased to 0.88, classes
     to 0.5 (scores ~0.44 > 0.25, the class being whichever logit the random weights raise). A
-    segmentation model's prototypes and coefficients are biased positive, so each mask fills its box."""
+    segmentation model's prototypes and coefficients are biased positive, so each mask fills its box.
+    `train_imgsz` is recorded as the training size (train_config imgsz); None records none."""
     torch.manual_seed(0)
     spec = task.spec_from_cfg(cfg, len(SHAPE_NAMES))
     model = build_family_model(spec)
@@ -48,7 +49,8 @@ def untrained_checkpoint(path: Path, task: Task, cfg: str) -> Path:
             bias[:, 5 + len(SHAPE_NAMES) :] = 3.0
         if hasattr(model.head, "proto"):
             model.head.proto.project.bn.bias.fill_(5.0)
-    run = RunInfo(task=task.name, model_spec=spec.to_dict(), names=list(SHAPE_NAMES), train_config={}, hyp={})
+    train_config = {} if train_imgsz is None else {"imgsz": train_imgsz}
+    run = RunInfo(task=task.name, model_spec=spec.to_dict(), names=list(SHAPE_NAMES), train_config=train_config, hyp={})
     checkpoint = build_checkpoint(run=run, model=model, ema=None, optimizer=None, scaler=None, epoch=0, best_fitness=0)
     save_checkpoint(checkpoint, path, DistContext())
     return path
@@ -184,7 +186,7 @@ def test_video_reader_stride_keeps_first_frame(tmp_path: Path) -> None:
 
 def test_flags_defaults_and_refusals() -> None:
     cfg = predict_config_from_args(build_predict_parser("detect").parse_args(["--source", "x"]))
-    assert (cfg.imgsz, cfg.conf_thres, cfg.iou_thres, cfg.max_det) == ((640, 640), 0.25, 0.45, 1000)
+    assert (cfg.imgsz, cfg.conf_thres, cfg.iou_thres, cfg.max_det) == (None, 0.25, 0.45, 1000)  # None: trained size
     assert cfg.project.parts[-2:] == ("runs", "detect") and cfg.save.save_images and cfg.classes is None
     seg = predict_config_from_args(build_predict_parser("segment").parse_args(["--source", "x"]))
     assert seg.project.name == "predict-seg" and seg.weights.parts[-4] == "train-seg"
@@ -214,6 +216,11 @@ def test_txt_lines_boxes_and_polygons() -> None:
     corners = "0.050000 0.200000 0.250000 0.200000 0.250000 0.600000 0.050000 0.600000"
     assert txt_lines(empty, (100, 200), False) == [f"2 {corners}"]
     assert describe(replace(prediction, class_ids=np.array([2])), SHAPE_NAMES) == "1 square"
+    several = replace(prediction, class_ids=np.array([4, 0, 4, 0, 5, 5, 5]), scores=np.ones(7, np.float32))
+    assert describe(several, SHAPE_NAMES) == "2 circles, 2 crosses, 3 crescents"  # YOLOv5 says "2 crosss"
+    words = ["bus", "glass", "box", "batch", "dish", "battery", "toy", "skis", "scissors", "person"]
+    plurals = ["buses", "glasses", "boxes", "batches", "dishes", "batteries", "toys", "skis", "scissors", "persons"]
+    assert [counted(2, word) for word in words] == [f"2 {word}" for word in plurals]
 
 
 # ---- the loop ---------------------------------------------------------------------------------------
@@ -246,6 +253,22 @@ def test_predict_folder_writes_images_video_labels_crops_and_skips_bad(
     assert any(line.startswith("image 3/5 ") and line.endswith("ms") for line in lines)
     assert any(line.startswith("video 2/5 (frame 5/5) ") for line in lines)
     assert any(line.startswith("Speed: ") and "per image at shape (1, 3, 64, 64)" in line for line in lines)
+
+
+def test_detect_predicts_at_the_size_the_checkpoint_was_trained_at_unless_told(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    weights = untrained_checkpoint(tmp_path / "w224.pt", DETECT, "yolov5n", train_imgsz=224)
+    image = write_image(tmp_path / "in" / "a.jpg", seed=0, hw=(96, 128))
+    shapes = []
+    for flags in ([], ["--imgsz", "64"]):
+        argv = ["--weights", str(weights), "--source", str(image), "--device", "cpu", "--nosave"]
+        cfg = predict_config_from_args(build_predict_parser().parse_args([*argv, *flags, "--project", str(tmp_path)]))
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            predict(cfg, DETECT, DistContext())
+        shapes += [line.split(": ")[1].split()[0] for line in caplog.messages if line.startswith("image 1/1 ")]
+    assert shapes == ["192x224", "64x64"]  # 96x128 fitted into the trained 224 px (not 640), then into --imgsz 64
 
 
 def test_classes_filter_and_nosave(tmp_path: Path, det_weights: Path) -> None:
@@ -285,7 +308,7 @@ def test_segmentation_writes_polygons_and_tinted_images(tmp_path: Path, seg_weig
 
 def test_segmentation_masks_lie_in_their_boxes_at_original_size(tmp_path: Path, seg_weights: Path) -> None:
     cfg = config(seg_weights, "", tmp_path, max_det=20)
-    model, _ = load_predictor_model(cfg, SEGMENT, DistContext())
+    model, _, _ = load_predictor_model(cfg, SEGMENT, DistContext())
     image = cv2.imread(str(write_image(tmp_path / "wide.jpg", seed=3, hw=(80, 150))))  # letterboxed 48x64 + pad
     prediction, input_hw, _ = FramePredictor(model, SEGMENT, cfg)(image)
     assert input_hw == (64, 64) and len(prediction) > 0 and prediction.masks.shape == (len(prediction), 80, 150)

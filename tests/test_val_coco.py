@@ -21,13 +21,13 @@ import val
 from segment import val as segment_val
 from segment.task import SEGMENT
 from tests.dist_helpers import run_distributed
-from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
+from utils.checkpoint import RunInfo, build_checkpoint, load_checkpoint, save_checkpoint
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 from utils.distributed import DistContext, gather_objects
 from utils.errors import ConfigError
-from utils.eval.checkpoint_val import validate_checkpoint
+from utils.eval.checkpoint_val import prepare_validation, validate_checkpoint
 from utils.eval.coco import EVAL_FILE, PREDICTIONS_FILE, STAT_NAMES
-from utils.eval.config import ValConfig
+from utils.eval.config import ValConfig, build_val_parser, val_config_from_args
 from utils.families import build_model as build_family_model
 from utils.tasks import DETECT, Task
 
@@ -82,6 +82,20 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _val_args(weights: Path, data: Path, project: Path, *extra: str, imgsz: int = IMGSZ) -> list[str]:
     return ["--weights", str(weights), "--data", str(data), "--imgsz", str(imgsz), "--batch-size", "4",
             "--workers", "0", "--device", "cpu", "--project", str(project), "--name", "v", *extra]  # fmt: skip
+
+
+def test_val_takes_its_default_size_from_the_checkpoint(dataset, weights: Path, tmp_path: Path) -> None:
+    data, _ = dataset
+    checkpoint = load_checkpoint(weights)
+    checkpoint["train_config"] = {"imgsz": 96}
+    trained_96 = tmp_path / "trained_96.pt"
+    save_checkpoint(checkpoint, trained_96, DistContext())
+    argv = _val_args(trained_96, data, tmp_path)
+    without_imgsz = argv[: argv.index("--imgsz")] + argv[argv.index("--imgsz") + 2 :]
+    for args, expected in ((without_imgsz, 96), (argv, IMGSZ)):
+        cfg = val_config_from_args(build_val_parser().parse_args(args))
+        setup = prepare_validation(cfg, DETECT, DistContext())
+        assert setup.imgsz == expected and setup.loader.dataset.options.img_size == expected
 
 
 def _direct_cocoeval(annotations: Path, predictions: Path | list, iou_type: str = "bbox") -> np.ndarray:

@@ -316,6 +316,24 @@ def restore_training_state(
     return ckpt["epoch"] + 1
 
 
+# Converted YOLOv5 / Ultralytics weights record no training size; both projects train at 640 by default.
+UNRECORDED_IMGSZ = 640
+
+
+def trained_imgsz(ckpt: Mapping[str, Any]) -> int:
+    """Return the image size `ckpt` was trained at: what val, detect, export and the hub model use without --imgsz.
+
+    Our checkpoints record it in `train_config` (TrainConfig.imgsz). A model predicts best at the
+    size it learned its object scales at, and a 224-px model run at 640 px finds shapes that are
+    not there and takes 8x the time. Files without a usable record (converted YOLOv5 / Ultralytics
+    weights, hand-built checkpoints) give UNRECORDED_IMGSZ.
+    """
+    imgsz = (ckpt.get("train_config") or {}).get("imgsz")
+    if isinstance(imgsz, int) and not isinstance(imgsz, bool) and imgsz >= 32 and imgsz % 32 == 0:
+        return imgsz
+    return UNRECORDED_IMGSZ
+
+
 def inference_weights(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     """Return the weights to evaluate or deploy: the EMA when the checkpoint has one, else `model`."""
     return ckpt["ema"] if ckpt["ema"] is not None else ckpt["model"]

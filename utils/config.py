@@ -29,17 +29,19 @@ DEFAULT_SEGMENT_MODEL = "yolov5n-seg"
 DEFAULT_HYP = ROOT / "data" / "hyps" / "hyp.scratch-low.yaml"  # YOLOv5's default; auto's long-run recipe
 QUICKSTART_HYP = ROOT / "data" / "hyps" / "hyp.quickstart.yaml"  # auto's short-run recipe (AdamW)
 QUICKSTART_IMGSZ = 224
+# --imgsz of every entry point that reads a checkpoint (val, detect, export): the size it was trained at.
+IMGSZ_FROM_CHECKPOINT_HELP = (
+    "image size in pixels (default: the size the checkpoint was trained at, 640 for converted YOLOv5 / "
+    "Ultralytics weights)"
+)
 QUICKSTART_EPOCHS = 20
 QUICKSTART_BATCH = 16
 QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by training and validation entry points."""
+    """Flags shared by training and validation entry points (--imgsz differs: see each parser)."""
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="dataset YAML")
-    parser.add_argument(
-        "--imgsz", "--img", "--img-size", type=int, default=QUICKSTART_IMGSZ, help="image size in pixels (YOLOv5: 640)"
-    )
     parser.add_argument("--device", default="", help="cuda device, e.g. 0 or 0,1, or cpu (default: GPU if present)")
     parser.add_argument("--workers", type=int, default=4, help="max dataloader workers per rank")
     parser.add_argument("--single-cls", action="store_true", help="train/validate as a single-class dataset")

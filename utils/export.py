@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import dataclasses
 import datetime
 import importlib
 import json
@@ -22,6 +23,8 @@ import torch
 from torch import nn
 
 from utils.boxes import best_detections
+from utils.checkpoint import trained_imgsz
+from utils.config import IMGSZ_FROM_CHECKPOINT_HELP
 from utils.convert import load_weights
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -44,7 +47,7 @@ class ExportConfig:
 
     weights: Path
     include: tuple[str, ...] = ("torchscript",)  # any of SUFFIXES
-    imgsz: tuple[int, int] = (640, 640)  # (height, width) of the traced input, multiples of 32
+    imgsz: tuple[int, int] | None = None  # (height, width) of the traced input, multiples of 32; None: trained size
     batch_size: int = 1
     device: str = "cpu"
     half: bool = False  # fp16 weights and input; CUDA only
@@ -65,6 +68,10 @@ class Tolerance:
 # fp32: onnxruntime sums in another order, so yolov5n/s at 640 differ from PyTorch by up to 6e-5 on box pixels
 # near 640 (one float32 step there; benchmarks/export.py) and TorchScript by 0. atol + rtol = 1e-3 allows
 # 0.64 px at 640 and 0.002 on a score: well above rounding, well below what a wrong graph gives (whole pixels).
+# The margin is smallest on box coordinates near 0 px (points at the image's top or left edge), where only
+# atol applies, while an anchor-free head's pixel error is about the same everywhere: its DFL expectation is
+# scaled by the stride (up to 32). A yolov8n at 224 px with batch norms fitted to real images differed by
+# 7.9e-3 px at most, 0.25 of the tolerance, at a centre 2.07 px from the top edge (random weights: 3e-5 px).
 FP32_TOLERANCE = Tolerance(rtol=1e-3, atol=1e-3)
 FP16_TOLERANCE = Tolerance(rtol=1e-2, atol=1e-2)  # fp16 keeps ~3 significant digits
 
@@ -93,6 +100,21 @@ class ExportedFile:
     path: Path
     export_seconds: float
     max_abs_diff: float | None  # None when parity could not be run (ONNX without onnxruntime)
+    tolerance_share: float | None = None  # the largest |diff| / (atol + rtol * |value|): <= 1 passes
+
+
+@dataclass(frozen=True)
+class Parity:
+    """How far an exported file's outputs are from PyTorch's, over every element compared.
+
+    `tolerance_share` is the largest |diff| / (atol + rtol * |value|), the file's margin (1 is the
+    limit); `worst_value` is the PyTorch value where it was reached. The largest |diff| alone says
+    little: rtol lets a 200-px box corner differ 100 times more than a score near 0.
+    """
+
+    max_abs_diff: float
+    tolerance_share: float
+    worst_value: float
 
 
 class ExportMismatchError(ConfigError):
@@ -139,7 +161,9 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Export a detection or segmentation checkpoint to TorchScript/ONNX")
     parser.add_argument("--weights", type=Path, required=True, help="checkpoint path (best.pt / last.pt)")
     parser.add_argument("--include", nargs="+", default=["torchscript"], help="formats: torchscript onnx")
-    parser.add_argument("--imgsz", "--img", "--img-size", nargs="+", type=int, default=[640], help="image (h, w)")
+    parser.add_argument(
+        "--imgsz", "--img", "--img-size", nargs="+", type=int, help=f"(h [w]) {IMGSZ_FROM_CHECKPOINT_HELP}"
+    )
     parser.add_argument("--batch-size", type=int, default=1, help="batch size of the traced input")
     parser.add_argument("--device", default="cpu", help="cpu or a cuda device, e.g. 0")
     parser.add_argument("--half", action="store_true", help="FP16 export (CUDA only; not with --dynamic)")
@@ -158,7 +182,9 @@ def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
     unknown = [name for name in include if name not in SUFFIXES]
     if unknown:
         raise ConfigError(f"--include {unknown[0]} is not supported; choose from {', '.join(SUFFIXES)}")
-    if len(args.imgsz) not in (1, 2) or any(side < MAX_STRIDE or side % MAX_STRIDE for side in args.imgsz):
+    if args.imgsz is not None and (
+        len(args.imgsz) not in (1, 2) or any(side < MAX_STRIDE or side % MAX_STRIDE for side in args.imgsz)
+    ):
         given = " ".join(map(str, args.imgsz))
         raise ConfigError(f"--imgsz {given} must be one or two positive multiples of {MAX_STRIDE} (height width)")
     if args.batch_size < 1:
@@ -167,11 +193,10 @@ def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
         raise ConfigError(f"--opset {args.opset} must be within {OPSET_RANGE[0]}..{OPSET_RANGE[1]}")
     if args.half and args.dynamic:  # YOLOv5 refuses the pair too (it traces dynamic graphs on CPU, which lacks fp16)
         raise ConfigError("--half and --dynamic cannot be combined; use one of them")
-    height, width = args.imgsz * 2 if len(args.imgsz) == 1 else args.imgsz
     return ExportConfig(
         weights=args.weights,
         include=include,
-        imgsz=(height, width),
+        imgsz=None if args.imgsz is None else (args.imgsz[0], args.imgsz[-1]),
         batch_size=args.batch_size,
         device=args.device,
         half=args.half,
@@ -219,6 +244,7 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
     check_export_dependencies(cfg, ctx)
     checkpoint = load_weights(cfg.weights)  # read once; a YOLOv5 file is converted, its task included
     task = tasks[checkpoint["task"]]
+    cfg = dataclasses.replace(cfg, imgsz=cfg.imgsz or (trained_imgsz(checkpoint),) * 2)
     model = inference_model(checkpoint, ctx.device, half=cfg.half, channels_last=False, nms=cfg.nms)
     wrapper = ExportWrapper(model).eval()  # eval: exporters restore the wrapper's mode, and with it the model's
     metadata = ExportMetadata(
@@ -245,13 +271,13 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
             start = time.perf_counter()
             runner = WRITERS[file_format](wrapper, example, tmp_path, metadata, cfg)
             seconds = time.perf_counter() - start
-            max_diff = None
+            parity = None
             if runner is not None:
                 inputs = [_random_images(batch, cfg.imgsz, example) for batch in batch_sizes]
-                max_diff = check_parity(wrapper, runner, inputs, tolerance, path)
+                parity = check_parity(wrapper, runner, inputs, tolerance, path)
             os.replace(tmp_path, path)
-        exported.append(ExportedFile(file_format, path, seconds, max_diff))
-        _log_export(exported[-1], batch_sizes, tolerance)
+        exported.append(ExportedFile(file_format, path, seconds, *_parity_fields(parity)))
+        _log_export(exported[-1], batch_sizes, tolerance, parity)
     return exported
 
 
@@ -272,18 +298,24 @@ def _random_images(batch: int, imgsz: tuple[int, int], like: torch.Tensor) -> to
     return torch.rand(batch, 3, *imgsz, generator=generator).to(like.device, like.dtype)
 
 
-def _log_export(item: ExportedFile, batch_sizes: list[int], tolerance: Tolerance) -> None:
-    """Log one line per file: path, size, time, and the parity result."""
+def _parity_fields(parity: Parity | None) -> tuple[float | None, float | None]:
+    """(max_abs_diff, tolerance_share) of an ExportedFile; both None when no comparison ran."""
+    return (None, None) if parity is None else (parity.max_abs_diff, parity.tolerance_share)
+
+
+def _log_export(item: ExportedFile, batch_sizes: list[int], tolerance: Tolerance, parity: Parity | None) -> None:
+    """Log one line per file: path, size, time, and the parity result with its margin."""
     size_mb = item.path.stat().st_size / 1e6
-    if item.max_abs_diff is None:
-        parity = "onnx.checker passed; not compared with PyTorch (see above)"
+    if parity is None:
+        result = "onnx.checker passed; not compared with PyTorch (see above)"
     else:
         sizes = ", ".join(map(str, batch_sizes))
-        parity = (
-            f"max abs diff vs PyTorch {item.max_abs_diff:.2e} at batch {sizes} "
-            f"(tolerance {tolerance.atol:g} + {tolerance.rtol:g} * |value|)"
+        result = (
+            f"matches PyTorch at batch {sizes}: max |diff| {parity.max_abs_diff:.1e}, {parity.tolerance_share:.2f} "
+            f"of the tolerance {tolerance.atol:g} + {tolerance.rtol:g} * |value| (closest at a value of "
+            f"{parity.worst_value:.3g})"
         )
-    LOGGER.info(f"{item.file_format}: {item.path} ({size_mb:.1f} MB) in {item.export_seconds:.1f} s; {parity}")
+    LOGGER.info(f"{item.file_format}: {item.path} ({size_mb:.1f} MB) in {item.export_seconds:.1f} s; {result}")
 
 
 # A runner takes images and returns the exported file's outputs as numpy arrays, in ExportWrapper's order.
@@ -292,12 +324,12 @@ Runner = Callable[[torch.Tensor], list[np.ndarray]]
 
 def check_parity(
     wrapper: nn.Module, runner: Runner, inputs: list[torch.Tensor], tolerance: Tolerance, path: Path
-) -> float:
-    """Compare the exported file's outputs with PyTorch's on each input; return the largest absolute difference.
+) -> Parity:
+    """Compare the exported file's outputs with PyTorch's on each input; return the largest difference and margin.
 
     Raises ExportMismatchError naming `path` when a shape differs or any element is outside `tolerance`.
     """
-    worst = 0.0
+    worst, closest = 0.0, Parity(0.0, 0.0, 0.0)
     for images in inputs:
         with torch.no_grad():
             expected = wrapper(images)
@@ -310,12 +342,24 @@ def check_parity(
                 got = np.stack([match_detection_rows(w, g, tolerance) for w, g in zip(want, got, strict=True)])
             diff = float(np.abs(want - got).max()) if want.size else 0.0
             worst = max(worst, diff)
+            closest = _closer(closest, want, got, tolerance)
             if not np.allclose(got, want, rtol=tolerance.rtol, atol=tolerance.atol):
                 raise ExportMismatchError(
                     f"{path}: outputs differ from PyTorch by up to {diff:.3g} at batch {len(images)}, beyond "
                     f"{tolerance.atol:g} + {tolerance.rtol:g} * |value|; the file was not written"
                 )
-    return worst
+    return Parity(worst, closest.tolerance_share, closest.worst_value)
+
+
+def _closer(closest: Parity, want: np.ndarray, got: np.ndarray, tolerance: Tolerance) -> Parity:
+    """`closest`, or the element of this output nearer its tolerance (as a Parity: share and PyTorch value)."""
+    if not want.size:
+        return closest
+    share = np.abs(want - got) / (tolerance.atol + tolerance.rtol * np.abs(want))
+    index = np.unravel_index(int(share.argmax()), share.shape)
+    if share[index] <= closest.tolerance_share:
+        return closest
+    return Parity(0.0, float(share[index]), float(want[index]))
 
 
 def match_detection_rows(want: np.ndarray, got: np.ndarray, tolerance: Tolerance) -> np.ndarray:

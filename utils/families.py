@@ -17,6 +17,7 @@ from torch import nn
 
 from models import anchor_free, yolo
 from utils.boxes import non_max_suppression, top_detections
+from utils.config import DEFAULT_MODEL
 from utils.distributed import unwrap_model
 from utils.errors import ConfigError
 
@@ -38,7 +39,8 @@ class Family:
     The training, evaluation and prediction loops and the data pipeline never test which family
     they run; what differs for inference is here (for training, utils/train/records.py):
     - spec_type: the frozen spec dataclass (`from_dict`, `to_dict`, a `family` class attribute)
-    - claims_cfg(cfg) -> whether a `--cfg` value (a size name or a model YAML) names this family's model
+    - claims_cfg(cfg) -> whether a `--cfg` value (a size name or a model YAML) names this family's model;
+      cfg_names: its size names as the unknown --cfg error lists them
     - spec_from_cfg(cfg, num_classes) -> spec; segmentation_spec(spec) -> the spec's -seg variant
     - build_model(spec) -> nn.Module with `.spec`, `.head`, `.stride`, `layers()`, `fuse()`
     - channels_first: decoded rows are (B, N, no) in every family ([cx, cy, w, h (input pixels), YOLOv5's
@@ -52,6 +54,7 @@ class Family:
     name: str
     spec_type: type
     claims_cfg: Callable[[str], bool]
+    cfg_names: str  # the size names it resolves, for the error that lists every family's
     spec_from_cfg: Callable[[str, int], Any]
     segmentation_spec: Callable[[Any], Any]
     build_model: Callable[[Any], nn.Module]
@@ -67,7 +70,8 @@ class Family:
 YOLOV5 = Family(
     name="yolov5",
     spec_type=yolo.ModelSpec,
-    claims_cfg=lambda cfg: True,  # checked last: its resolver names every accepted form in its error
+    claims_cfg=yolo.claims_cfg,  # checked last: it takes any existing YAML the others leave (YOLOv5 model YAMLs)
+    cfg_names=yolo.CFG_NAMES,
     spec_from_cfg=yolo.spec_from_cfg,
     segmentation_spec=yolo.segmentation_spec,
     build_model=yolo.build_model,
@@ -102,6 +106,7 @@ ANCHOR_FREE = Family(
     name="anchor_free",
     spec_type=anchor_free.AnchorFreeSpec,
     claims_cfg=anchor_free.claims_cfg,
+    cfg_names=anchor_free.CFG_NAMES,
     spec_from_cfg=anchor_free.spec_from_cfg,
     segmentation_spec=anchor_free.segmentation_spec,
     build_model=anchor_free.build_model,
@@ -140,8 +145,16 @@ def spec_from_checkpoint(checkpoint: Mapping[str, Any], source: Path | str = "ch
 
 
 def spec_from_cfg(cfg: str, num_classes: int) -> Any:
-    """Resolve `--cfg` (a size name or a model YAML) with the first family that claims it."""
-    family = next(family for family in FAMILIES.values() if family.claims_cfg(cfg))
+    """Resolve `--cfg` (a size name or a model YAML) with the first family that claims it.
+
+    A value no family claims is a one-line ConfigError listing every family's size names and the
+    default: models/ cannot name the other families (or the default), so the list is built here.
+    """
+    family = next((family for family in FAMILIES.values() if family.claims_cfg(cfg)), None)
+    if family is None:
+        names = "; ".join(family.cfg_names for family in FAMILIES.values())
+        listed = f"{names}, each optionally -seg; default {DEFAULT_MODEL}"
+        raise ConfigError(f"--cfg {cfg}: not a YAML file and not a model name ({listed})")
     return family.spec_from_cfg(cfg, num_classes)
 
 

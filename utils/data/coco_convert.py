@@ -134,7 +134,7 @@ def yolo_to_coco(data: DataConfig, split: str, output: Path, ctx: DistContext) -
     if coco is not None:
         index = scan_coco_labels(coco, with_masks=True, ctx=ctx)
     else:
-        index = scan_labels(list_image_files(sources), data.num_classes, ctx)
+        index = scan_labels(list_image_files(sources), data.num_classes, ctx, names_file=data.yaml_file)
     if len(sources) != 1 or not sources[0].is_dir():
         raise ConfigError(f"{data.yaml_file}: '{split}' must be one image folder to name files relative to it")
     category_ids = data.category_ids or tuple(range(1, data.num_classes + 1))

@@ -58,6 +58,8 @@ class DatasetOptions:
     one index mask per image (docs/CONTRACTS.md, "Segmentation"). Items are (H, W, 3) uint8 RGB;
     with `hsv_on_device` training items stay BGR and carry their HSV gains (`hsv`) instead of having
     them applied: the training loop does both on the device (utils/data/colour.py; set on CUDA).
+    `names_file` is the dataset YAML that declares the classes, named when labels use class ids
+    >= `num_classes` (utils/data/scan.py: check_class_ids).
     """
 
     img_size: int = 640
@@ -77,6 +79,7 @@ class DatasetOptions:
     workers: int = 8
     close_mosaic_epoch: int | None = None
     hsv_on_device: bool = False
+    names_file: Path | None = None
 
     @classmethod
     def for_evaluation(cls, **settings: Any) -> DatasetOptions:
@@ -166,7 +169,7 @@ class LoadImagesAndLabels(Dataset):
         if coco is not None:
             index = scan_coco_labels(coco, options.with_masks, ctx)
         else:
-            index = scan_labels(list_image_files(sources), options.num_classes, ctx)
+            index = scan_labels(list_image_files(sources), options.num_classes, ctx, names_file=options.names_file)
         self.batch_shapes: np.ndarray | None = None  # (num_batches, 2) (h, w) in rect mode
         if options.rect:
             order, batch_shapes = rect_batch_shapes(

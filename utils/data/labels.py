@@ -23,7 +23,7 @@ LOGGER = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = frozenset({".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp"})
 PIL_FORMATS = frozenset({"BMP", "JPEG", "MPO", "PNG", "TIFF", "WEBP"})
-CACHE_VERSION = 2  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
+CACHE_VERSION = 3  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
 COORD_TOLERANCE = 0.01  # coordinates this far outside [0, 1] are clipped with a warning, further is corrupt
 MIN_RELATIVE_AREA = 1e-8  # an instance covering less of the image (shoelace area) is degenerate and dropped
 MIN_IMAGE_SIDE = 10
@@ -32,6 +32,19 @@ STATUSES = ("found", "missing", "empty", "corrupt")
 
 class BadInputError(ValueError):
     """An image or label file that cannot be used; the message says why."""
+
+
+class ClassIdsOutOfRange(BadInputError):
+    """A label file, valid otherwise, whose rows use integer class ids >= the dataset's class count.
+
+    `class_ids` holds one id per such row. Kept apart from other bad input because a run stops
+    on it (utils/data/scan.py: check_class_ids): it says the dataset YAML's `names` is short,
+    or the labels belong to another dataset, not that one file is damaged.
+    """
+
+    def __init__(self, message: str, class_ids: list[int]) -> None:
+        super().__init__(message)
+        self.class_ids = class_ids
 
 
 def list_image_files(sources: str | Path | Sequence[str | Path]) -> list[str]:
@@ -76,7 +89,9 @@ class LabelRecord:
     "corrupt" (image skipped). `labels`: (n, 5) float32 [cls, cx, cy, w, h] normalised, the box
     being the min/max of the polygon; `segments`: n (k, 2) float32 normalised polygons (the 4
     corners for a box-only row). `message` is one line naming the file, empty when clean.
-    `num_degenerate` counts the zero-area rows left out of `labels`.
+    `num_degenerate` counts the zero-area rows left out of `labels`. `class_ids_out_of_range` lists
+    the class id of each row whose id is an integer >= num_classes in an otherwise valid file
+    (the file is then "corrupt").
     """
 
     image_path: str
@@ -86,6 +101,7 @@ class LabelRecord:
     segments: list[np.ndarray] = field(default_factory=list)
     message: str = ""
     num_degenerate: int = 0
+    class_ids_out_of_range: list[int] = field(default_factory=list)
 
 
 def _orientation(image: Image.Image) -> int:
@@ -186,7 +202,9 @@ def _check_rows(rows: list[tuple[float, ...]], num_classes: int) -> tuple[list[n
     """Validate and repair parsed rows; return the cleaned rows and a list of the repairs made.
 
     Duplicate rows are removed and coordinates within COORD_TOLERANCE of [0, 1] are clipped;
-    anything else wrong raises BadInputError.
+    anything else wrong raises BadInputError. Integer class ids >= `num_classes` are collected
+    over the whole file and raised last, as ClassIdsOutOfRange, so a file that has only that
+    problem is told apart from a damaged one.
     """
     fixes = []
     unique = list(dict.fromkeys(rows))
@@ -194,12 +212,15 @@ def _check_rows(rows: list[tuple[float, ...]], num_classes: int) -> tuple[list[n
         fixes.append(f"removed {len(rows) - len(unique)} duplicate row(s)")
     arrays = [np.array(row, dtype=np.float64) for row in unique]
     num_clipped = 0
+    out_of_range: list[tuple[int, int]] = []  # (row number, class id)
     for line_number, row in enumerate(arrays, 1):
         if not np.isfinite(row).all():
             raise BadInputError(f"row {line_number} has a non-finite value")
         class_id = row[0]
-        if class_id != int(class_id) or not 0 <= class_id < num_classes:
-            raise BadInputError(f"row {line_number} class id {class_id:g} is not an integer in [0, {num_classes})")
+        if class_id != int(class_id) or class_id < 0:
+            raise BadInputError(f"row {line_number} class id {class_id:g} is not a non-negative integer")
+        if class_id >= num_classes:
+            out_of_range.append((line_number, int(class_id)))
         coords = row[1:]
         if coords.min() < -COORD_TOLERANCE or coords.max() > 1 + COORD_TOLERANCE:
             bad = coords[(coords < -COORD_TOLERANCE) | (coords > 1 + COORD_TOLERANCE)][0]
@@ -209,6 +230,13 @@ def _check_rows(rows: list[tuple[float, ...]], num_classes: int) -> tuple[list[n
         np.clip(coords, 0.0, 1.0, out=coords)
     if num_clipped:
         fixes.append(f"clipped {num_clipped} coordinate(s) slightly outside [0, 1]")
+    if out_of_range:
+        line_number, class_id = out_of_range[0]
+        more = f" (and {len(out_of_range) - 1} more row(s))" if len(out_of_range) > 1 else ""
+        raise ClassIdsOutOfRange(
+            f"row {line_number} class id {class_id} is out of range [0, {num_classes}){more}",
+            [class_id for _, class_id in out_of_range],
+        )
     return arrays, fixes
 
 
@@ -258,6 +286,9 @@ def verify_image_label(image_path: str, label_path: str | None, num_classes: int
         return LabelRecord(image_path, "missing", shape_wh, message=image_message)
     try:
         rows, fixes = _check_rows(_read_label_rows(label_path), num_classes)
+    except ClassIdsOutOfRange as error:
+        message = f"corrupt label {label_path}: {error}; skipped"
+        return LabelRecord(image_path, "corrupt", shape_wh, message=message, class_ids_out_of_range=error.class_ids)
     except BadInputError as error:
         return LabelRecord(image_path, "corrupt", shape_wh, message=f"corrupt label {label_path}: {error}; skipped")
     labels, segments, num_degenerate = _drop_degenerate(*_rows_to_instances(rows))
@@ -321,7 +352,10 @@ class LabelIndex:
     `counts` maps found/missing/empty/corrupt to numbers of images; `messages` holds one line per
     bad or repaired file (or COCO JSON entry); `num_degenerate` is how many zero-area instances were
     left out in all; `problems` counts a COCO JSON's entries repaired or left out, by reason (empty
-    for YOLO txt labels). Arrays read from a label cache are read-only memory maps of the file.
+    for YOLO txt labels); `class_ids_out_of_range` maps each integer class id >= num_classes found in
+    otherwise valid label files to its number of rows (always empty for a COCO JSON, whose categories
+    map to classes by utils/data/coco_labels.py: category_mapping). Arrays read from a label cache are
+    read-only memory maps of the file.
     """
 
     im_files: list[str]
@@ -334,6 +368,7 @@ class LabelIndex:
     messages: list[str]
     num_degenerate: int = 0
     problems: dict[str, int] = field(default_factory=dict)
+    class_ids_out_of_range: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.im_files)
@@ -360,7 +395,14 @@ class LabelIndex:
         packed = _pack([r[0] for r in records], [r[1] for r in records])
         files = [self.im_files[i] for i in order]
         return LabelIndex(
-            files, self.shapes[order], *packed, self.counts, self.messages, self.num_degenerate, self.problems
+            files,
+            self.shapes[order],
+            *packed,
+            self.counts,
+            self.messages,
+            self.num_degenerate,
+            self.problems,
+            self.class_ids_out_of_range,
         )
 
 
@@ -386,7 +428,11 @@ def build_index(records: list[LabelRecord]) -> LabelIndex:
     packed = _pack([r.labels for r in kept], [r.segments for r in kept])
     messages = [r.message for r in records if r.message]
     num_degenerate = sum(r.num_degenerate for r in records)
-    return LabelIndex([r.image_path for r in kept], shapes, *packed, counts, messages, num_degenerate)
+    ids, id_counts = np.unique(
+        np.array([i for r in records for i in r.class_ids_out_of_range], np.int64), return_counts=True
+    )
+    out_of_range = dict(zip(ids.tolist(), id_counts.tolist(), strict=True))
+    return LabelIndex([r.image_path for r in kept], shapes, *packed, counts, messages, num_degenerate, {}, out_of_range)
 
 
 def label_cache_path(image_files: Sequence[str]) -> Path:
@@ -425,6 +471,8 @@ def save_label_cache(path: Path, index: LabelIndex, digest: str) -> bool:
                 "num_degenerate": np.array(index.num_degenerate, dtype=np.int64),
                 "problem_reasons": np.array(list(index.problems), dtype=str),
                 "problem_counts": np.array(list(index.problems.values()), dtype=np.int64),
+                "out_of_range_ids": np.array(list(index.class_ids_out_of_range), dtype=np.int64),
+                "out_of_range_counts": np.array(list(index.class_ids_out_of_range.values()), dtype=np.int64),
             },
         )
         return True
@@ -456,6 +504,7 @@ def load_label_cache(path: Path, digest: str) -> LabelIndex | None:
             data["messages"].tolist(),
             int(data["num_degenerate"]),
             problems,
+            dict(zip(data["out_of_range_ids"].tolist(), data["out_of_range_counts"].tolist(), strict=True)),
         )
     except Exception:  # missing, truncated or foreign file: treat as no cache and rebuild
         return None

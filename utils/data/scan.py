@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -258,12 +259,13 @@ def concatenate_indices(parts: Sequence[LabelIndex]) -> LabelIndex:
         [message for part in parts for message in part.messages],
         sum(part.num_degenerate for part in parts),
         _summed([part.problems for part in parts]),
+        dict(sorted(_summed([part.class_ids_out_of_range for part in parts]).items())),
     )
 
 
-def _summed(counts: Sequence[dict[str, int]]) -> dict[str, int]:
-    """Add up per-reason counts, keeping the reasons in the order they first appear."""
-    total: dict[str, int] = {}
+def _summed(counts: Sequence[dict[Any, int]]) -> dict[Any, int]:
+    """Add up per-reason (or per-class) counts, keeping the keys in the order they first appear."""
+    total: dict[Any, int] = {}
     for part in counts:
         for reason, count in part.items():
             total[reason] = total.get(reason, 0) + count
@@ -323,12 +325,40 @@ def report_scan(index: LabelIndex, source: str) -> None:
     )
 
 
+def check_class_ids(index: LabelIndex, num_classes: int, names_file: Path | None) -> None:
+    """Raise a one-line ConfigError when label files use integer class ids >= `num_classes`.
+
+    The rule: one such id in an otherwise valid label file stops the run (as YOLOv5 stops), instead
+    of skipping the file like a damaged one. A class id past the declared classes cannot be
+    trained as labelled: `names` in the dataset YAML (`names_file`) is short, or the labels come
+    from another dataset, and skipping those files would train on what is left without a word
+    about why. The message names the YAML, its class count, the largest id and its label count.
+    Call it with the gathered index (the same on every rank), so every rank decides alike.
+    """
+    if not index.class_ids_out_of_range:
+        return
+    largest = max(index.class_ids_out_of_range)
+    num_rows = sum(index.class_ids_out_of_range.values())
+    where = str(names_file) if names_file is not None else "the dataset"
+    others = (
+        f"; {num_rows} labels in all use ids >= {num_classes}"
+        if num_rows > index.class_ids_out_of_range[largest]
+        else ""
+    )
+    raise ConfigError(
+        f"{where} declares {num_classes} classes ('names') but the labels use class ids up to {largest} "
+        f"({index.class_ids_out_of_range[largest]} labels with class {largest}{others}); list every class "
+        "in 'names', or fix the labels (the files are named in the warnings above)"
+    )
+
+
 def scan_labels(
     image_files: Sequence[str],
     num_classes: int,
     ctx: DistContext,
     num_workers: int | None = None,
     cache_path: Path | None = None,
+    names_file: Path | None = None,
 ) -> LabelIndex:
     """Verify every image and label (or reuse the label cache) and return the packed index, the same on every rank.
 
@@ -341,7 +371,9 @@ def scan_labels(
     then writes the cache, and every rank returns once it is written. Rank 0 logs the bad files
     and the counts. Raises ValueError when no usable image remains. Each rank verifies with up
     to `num_workers` worker processes (default and upper bound: its share of the CPUs; see
-    scan_workers); reading a current cache opens no image.
+    scan_workers); reading a current cache opens no image. Label files whose class ids reach
+    `num_classes` make every rank raise a one-line ConfigError naming `names_file`, the dataset
+    YAML (check_class_ids).
     """
     label_files = [image_to_label_path(f) for f in image_files]
     cache_path = cache_path or label_cache_path(image_files)
@@ -363,6 +395,7 @@ def scan_labels(
         barrier(ctx)
     if ctx.is_main:
         report_scan(index, source)
+    check_class_ids(index, num_classes, names_file)  # after the gather: every rank holds the same index
     if not len(index):
         raise ValueError(f"{cache_path.parent}: no usable images (all {index.counts['corrupt']} are corrupt)")
     return index

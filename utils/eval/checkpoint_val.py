@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch import nn
 
+from utils import checkpoint as ckpt_io
 from utils.boxes import xyxy_to_xywhn
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
@@ -39,6 +41,7 @@ class ValSetup:
     names: tuple[str, ...]
     save_dir: Path | None  # None when nothing is written (no --save-json / --save-txt)
     coco_target: CocoTarget | None  # rank 0 only, when --save-json and the YAML names annotations
+    imgsz: int  # --imgsz, else the size the checkpoint was trained at
 
 
 def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalResult:
@@ -54,6 +57,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     if cfg.speed_only:
         LOGGER.info("--task speed: timing the val split at --conf-thres 0.25 --iou-thres 0.45, no JSON")
     setup = prepare_validation(cfg, task, ctx)
+    cfg = dataclasses.replace(cfg, imgsz=setup.imgsz)  # the report names the size that ran
     eval_options = EvalOptions(
         num_classes=len(setup.names),
         conf_thres=cfg.conf_thres,
@@ -94,6 +98,7 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     model, checkpoint = load_inference_model(cfg.weights, task.name, ctx.device, cfg.half, cfg.channels_last, cfg.nms)
     data = load_data_config(cfg.data, ctx)
     coco_target = check_coco_target(data, cfg.split, ctx, cfg.single_cls) if cfg.save_json else None
+    imgsz = cfg.imgsz or ckpt_io.trained_imgsz(checkpoint)
     names = ("item",) if cfg.single_cls else data.names
     if len(names) != len(checkpoint["names"]):
         trained = len(checkpoint["names"])
@@ -101,17 +106,18 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     wants_dir = cfg.save_json or cfg.save_txt or cfg.plots
     save_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok, ctx) if wants_dir else None
     options = DatasetOptions.for_evaluation(
-        img_size=cfg.imgsz,
+        img_size=imgsz,
         batch_size=per_rank,
         stride=int(model.stride.max()),
         single_cls=cfg.single_cls,
         with_masks=task.with_masks,
         num_classes=len(data.names),
+        names_file=data.yaml_file,
         workers=cfg.workers,
     )
     dataset = LoadImagesAndLabels(data.split(cfg.split), options, ctx, data.coco_source(cfg.split))
     loader = build_val_loader(dataset, per_rank, cfg.workers, ctx)
-    return ValSetup(model, loader, data, names, save_dir, coco_target)
+    return ValSetup(model, loader, data, names, save_dir, coco_target, imgsz)
 
 
 def report(

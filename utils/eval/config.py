@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from utils.config import DEFAULT_DATA, QUICKSTART_IMGSZ, ROOT, add_common_flags, check_dist_timeout
+from utils.config import DEFAULT_DATA, IMGSZ_FROM_CHECKPOINT_HELP, ROOT, add_common_flags, check_dist_timeout
 from utils.distributed import DEFAULT_TIMEOUT_MINUTES
 from utils.errors import ConfigError
 
@@ -18,7 +18,7 @@ class ValConfig:
     weights: Path
     data: Path = DEFAULT_DATA
     batch_size: int = 32  # global
-    imgsz: int = QUICKSTART_IMGSZ
+    imgsz: int | None = None  # None: the size the checkpoint was trained at (utils/checkpoint.py: trained_imgsz)
     conf_thres: float = 0.001
     iou_thres: float = 0.6
     max_det: int = 300
@@ -46,6 +46,7 @@ def build_val_parser(task: str = "detect") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=f"Validate a YOLO {task} checkpoint on a dataset")
     add_common_flags(parser)
     parser.add_argument("--weights", type=Path, required=True, help="checkpoint path (best.pt / last.pt)")
+    parser.add_argument("--imgsz", "--img", "--img-size", type=int, default=None, help=IMGSZ_FROM_CHECKPOINT_HELP)
     parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch size, summed over all ranks")
     parser.add_argument("--conf-thres", type=float, default=0.001, help="confidence threshold")
     parser.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
@@ -78,7 +79,7 @@ def val_config_from_args(args: argparse.Namespace) -> ValConfig:
     for flag, value in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{flag} {value} must be within [0, 1]")
-    if args.imgsz < 32 or args.imgsz % 32:
+    if args.imgsz is not None and (args.imgsz < 32 or args.imgsz % 32):
         raise ConfigError(f"--imgsz {args.imgsz} must be a positive multiple of 32 (the largest model stride)")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")

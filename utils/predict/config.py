@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from utils.config import ROOT
+from utils.config import IMGSZ_FROM_CHECKPOINT_HELP, ROOT
 from utils.errors import ConfigError
 
 MAX_STRIDE = 32  # the largest model stride: input sides must be multiples of it
@@ -37,7 +37,8 @@ class PredictConfig:
 
     weights: Path
     source: str  # file, folder, glob, video, .txt list, or a webcam index ("0")
-    imgsz: tuple[int, int] = (640, 640)  # (height, width) the long side is fitted into, multiples of 32
+    # (height, width) the long side is fitted into, multiples of 32; None: the checkpoint's training size
+    imgsz: tuple[int, int] | None = None
     conf_thres: float = 0.25
     iou_thres: float = 0.45
     max_det: int = 1000
@@ -63,7 +64,14 @@ def build_predict_parser(task: str = "detect") -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--weights", type=Path, default=ROOT / "runs" / train_dir / "exp" / "weights" / "best.pt", help="checkpoint")
     add("--source", required=True, help="file, folder, glob ('dir/*.jpg'), video, .txt list of paths, or webcam index")
-    add("--imgsz", "--img", "--img-size", type=int, nargs="+", default=[640], help="inference size h [w]")
+    add(
+        "--imgsz",
+        "--img",
+        "--img-size",
+        type=int,
+        nargs="+",
+        help=f"inference size h [w]: {IMGSZ_FROM_CHECKPOINT_HELP}",
+    )
     add("--conf-thres", type=float, default=0.25, help="confidence threshold")
     add("--iou-thres", type=float, default=0.45, help="NMS IoU threshold")
     add("--max-det", type=int, default=1000, help="maximum detections per image")
@@ -101,7 +109,9 @@ def predict_config_from_args(args: argparse.Namespace) -> PredictConfig:
     for flag, value in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{flag} {value} must be within [0, 1]")
-    if len(args.imgsz) > 2 or any(side < MAX_STRIDE or side % MAX_STRIDE for side in args.imgsz):
+    if args.imgsz is not None and (
+        len(args.imgsz) > 2 or any(side < MAX_STRIDE or side % MAX_STRIDE for side in args.imgsz)
+    ):
         raise ConfigError(f"--imgsz {' '.join(map(str, args.imgsz))}: give one or two multiples of {MAX_STRIDE}")
     minimums = {"--max-det": args.max_det, "--vid-stride": args.vid_stride, "--line-thickness": args.line_thickness}
     for flag, value in minimums.items():
@@ -112,7 +122,7 @@ def predict_config_from_args(args: argparse.Namespace) -> PredictConfig:
     return PredictConfig(
         weights=args.weights,
         source=str(args.source),
-        imgsz=(args.imgsz[0], args.imgsz[-1]),
+        imgsz=(args.imgsz[0], args.imgsz[-1]) if args.imgsz is not None else None,
         conf_thres=args.conf_thres,
         iou_thres=args.iou_thres,
         max_det=args.max_det,

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from utils.checkpoint import trained_imgsz
 from utils.distributed import select_device
 from utils.errors import ConfigError
 from utils.eval.coco import predictions_to_coco
@@ -91,7 +92,8 @@ class Detector(nn.Module):
     """A loaded checkpoint for in-memory inference: call it on images, get a list of `ImageResult`.
 
     Settings are attributes, as YOLOv5's hub models have them: `conf` (0.25), `iou` (0.45),
-    `classes` (None: all), `agnostic` (False), `max_det` (1000), `size` (640, the long side).
+    `classes` (None: all), `agnostic` (False), `max_det` (1000), `size` (the long side: the size a
+    loaded checkpoint was trained at, as detect.py uses it; 640 for a model built from a size name).
     """
 
     def __init__(self, model: nn.Module, task: Task, names: Sequence[str], size: int = 640) -> None:
@@ -121,7 +123,7 @@ class Detector(nn.Module):
             raise ConfigError(f"{path}: unknown task {checkpoint['task']!r}")
         task = tasks[checkpoint["task"]]
         model = inference_model(checkpoint, select_device(device), nms=nms)
-        return cls(model, task, checkpoint["names"])
+        return cls(model, task, checkpoint["names"], size=trained_imgsz(checkpoint))
 
     def forward(self, images: Any, size: int | None = None) -> list[ImageResult]:
         """Detect in a path, a list of paths, (H, W, 3) uint8 RGB numpy arrays or PIL images (or a list of them).

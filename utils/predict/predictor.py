@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from utils.boxes import scale_boxes
+from utils.checkpoint import trained_imgsz
 from utils.data.augment import bgr_to_rgb_chw, letterbox
 from utils.data.loader import ShapeInfo
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, run_on_main
@@ -32,7 +33,7 @@ from utils.inference_model import load_inference_model
 from utils.predict.config import PredictConfig
 from utils.predict.draw import annotate
 from utils.predict.outputs import RunWriter, VideoSink, write_image
-from utils.predict.prediction import Prediction, class_name
+from utils.predict.prediction import Prediction, class_name, counted
 from utils.predict.sources import (
     InputItem,
     UnreadableInputError,
@@ -156,12 +157,12 @@ class FramePredictor:
 
 
 def describe(prediction: Prediction, names: Sequence[str]) -> str:
-    """YOLOv5's per-image summary: '2 circles, 1 square', or '(no detections)'."""
+    """YOLOv5's per-image summary: '2 circles, 2 crosses, 1 square', or '(no detections)'."""
     if not len(prediction):
         return "(no detections)"
     ids, counts = np.unique(prediction.class_ids, return_counts=True)
     parts = [(class_name(names, int(c)), int(n)) for c, n in zip(ids, counts, strict=True)]
-    return ", ".join(f"{n} {name}{'s' * (n > 1)}" for name, n in parts)
+    return ", ".join(counted(n, name) for name, n in parts)
 
 
 class PredictionLoop:
@@ -247,8 +248,14 @@ class PredictionLoop:
         return annotate(image, prediction, names, self.cfg.style) if self.writer.options.save_images else None
 
 
-def load_predictor_model(cfg: PredictConfig, task: Task, ctx: DistContext) -> tuple[nn.Module, tuple[str, ...]]:
-    """Load the fused eval model of `cfg.weights` and its class names; check --half and --classes against them."""
+def load_predictor_model(
+    cfg: PredictConfig, task: Task, ctx: DistContext
+) -> tuple[nn.Module, tuple[str, ...], tuple[int, int]]:
+    """Load the fused eval model of `cfg.weights`, its class names and the (h, w) to predict at.
+
+    The size is --imgsz, else the one the checkpoint was trained at (trained_imgsz). --half and
+    --classes are checked against the model.
+    """
     if cfg.half and ctx.device.type != "cuda":
         LOGGER.warning("--half needs CUDA; predicting in FP32 on CPU")
     model, checkpoint = load_inference_model(
@@ -260,7 +267,7 @@ def load_predictor_model(cfg: PredictConfig, task: Task, ctx: DistContext) -> tu
         raise ConfigError(
             f"--classes {' '.join(map(str, cfg.classes))}: {cfg.weights} has {len(names)} classes (0-{len(names) - 1})"
         )
-    return model, names
+    return model, names, cfg.imgsz or (trained_imgsz(checkpoint),) * 2
 
 
 def predict(cfg: PredictConfig, task: Task, ctx: DistContext) -> PredictResult:
@@ -271,7 +278,8 @@ def predict(cfg: PredictConfig, task: Task, ctx: DistContext) -> PredictResult:
     rank. Each rank writes its own inputs' outputs there. The summary (speeds, counts, skipped
     inputs, where results went) is logged by rank 0 after one gather that every rank joins.
     """
-    model, names = load_predictor_model(cfg, task, ctx)
+    model, names, imgsz = load_predictor_model(cfg, task, ctx)
+    cfg = dataclasses.replace(cfg, imgsz=imgsz)
     found = run_on_main(lambda: discover_inputs(cfg.source), ctx, "finding the --source inputs")
     items: list[InputItem] = broadcast_object(found, ctx)
     mine = shard_inputs(items, ctx)

@@ -127,11 +127,19 @@ def config_from_dict(options: dict[str, Any]) -> TrainConfig:
 def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     """Return the argparse parser of train.py (and segment/train.py), YOLOv5-compatible flags."""
     parser = argparse.ArgumentParser(
-        description=f"Train a YOLO {task} model (launch with torchrun for several GPUs). With no flags: the 15-minute "
-        "CPU quick start on the built-in dataset; add --data for your own. The optimizer and hyp file are chosen from "
-        "the run's size unless given (docs/training.md: Choosing a recipe)."
+        description=f"Train a YOLO {task} model (launch with torchrun for several GPUs). With no flags: the CPU "
+        "quick start on the built-in dataset (its time and mAP: docs/models.md); add --data for your own. The "
+        "optimizer and hyp file are chosen from the run's size unless given (docs/training.md: Choosing a recipe)."
     )
     add_common_flags(parser)
+    parser.add_argument(
+        "--imgsz",
+        "--img",
+        "--img-size",
+        type=int,
+        default=QUICKSTART_IMGSZ,
+        help=f"training image size in pixels (default {QUICKSTART_IMGSZ}, the quick start's; YOLOv5: 640)",
+    )
     _add_model_flags(parser, task)
     _add_training_flags(parser)
     _add_run_flags(parser, task)
@@ -156,8 +164,9 @@ def _add_model_flags(parser: argparse.ArgumentParser, task: str) -> None:
     parser.add_argument(
         "--hyp",
         default=AUTO,
-        help="hyperparameter YAML, or auto (default): the recipe file of the optimizer, data/hyps/hyp.scratch-low.yaml "
-        "(YOLOv5's) for SGD, data/hyps/hyp.quickstart.yaml for Adam/AdamW",
+        help="hyperparameter YAML, or auto (default): the recipe file of the optimizer for the model's family, "
+        "data/hyps/hyp.scratch-low.yaml (YOLOv5's) or hyp.anchor-free.scratch.yaml for SGD, "
+        "data/hyps/hyp.quickstart.yaml or hyp.anchor-free.quickstart.yaml for Adam/AdamW",
     )
 
 

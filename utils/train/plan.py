@@ -284,5 +284,3 @@ def _check_weights_family(cfg: TrainConfig, task: Task, source: dict[str, Any], 
             "family; "
             "drop --cfg to fine-tune the checkpoint's network"
         )
-
-

@@ -116,6 +116,7 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
         mask_ratio=cfg.mask_ratio,
         overlap_mask=cfg.overlap_mask,
         num_classes=len(data.names),
+        names_file=data.yaml_file,
         seed=cfg.seed,
         workers=cfg.workers,
     )
