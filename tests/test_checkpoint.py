@@ -310,7 +310,12 @@ def test_git_hash_reads_loose_packed_and_detached_heads(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("stored", "wanted", "script", "entry"),
-    [("segment", "detect", "val", "segment/val.py"), ("detect", "segment", "train", "train.py")],
+    [
+        ("segment", "detect", "val", "segment/val.py"),
+        ("detect", "segment", "train", "train.py"),
+        ("segment", "detect", "predict", "segment/predict.py"),
+        ("detect", "segment", "predict", "detect.py"),
+    ],
 )
 def test_checkpoint_of_another_task_is_refused_naming_the_right_script(stored, wanted, script, entry) -> None:
     ckpt = _Trainer().checkpoint(epoch=0)

@@ -270,15 +270,24 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu", 
     return state  # type: ignore[return-value]
 
 
+# The entry points of each job: (detection's, segmentation's).
+ENTRY_SCRIPTS = {
+    "train": ("train.py", "segment/train.py"),
+    "val": ("val.py", "segment/val.py"),
+    "predict": ("detect.py", "segment/predict.py"),
+}
+
+
 def check_checkpoint_task(ckpt: Checkpoint, task_name: str, path: Path | str, script: str) -> None:
     """Raise a one-line ConfigError when `ckpt` was trained for another task than `task_name`.
 
-    `script` is "train" or "val": the message names the entry point that takes this checkpoint
-    (a segmentation checkpoint given to val.py points at segment/val.py, and so on).
+    `script` is "train", "val" or "predict": the message names the entry point that takes this
+    checkpoint (a segmentation checkpoint given to val.py points at segment/val.py, one given to
+    detect.py at segment/predict.py, and so on).
     """
     stored = ckpt["task"]
     if stored != task_name:
-        entry = f"segment/{script}.py" if stored == "segment" else f"{script}.py"
+        entry = ENTRY_SCRIPTS[script][stored == "segment"]
         raise ConfigError(f"{path} is a {stored} checkpoint, not a {task_name} one; use {entry}")
 
 

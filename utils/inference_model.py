@@ -21,15 +21,16 @@ def load_inference_model(
     half: bool = False,
     channels_last: bool = True,
     nms: bool = False,
+    script: str = "val",
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Build the model stored in checkpoint `path` for inference on `device`; return it with the checkpoint.
 
     A YOLOv5 / Ultralytics .pt is converted in memory (utils/convert.py). A checkpoint of another
-    task than `task_name` (segment vs detect) is a one-line ConfigError. See `inference_model`
-    for the rest.
+    task than `task_name` (segment vs detect) is a one-line ConfigError naming the `script` ("val" or
+    "predict") that takes it. See `inference_model` for the rest.
     """
     checkpoint = load_weights(path)
-    ckpt_io.check_checkpoint_task(checkpoint, task_name, path, "val")
+    ckpt_io.check_checkpoint_task(checkpoint, task_name, path, script)
     return inference_model(checkpoint, device, half, channels_last, nms), checkpoint
 
 

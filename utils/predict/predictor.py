@@ -259,7 +259,13 @@ def load_predictor_model(
     if cfg.half and ctx.device.type != "cuda":
         LOGGER.warning("--half needs CUDA; predicting in FP32 on CPU")
     model, checkpoint = load_inference_model(
-        cfg.weights, task.name, ctx.device, half=cfg.half, channels_last=cfg.channels_last, nms=cfg.nms
+        cfg.weights,
+        task.name,
+        ctx.device,
+        half=cfg.half,
+        channels_last=cfg.channels_last,
+        nms=cfg.nms,
+        script="predict",
     )
     stored = checkpoint["names"]
     names = tuple(str(stored[key]) for key in sorted(stored)) if isinstance(stored, dict) else tuple(map(str, stored))
