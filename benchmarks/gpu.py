@@ -330,7 +330,7 @@ def train_row(size: int, trainer: str, code: str, figures: RunFigures | None, sc
         fmt(f and f.epoch_s),
         fmt(f and f.epoch_with_val_s),
         fmt(f and f.images_per_s, ".0f"),
-        fmt(f and f.wait_share and 100 * f.wait_share, ".1f") + "%",
+        fmt(f.wait_share * 100, ".1f") + "%" if f and f.wait_share is not None else "-",
         fmt(f and f.peak_gpu_gib),
         fmt(scores[0], ".3f"),
         fmt(scores[1], ".3f"),
@@ -611,6 +611,9 @@ def describe_machine(bench: Bench) -> None:
         f"{usable_cpus()} usable CPUs, ultralytics importable: {ultralytics_available()}"
     )
     for checkout in bench.checkouts:
+        if not (checkout.path / ".git").exists():  # git would report the enclosing repository's commit
+            bench.report.say(f"code {checkout.label}: {checkout.path} (not a git checkout)")
+            continue
         commit = subprocess.run(
             ["git", "-C", str(checkout.path), "log", "-1", "--format=%h %s"],
             capture_output=True,
