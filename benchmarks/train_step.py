@@ -5,13 +5,17 @@ Usage (from the repository root):
     python benchmarks/train_step.py                          # yolov5n-seg, 224 px, batch 16: the seg quick start
     python benchmarks/train_step.py --task detect --cfg yolov5s --imgsz 640 --batch-size 8
     python benchmarks/train_step.py --device cuda --amp      # on a GPU: fp16 autocast as training uses it
+    python benchmarks/train_step.py --device cuda --task detect --cfg yolov8s --imgsz 640 --batch-size 32 \
+        --dtypes fp32 fp16 bf16 --layouts nhwc              # one table per precision (benchmarks/gpu.py)
 
-Builds the quick start's model and loss (`--task`, `--cfg`) and a few real augmented batches of
-the training loader (built-in dataset unless `--data`), then times `--steps` steps per layout:
+Builds the quick start's model and loss (`--task`, `--cfg`; the hyp is the model family's short-run
+recipe file, so anchor-free models get their `dfl` gain) and a few real augmented batches of the
+training loader (built-in dataset unless `--data`), then times `--steps` steps per layout:
 NHWC (`channels_last`, the default in training) and NCHW. The layouts take turns step by step
 on identical starting weights, so a machine whose speed drifts affects both alike. Then times
-eval inference of the fused model, again in turns. Prints the median milliseconds of each phase
-per layout and the NCHW / NHWC ratio.
+eval inference of the fused model, again in turns. Prints, per precision of `--dtypes` (fp32;
+fp16 autocast with the GradScaler; bf16 autocast without it), the median milliseconds of each
+phase per layout and, with both layouts, the NCHW / NHWC ratio.
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ from utils.data.loader import images_on_device  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.hyp import load_hyp  # noqa: E402
 from utils.train.config import TrainConfig  # noqa: E402
-from utils.train.records import DETECT_TRAINING, TrainingTask  # noqa: E402
+from utils.train.plan import RunPlan, plan_model  # noqa: E402
+from utils.train.records import DETECT_TRAINING, TrainingTask, family_training  # noqa: E402
 from utils.train.setup import build_datasets, build_model_bundle  # noqa: E402
 
 LAYOUTS = {"nhwc": True, "nchw": False}
 PHASES = ("forward", "loss", "backward", "optimizer")
+DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,22 +62,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=12, help="timed steps per layout")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per layout first")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--amp", action="store_true", help="fp16 autocast and GradScaler (CUDA only)")
-    return parser.parse_args(argv)
+    parser.add_argument("--amp", action="store_true", help="fp16 autocast and GradScaler (CUDA only): --dtypes fp16")
+    parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), help="precisions to time, one table each")
+    parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS), help="memory layouts")
+    args = parser.parse_args(argv)
+    if args.dtypes is None:
+        args.dtypes = ["fp16" if args.amp else "fp32"]
+    return args
 
 
 class Arm:
     """One layout's model, loss and optimizer, started from the shared weights."""
 
     def __init__(
-        self, model: torch.nn.Module, cfg: TrainConfig, training: TrainingTask, channels_last: bool, amp: bool
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        training: TrainingTask,
+        channels_last: bool,
+        amp_dtype: torch.dtype | None,
     ) -> None:
         self.model = copy.deepcopy(model).to(memory_format=memory_format(channels_last))
+        self.channels_last = channels_last
         self.loss_fn = training.build_loss(self.model, cfg)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
         self.device = next(self.model.parameters()).device
-        self.amp = amp
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp)
+        self.amp_dtype = amp_dtype
+        # As training: bf16 has fp32's exponent range and needs no loss scaling.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp_dtype == torch.float16)
         self.times: dict[str, list[float]] = {phase: [] for phase in (*PHASES, "inference")}
 
     def _clock(self) -> float:
@@ -85,7 +103,7 @@ class Arm:
         images = images_on_device(batch, self.device)
         extra = {"masks": batch["masks"].to(self.device)} if "masks" in batch else {}
         marks = [self._clock()]
-        with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
+        with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
             preds = self.model(images)
             marks.append(self._clock())
             loss, _ = self.loss_fn(preds, batch["targets"].to(self.device), None, **extra)
@@ -105,16 +123,15 @@ class Arm:
         """Eval-mode forward of the fused model on `batch`."""
         images = images_on_device(batch, self.device)
         start = self._clock()
-        with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
+        with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
             self.model(images)
         if record:
             self.times["inference"].append(self._clock() - start)
 
 
-def build_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], list[dict], TrainConfig]:
-    """Build the shared model and real training batches, then one Arm per layout."""
+def build_batches(args: argparse.Namespace) -> tuple[torch.nn.Module, list[dict], TrainConfig, TrainingTask]:
+    """Build the shared model (seed 0) and a few real training batches; the hyp is the family's short recipe."""
     training = SEGMENT_TRAINING if args.task == "segment" else DETECT_TRAINING
-    task = training.task
     cfg = TrainConfig(
         hyp=load_hyp(QUICKSTART_HYP),
         data=args.data,
@@ -128,35 +145,39 @@ def build_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], list[dict], Tr
     ctx = dataclasses.replace(DistContext(), device=torch.device(args.device))
     data = load_data_config(cfg.data, ctx)
     torch.manual_seed(0)
-    bundle = build_model_bundle(cfg, task, data, ctx, None)
-    loader = build_datasets(cfg, task, data, bundle, ctx).train_loader
+    spec, _ = plan_model(cfg, training.task, tuple(data.names), resume=None)
+    family = family_training(spec)
+    # YOLOv5's quick-start hyp has no `dfl`: an anchor-free loss needs its own family's file.
+    cfg = dataclasses.replace(cfg, hyp=load_hyp(family.recipe_files.short))
+    bundle = build_model_bundle(RunPlan(cfg, data, tuple(data.names), spec, family), ctx)
+    loader = build_datasets(cfg, training.task, data, bundle, ctx).train_loader
     loader.set_epoch(0)
     batches = [batch for batch, _ in zip(loader, range(4), strict=False)]
-    amp = args.amp and ctx.device.type == "cuda"
-    arms = {name: Arm(bundle.model, cfg, training, channels_last, amp) for name, channels_last in LAYOUTS.items()}
-    return arms, batches, cfg
+    return bundle.model, batches, cfg, training
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Time both layouts in turns and print the medians."""
-    args = parse_args(argv)
-    if args.amp and args.device == "cpu":
-        print("--amp needs --device cuda; timing fp32")
-    arms, batches, cfg = build_arms(args)
+def time_arms(arms: dict[str, Arm], batches: list[dict], args: argparse.Namespace) -> None:
+    """Train, then fuse and infer, every arm in turns, recording after the warm-up steps."""
     for i in range(args.warmup + args.steps):
         for arm in arms.values():
             arm.step(batches[i % len(batches)], record=i >= args.warmup)
     for arm in arms.values():
         arm.model.eval().fuse()
-        arm.model.to(memory_format=memory_format(arm is arms["nhwc"]))
+        arm.model.to(memory_format=memory_format(arm.channels_last))
     for i in range(args.warmup + args.steps):
         for arm in arms.values():
             arm.infer(batches[i % len(batches)], record=i >= args.warmup)
+
+
+def print_table(arms: dict[str, Arm], cfg: TrainConfig, args: argparse.Namespace, dtype: str) -> None:
+    """Print one precision's medians per phase and layout (and NCHW / NHWC with both layouts)."""
     print(
         f"{cfg.model} {args.task}, {args.imgsz} px, batch {args.batch_size}, {args.device}"
-        f"{' amp' if arms['nhwc'].amp else ''}, {torch.get_num_threads()} threads; median ms over {args.steps} steps"
+        f"{' amp' if dtype == 'fp16' else ''}, dtype {dtype}, {torch.get_num_threads()} threads; "
+        f"median ms over {args.steps} steps"
     )
-    print(f"{'phase':<12}" + "".join(f"{name:>10}" for name in arms) + f"{'nchw/nhwc':>11}")
+    both = len(arms) == 2
+    print(f"{'phase':<12}" + "".join(f"{name:>10}" for name in arms) + (f"{'nchw/nhwc':>11}" if both else ""))
     for phase in (*PHASES, "step", "inference"):
         if phase == "step":
             medians = [
@@ -164,7 +185,24 @@ def main(argv: list[str] | None = None) -> None:
             ]
         else:
             medians = [statistics.median(arm.times[phase]) for arm in arms.values()]
-        print(f"{phase:<12}" + "".join(f"{1000 * m:>10.1f}" for m in medians) + f"{medians[1] / medians[0]:>11.2f}")
+        ratio = f"{medians[1] / medians[0]:>11.2f}" if both else ""
+        print(f"{phase:<12}" + "".join(f"{1000 * m:>10.1f}" for m in medians) + ratio, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Time the layouts in turns, once per precision, and print the medians."""
+    args = parse_args(argv)
+    if args.device == "cpu" and set(args.dtypes) - {"fp32"}:
+        print("fp16 / bf16 need --device cuda; timing fp32")
+        args.dtypes = ["fp32"]
+    model, batches, cfg, training = build_batches(args)
+    for dtype in args.dtypes:
+        arms = {name: Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype]) for name in args.layouts}
+        time_arms(arms, batches, args)
+        print_table(arms, cfg, args, dtype)
+        del arms
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

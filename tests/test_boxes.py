@@ -211,6 +211,22 @@ def test_nms_matches_brute_force(seed, agnostic, multi_label, classes, max_det) 
         assert (det[:-1, 4] >= det[1:, 4]).all()  # sorted by confidence
 
 
+@pytest.mark.parametrize("objectness", [True, False])
+@pytest.mark.parametrize("multi_label", [False, True])
+def test_nms_of_a_batch_equals_nms_of_each_image_alone(objectness: bool, multi_label: bool) -> None:
+    """Candidates are picked for the whole batch at once: no image may gain, lose or reorder a row by it."""
+    pred = _random_pred(4, batch=4, num_boxes=120, num_classes=3, num_masks=2).float()
+    if not objectness:
+        pred = torch.cat((pred[..., :4], pred[..., 5:]), -1)
+    pred[2, :, 4:7] = 0  # an image with nothing above the threshold, between two that have candidates
+    options = dict(num_masks=2, multi_label=multi_label, objectness=objectness)
+    batched = non_max_suppression(pred, 0.2, 0.45, **options)
+    alone = [non_max_suppression(image[None], 0.2, 0.45, **options)[0] for image in pred]
+    assert len(batched[2]) == 0 and all(len(det) for i, det in enumerate(batched) if i != 2)
+    for together, single in zip(batched, alone, strict=True):
+        assert torch.equal(together, single)
+
+
 def test_nms_max_det_caps_a_crowded_image() -> None:
     # 50 well-separated boxes (nothing to suppress): only the 10 most confident may come back.
     pred = torch.zeros(1, 50, 6)

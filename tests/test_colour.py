@@ -150,6 +150,7 @@ def test_train_batch_plot_shows_the_deferred_jitter(tmp_path: Path) -> None:
     assert jittered.shape == unjittered.shape and np.abs(jittered.astype(int) - unjittered).mean() > 3
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_images_on_device_jitters_on_cuda_as_on_cpu(tmp_path: Path) -> None:
     batch = collate_batch([_dataset(tmp_path, True)[(i, 0)] for i in range(4)])

@@ -15,9 +15,12 @@ import math
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
 
 ANCHORS = ((10, 13, 16, 30, 33, 23), (30, 61, 62, 45, 59, 119), (116, 90, 156, 198, 373, 326))
 
@@ -187,17 +190,26 @@ COMMON = (Conv, Bottleneck, C3, SPPF, Concat, Proto)
 YOLO = (Detect, Segment, DetectionModel, SegmentationModel)
 
 
+def _is_this_repository(package: str) -> bool:
+    """Whether `package` is importable from this repository (as `models` is), not from site-packages."""
+    spec = importlib.util.find_spec(package)
+    origin = spec.origin if spec is not None and spec.origin else None
+    return origin is not None and Path(origin).resolve().is_relative_to(REPO)
+
+
 @contextlib.contextmanager
 def pickle_paths(classes_by_module: dict[str, tuple[type, ...]]) -> Iterator[None]:
     """Make each class pickle under the module path it is listed with, as if that module defined it.
 
-    Stand-in modules are put in `sys.modules` (with any parent package not importable here, which
-    pickle imports on saving) and everything is restored on exit.
+    Stand-in modules are put in `sys.modules` (with their parent packages, which pickle imports on
+    saving, unless the package is this repository's own) and everything is restored on exit. A real
+    Ultralytics installed beside the tests is never imported: its package would import its own
+    modules, which the stand-ins hide, and saving would fail only where it is installed.
     """
     names = list(classes_by_module)
     for name in classes_by_module:
         parts = name.split(".")
-        if importlib.util.find_spec(parts[0]) is None:  # e.g. `ultralytics`, which is not installed here
+        if not _is_this_repository(parts[0]):  # e.g. `ultralytics`, installed or not
             names += [".".join(parts[:depth]) for depth in range(1, len(parts))]
     saved = {name: sys.modules.get(name) for name in names}
     originals = {cls: cls.__module__ for classes in classes_by_module.values() for cls in classes}

@@ -178,31 +178,39 @@ def _check_fraction(name: str, value: float) -> None:
         raise ValueError(f"non_max_suppression: {name}={value} must be in [0, 1]")
 
 
-def _image_candidates(
-    x: torch.Tensor, num_classes: int, conf_thres: float, classes: list[int] | None, multi_label: bool, objectness: bool
-) -> torch.Tensor:
-    """Turn one image's rows `(N, 4+[1]+nc+nm)` into candidates `(n, 6+nm)` xyxy, conf, cls, coeffs."""
+def _batch_candidates(
+    pred: torch.Tensor,
+    num_classes: int,
+    conf_thres: float,
+    classes: list[int] | None,
+    multi_label: bool,
+    objectness: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn a batch's rows `(B, N, 4+[1]+nc+nm)` into candidates `(n, 6+nm)` xyxy, conf, cls, coeffs and their images.
+
+    The whole batch in one pass, so a GPU is read once per batch, not per image. Candidates come in
+    (image, row, class) order, exactly as a per-image pass lists them. Returns (candidates, image (n,) long).
+    """
     first_class = 5 if objectness else 4
+    scores = pred[..., first_class : first_class + num_classes]
     if objectness:
-        x = x[x[:, 4] > conf_thres]  # objectness bounds obj*cls from above: a cheap first cut
-    else:
-        x = x[x[:, 4 : 4 + num_classes].amax(1) > conf_thres]
-    boxes = xywh_to_xyxy(x[:, :4])
-    scores = x[:, first_class : first_class + num_classes]
-    if objectness:
-        scores = scores * x[:, 4:5]
-    coeffs = x[:, first_class + num_classes :]
+        # obj * cls <= obj (cls <= 1), so this keeps exactly the rows an objectness cut > conf_thres would.
+        scores = scores * pred[..., 4:5]
     if multi_label:
-        rows, cls = (scores > conf_thres).nonzero(as_tuple=True)
-        conf = scores[rows, cls]
+        image, row, cls = (scores > conf_thres).nonzero(as_tuple=True)
+        conf = scores[image, row, cls]
     else:
-        conf, cls = scores.max(1)
-        rows = (conf > conf_thres).nonzero(as_tuple=True)[0]
-        conf, cls = conf[rows], cls[rows]
-    out = torch.cat((boxes[rows], conf[:, None], cls[:, None].to(x.dtype), coeffs[rows]), 1)
+        best, best_cls = scores.max(-1)
+        image, row = (best > conf_thres).nonzero(as_tuple=True)
+        conf, cls = best[image, row], best_cls[image, row]
+    rows = pred[image, row]
+    out = torch.cat(
+        (xywh_to_xyxy(rows[:, :4]), conf[:, None], cls[:, None].to(pred.dtype), rows[:, first_class + num_classes :]), 1
+    )
     if classes is not None:
-        out = out[(out[:, 5:6] == torch.tensor(classes, device=x.device, dtype=x.dtype)).any(1)]
-    return out
+        wanted = (out[:, 5:6] == torch.tensor(classes, device=pred.device, dtype=pred.dtype)).any(1)
+        out, image = out[wanted], image[wanted]
+    return out, image
 
 
 def non_max_suppression(
@@ -235,9 +243,10 @@ def non_max_suppression(
     num_classes = pred.shape[2] - (5 if objectness else 4) - num_masks
     if num_classes < 1:
         raise ValueError(f"non_max_suppression: pred has {pred.shape[2]} columns, too few for {num_masks} masks")
+    candidates, image = _batch_candidates(pred, num_classes, conf_thres, classes, multi_label, objectness)
+    counts = torch.bincount(image, minlength=len(pred)).tolist()  # the one host read before NMS, for the batch
     output = []
-    for x in pred:
-        det = _image_candidates(x, num_classes, conf_thres, classes, multi_label, objectness)
+    for det in candidates.split(counts):
         det = det[det[:, 4].argsort(descending=True)[:max_nms]]
         dtype = torch.float32 if det.dtype in (torch.float16, torch.bfloat16) else det.dtype  # offsets overflow fp16
         boxes = det[:, :4].to(dtype)

@@ -73,7 +73,7 @@ class SyntheticSpec:
         return self.num_train if split_id == 0 else self.num_val
 
 
-def ensure_synthetic_dataset(root: Path, spec: SyntheticSpec = SyntheticSpec()) -> Path:
+def ensure_synthetic_dataset(root: Path, spec: SyntheticSpec = SyntheticSpec(), max_threads: int = 4) -> Path:
     """Return `root` once the synthetic dataset is complete there, generating it if absent.
 
     Safe when many processes (torchrun ranks or unrelated jobs) call it at once: an exclusive
@@ -81,7 +81,8 @@ def ensure_synthetic_dataset(root: Path, spec: SyntheticSpec = SyntheticSpec()) 
     data is written into a temporary sibling folder, the marker `root/.complete` (JSON of the
     spec) is written last, and the folder is renamed onto `root` in one step, so a half-written
     dataset is never visible at `root`. Raises ValueError when `root` holds a dataset made with
-    another spec, or a folder that is not a complete synthetic dataset.
+    another spec, or a folder that is not a complete synthetic dataset. Images are drawn on up to
+    `max_threads` threads (4 leaves a trainer's cores alone; benchmarks/gpu.py gives it every core).
     """
     root = Path(root)
     if _is_complete(root, spec):
@@ -94,7 +95,7 @@ def ensure_synthetic_dataset(root: Path, spec: SyntheticSpec = SyntheticSpec()) 
         tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
         start = time.perf_counter()
         LOGGER.info("Generating synthetic dataset (%d train, %d val images) in %s", spec.num_train, spec.num_val, root)
-        _generate(tmp, spec)
+        _generate(tmp, spec, max_threads)
         (tmp / MARKER_NAME).write_text(json.dumps(spec.to_dict(), indent=1) + "\n")
         os.rename(tmp, root)
         LOGGER.info("Synthetic dataset ready in %.1fs: %s", time.perf_counter() - start, root)
@@ -140,14 +141,14 @@ def _remove_stale_temps(root: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _generate(out: Path, spec: SyntheticSpec) -> None:
+def _generate(out: Path, spec: SyntheticSpec, max_threads: int) -> None:
     """Write every image and label file under `out` and the COCO JSON for the val split."""
     for kind in ("images", "labels"):
         for split, _ in SPLITS:
             (out / kind / split).mkdir(parents=True, exist_ok=True)
     (out / "annotations").mkdir()
     jobs = [(out, spec, split_id, index) for _, split_id in SPLITS for index in range(spec.split_size(split_id))]
-    num_workers = min(4, usable_cpus(), max(1, len(jobs) // 50))
+    num_workers = min(max_threads, usable_cpus(), max(1, len(jobs) // 50))
     if num_workers > 1:
         # Every image has its own RNG, so the output is the same for any worker count. Threads, not
         # processes: OpenCV drawing and JPEG encoding release the GIL, and forking a process that

@@ -129,10 +129,11 @@ def train_one_epoch(
         # gradients through DDP's all-reduce, so every rank checks (one 3-number all-reduce per
         # optimizer step, which also carries stop signals) and stops here together; a rank stopping
         # alone would leave the others waiting in the next step's all-reduce until the timeout.
-        stop = _agree_before_step(state, ctx, f"the optimizer step at epoch {epoch + 1} batch {i + 1}")
+        where = f"the optimizer step at epoch {epoch + 1} batch {i + 1}"
+        stop, loss_total = _agree_before_step(state, ctx, where, loss_sum)
         _optimizer_step(state)
         state.last_opt_step, state.steps_since_save = iteration, state.steps_since_save + 1
-        mean_loss = loss_sum.cpu().numpy() / (i + 1)  # the one host read of this step
+        mean_loss = loss_total / (i + 1)
         if not tqdm_disabled(ctx):
             progress.set_postfix_str(" ".join(f"{v:.4f}" for v in mean_loss) + f" inst={len(batch['targets'])}")
         due = 0 < cfg.save_period_steps <= state.steps_since_save and i + 1 < num_batches
@@ -182,19 +183,24 @@ def _epoch_over_ranks(
     return TrainedEpoch(np.array(loss) / world, int(images_total), seconds_total / world, waited_total / world)
 
 
-def _agree_before_step(state: TrainState, ctx: DistContext, where: str) -> bool:
+def _agree_before_step(
+    state: TrainState, ctx: DistContext, where: str, loss_sum: torch.Tensor
+) -> tuple[bool, np.ndarray]:
     """Before an optimizer step: raise on every rank after a NaN/inf loss on any rank; return whether to stop.
 
     Every rank must call it at each optimizer step. After a bad loss the pending step is not
-    taken, so the weights, the EMA and the checkpoints saved so far stay finite. The return value
-    is True on every rank when any rank received a stop signal (SIGTERM / SIGUSR1).
+    taken, so the weights, the EMA and the checkpoints saved so far stay finite. The first value
+    returned is True on every rank when any rank received a stop signal (SIGTERM / SIGUSR1); the
+    second is this rank's `loss_sum` (float64 on the device) read on the host. Both travel in one
+    copy: on a GPU each host read waits for the queued work, so the step reads once, not twice.
     """
     bad = torch.as_tensor(state.nonfinite_losses, device=ctx.device).to(torch.int64)
     stopping = torch.tensor(int(state.stop.received is not None), device=ctx.device)
     counts = torch.stack((bad, (bad > 0).to(torch.int64), stopping))
     if ctx.is_distributed:
         counts = all_reduce_sum(counts, ctx)
-    bad_batches, bad_ranks, stopping_ranks = counts.tolist()
+    host = torch.cat((counts.to(torch.float64), loss_sum.to(torch.float64))).cpu().numpy()  # counts: exact in fp64
+    bad_batches, bad_ranks, stopping_ranks = (int(value) for value in host[:3])
     state.nonfinite_losses = 0
     if bad_batches:
         ranks = f" on {bad_ranks} of {ctx.world_size} ranks" if ctx.is_distributed else ""
@@ -202,7 +208,7 @@ def _agree_before_step(state: TrainState, ctx: DistContext, where: str) -> bool:
             f"loss is NaN or inf in {bad_batches} batch(es){ranks} before {where}; stopped without applying "
             "them (checkpoints saved so far are from earlier steps); lower lr0 or check the labels"
         )
-    return stopping_ranks > 0
+    return stopping_ranks > 0, host[3:]
 
 
 def _accumulate_now(state: TrainState, iteration: int, cfg: TrainConfig) -> int:

@@ -1,0 +1,171 @@
+"""Run one trainer under benchmarks/gpu.py's clock: a script of any checkout, or Ultralytics' own trainer.
+
+Usage (benchmarks/gpu.py runs it; the working directory is the checkout whose script runs):
+
+    python /path/to/gpu_runner.py --trace trace.json -- train.py --data d.yaml --epochs 3
+    python /path/to/gpu_runner.py --trace trace.json --ultralytics model=yolov8n.yaml data=u.yaml epochs=3
+
+It imports nothing of this repository, so the same file times an older checkout that lacks it.
+Before the trainer starts it wraps three of torch's own entry points, the same for every trainer:
+`Tensor.backward` (one event per training batch), the DataLoader iterator's `__next__` (start, end,
+dataset and number of images of every batch taken, train and val alike) and a global optimizer
+step hook (the time of the first step, after a device synchronisation so the step has run). At exit,
+error or not, it writes those events, the peak CUDA memory and the exit status to `--trace` as JSON;
+benchmarks/gpu.py turns them into epoch times, images/s and the data-wait share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.data import dataloader
+
+EVENTS: dict[str, Any] = {"backward": [], "batches": [], "first_step": None}
+
+
+def _count_images(data: Any) -> int:
+    """Images in a loaded batch: the first dimension of its first 4-D tensor (dict, list or object fields)."""
+    values: Any = data
+    if isinstance(data, dict):
+        values = data.values()
+    elif hasattr(data, "__dict__") and not isinstance(data, torch.Tensor):
+        values = vars(data).values()
+    if isinstance(values, torch.Tensor):
+        return int(values.shape[0]) if values.dim() == 4 else 0
+    try:
+        for value in values:
+            if isinstance(value, torch.Tensor) and value.dim() == 4:
+                return int(value.shape[0])
+    except TypeError:
+        return 0
+    return 0
+
+
+def install_hooks() -> None:
+    """Wrap backward, the DataLoader iterator and the optimizer step so they record into EVENTS."""
+    original_backward = torch.Tensor.backward
+
+    def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        original_backward(self, *args, **kwargs)
+        EVENTS["backward"].append(time.time())
+
+    torch.Tensor.backward = backward  # type: ignore[method-assign]
+    original_next = dataloader._BaseDataLoaderIter.__next__
+
+    def next_batch(self: Any) -> Any:
+        start = time.time()
+        data = original_next(self)
+        EVENTS["batches"].append([start, time.time(), id(self._dataset), _count_images(data)])
+        return data
+
+    dataloader._BaseDataLoaderIter.__next__ = next_batch  # type: ignore[method-assign]
+
+    def first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if EVENTS["first_step"] is None:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # once: the step has run, not only been queued
+            EVENTS["first_step"] = time.time()
+
+    register_optimizer_step_post_hook(first_step)
+
+
+def write_trace(path: Path, status: int, error: str) -> None:
+    """Write EVENTS, the peak CUDA memory (GiB) and the exit status to `path` (atomically)."""
+    peak = 0.0
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    trace = {**EVENTS, "peak_gpu_gib": peak, "status": status, "error": error, "end": time.time()}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(trace))
+    os.replace(tmp, path)
+
+
+def _literal(text: str) -> Any:
+    """An Ultralytics key=value value: int, float, bool or None when it reads as one, else the string."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def run_ultralytics(pairs: list[str]) -> None:
+    """Train with Ultralytics' own trainer, offline: no AMP check download, no font download, no hub events."""
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    from ultralytics import YOLO
+    from ultralytics.data import utils as data_utils
+    from ultralytics.engine import trainer
+    from ultralytics.utils import SETTINGS
+
+    # No analytics and no logger integrations (an installed MLflow would get a database in the working folder).
+    for key in ("sync", "hub", "mlflow", "tensorboard", "wandb", "comet", "clearml", "dvc", "neptune", "raytune"):
+        if key in SETTINGS:
+            SETTINGS[key] = False
+    # The AMP check downloads yolo11n.pt and fonts are downloaded for plots: both need the network.
+    trainer.check_amp = lambda *args, **kwargs: True
+    data_utils.check_font = lambda *args, **kwargs: None
+    # results.csv is read with polars, a 55 MB wheel: a plain csv reader gives the trainer the same dict.
+    trainer.BaseTrainer.read_results_csv = _read_results_csv
+    kwargs = dict(pair.split("=", 1) for pair in pairs)
+    model = kwargs.pop("model")
+    YOLO(model).train(**{key: _literal(value) for key, value in kwargs.items()})
+
+
+def _read_results_csv(self: Any) -> dict[str, list[Any]]:
+    import csv
+
+    try:
+        with open(self.csv, newline="") as handle:
+            rows = list(csv.DictReader(handle))
+    except OSError:
+        return {}
+    columns = {key.strip(): [] for key in (rows[0] if rows else {})}
+    for row in rows:
+        for key, value in row.items():
+            columns[key.strip()].append(_literal(value.strip()))
+    return columns
+
+
+def main() -> None:
+    """Parse the runner's flags, install the hooks, run the trainer, write the trace whatever happens."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, required=True, help="JSON file the events are written to")
+    parser.add_argument("--ultralytics", nargs="+", metavar="KEY=VALUE", help="train with Ultralytics' trainer")
+    parser.add_argument("script", nargs="*", help="after --: the script of the checkout (cwd) and its flags")
+    args = parser.parse_args()
+    install_hooks()
+    status, error = 0, ""
+    try:
+        if args.ultralytics:
+            run_ultralytics(args.ultralytics)
+        else:
+            sys.path[0] = os.getcwd()  # the checkout's packages, as `python train.py` there sees them; not ours
+            sys.argv = list(args.script)
+            runpy.run_path(args.script[0], run_name="__main__")
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException as raised:  # recorded in the trace, then re-raised for the log
+        status, error = 1, f"{type(raised).__name__}: {raised}"
+        write_trace(args.trace, status, error)
+        raise
+    write_trace(args.trace, status, error)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

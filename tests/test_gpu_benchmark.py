@@ -1,0 +1,63 @@
+"""benchmarks/gpu.py: its trace arithmetic on hand-made events, and its --quick CPU run end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu
+from benchmarks.gpu_trace import run_figures, train_epochs
+
+TRAIN, VAL = 1, 2  # dataset ids in a trace
+
+
+def _trace() -> dict:
+    """Two epochs of 3 batches of 4 images: each batch waits 0.1 s, each step takes 1 s, validation between.
+
+    The second epoch's loader hands out one batch ahead (taken before its last backward), as a prefetcher does.
+    """
+    batches, backward = [], []
+    for epoch_start in (100.0, 110.0):
+        for i in range(3):
+            start = epoch_start + 1.1 * i
+            batches.append([start, start + 0.1, TRAIN, 4])
+            backward.append(start + 1.1)
+        batches.append([epoch_start + 5.0, epoch_start + 5.5, VAL, 8])  # validation
+    batches.insert(-1, [112.5, 112.7, TRAIN, 4])  # prefetched during the second epoch's last step
+    return {"backward": backward, "batches": batches, "first_step": 101.5, "peak_gpu_gib": 1.25}
+
+
+def test_epochs_are_the_train_phases_between_validations() -> None:
+    epochs = train_epochs(_trace())
+    assert len(epochs) == 2
+    assert epochs[0].start == 100.0 and epochs[0].seconds == pytest.approx(3.3)
+    assert epochs[0].images == 12 and epochs[0].wait_seconds == pytest.approx(0.3)
+    assert epochs[1].images == 12  # the batch taken ahead is not counted twice
+    assert epochs[1].wait_seconds == pytest.approx(0.5)  # but its wait is: the step waited for it
+
+
+def test_run_figures_use_the_epochs_after_the_first() -> None:
+    figures = run_figures(_trace(), launched=90.0)
+    assert figures.first_step_s == pytest.approx(11.5) and figures.epochs == 2
+    assert figures.epoch_s == pytest.approx(3.3) and figures.images_per_s == pytest.approx(12 / 3.3)
+    assert figures.wait_share == pytest.approx(0.5 / 3.3) and figures.peak_gpu_gib == 1.25
+    assert figures.epoch_with_val_s is None  # needs a third epoch
+
+
+def test_a_trace_without_training_gives_no_epochs() -> None:
+    assert train_epochs({"backward": [], "batches": [[0.0, 1.0, VAL, 8]]}) == []
+    assert run_figures({"backward": [], "batches": []}, launched=0.0).epoch_s is None
+
+
+@pytest.mark.slow  # train.py, val.py and train_step.py end to end
+@pytest.mark.distributed  # in subprocesses
+def test_quick_cpu_run_fills_every_table(tmp_path: Path) -> None:
+    gpu.main(["--quick", "--out", str(tmp_path / "out"), "--data-root", str(tmp_path / "work"), "--no-ultralytics"])
+    tables = (tmp_path / "out" / "gpu.md").read_text()
+    assert "## training" in tables and "## val.py" in tables and "## train step" in tables
+    rows = [line for line in tables.splitlines() if line.startswith("| ") and "---" not in line]
+    training = next(line for line in rows if "| ours |" in line).split(" | ")
+    assert training[-1].startswith("ok, 2 epochs") and float(training[4]) > 0  # epoch s
+    assert all(" ok |" in line or "ok, " in line for line in rows if line.count("|") > 8 and "status" not in line)
+    assert (tmp_path / "out" / "gpu.csv").is_file() and (tmp_path / "out" / "gpu.log").read_text()
