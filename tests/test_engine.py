@@ -12,6 +12,8 @@ from utils.hyp import load_hyp
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV
 from utils.train.setup import augment_params, freeze_layers
 
+YOLOV5_LOSS_NAMES = ("box", "obj", "cls")  # the items of the YOLOv5 family's detection loss
+
 
 def test_freeze_first_ten_layers_freezes_exactly_the_backbone() -> None:
     model = build_model(spec_from_cfg("yolov5n", 3))
@@ -55,13 +57,17 @@ def test_epoch_summary_row_names_every_column_and_fills_unvalidated_epochs_with_
     from utils.tasks import DETECT
 
     summary = EpochSummary(2, np.array([0.1, 0.2, 0.3]), None, {}, [0.01, 0.02, 0.03], 12.345)
-    row = summary.as_row(DETECT)
+    row = summary.as_row(DETECT, YOLOV5_LOSS_NAMES)
     assert row["epoch"] == 3 and row["train/obj_loss"] == pytest.approx(0.2) and row["time_s"] == 12.35
     assert np.isnan(row["metrics/mAP50-95"]) and np.isnan(row["val/cls_loss"]) and summary.fitness == 0.0
     assert [key for key in row if key.startswith("lr/")] == ["lr/pg0", "lr/pg1", "lr/pg2"]
     csv = ResultsCSV(tmp_path / "results.csv", DistContext())
     csv.append(row)
-    csv.append(EpochSummary(3, np.zeros(3), np.ones(3), {"fitness": 0.5, "mAP50": 0.7}, [0.0] * 3, 1.0).as_row(DETECT))
+    csv.append(
+        EpochSummary(3, np.zeros(3), np.ones(3), {"fitness": 0.5, "mAP50": 0.7}, [0.0] * 3, 1.0).as_row(
+            DETECT, YOLOV5_LOSS_NAMES
+        )
+    )
     rows = csv.read()
     assert list(rows[0]) == list(row) and rows[1]["metrics/mAP50"] == "0.7" and rows[1]["val/box_loss"] == "1"
     ResultsCSV(tmp_path / "other.csv", DistContext(rank=1, world_size=2)).append(row)
