@@ -254,7 +254,7 @@ def model_figures(cfg: str, task: str) -> tuple[int, float, float]:
     """(parameters, GFLOPs at 640, CPU ms per 640 px image: fused, batch 1, median of 15 after 5 warm-ups)."""
     import torch
 
-    from models.yolo import estimate_gflops
+    from models.model_info import estimate_gflops
     from utils.families import build_model, segmentation_spec, spec_from_cfg
 
     spec = spec_from_cfg(cfg, len(SHAPE_NAMES))

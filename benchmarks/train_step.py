@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python benchmarks/train_step.py`
     sys.path.insert(0, str(ROOT))
 
-from models.yolo import memory_format  # noqa: E402  (needs the sys.path line above)
+from models.model_info import memory_format  # noqa: E402  (needs the sys.path line above)
 from segment.training import SEGMENT_TRAINING  # noqa: E402
 from utils.config import DEFAULT_DATA, QUICKSTART_BATCH, QUICKSTART_HYP, QUICKSTART_IMGSZ  # noqa: E402
 from utils.data.data_config import load_data_config  # noqa: E402

@@ -1,4 +1,4 @@
-"""Building blocks of the YOLOv5 network: conv-BN-SiLU, CSP bottleneck (C3), SPPF and Concat."""
+"""Building blocks: conv-BN-SiLU, CSP bottleneck (C3), SPPF, Concat, 2x upsampling and the -seg prototype branch."""
 
 from __future__ import annotations
 
@@ -158,3 +158,27 @@ def fuse_convs(model: nn.Module) -> None:
 def upsample2x() -> nn.Upsample:
     """Return a nearest-neighbour 2x upsampling layer, as used in the PAN neck."""
     return nn.Upsample(scale_factor=2.0, mode="nearest")
+
+
+class Proto(nn.Module):
+    """Mask prototype branch of both families' -seg heads: 3x3 Conv, 2x upsample, 3x3 Conv, 1x1 Conv to `num_masks`.
+
+    On the stride-8 P3 feature it yields `num_masks` prototype masks at stride 4 (input size / 4);
+    each detection's mask is a linear combination of them (see segment/ops.assemble_masks). The
+    upsampling is YOLOv5-seg's nearest-neighbour one by default, or with `learned_upsample` the
+    anchor-free heads' transposed 2x2 conv (weights and bias). Only the upsample differs, so the
+    sub-modules keep one name and order: the state-dict keys both converters pair layer by layer.
+    """
+
+    def __init__(self, in_channels: int, num_protos: int, num_masks: int, *, learned_upsample: bool = False) -> None:
+        super().__init__()
+        self.expand = Conv(in_channels, num_protos, 3)
+        self.upsample = (
+            nn.ConvTranspose2d(num_protos, num_protos, 2, 2, 0, bias=True) if learned_upsample else upsample2x()
+        )
+        self.refine = Conv(num_protos, num_protos, 3)
+        self.project = Conv(num_protos, num_masks, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C_in, H, W) -> (B, num_masks, 2H, 2W)."""
+        return self.project(self.refine(self.upsample(self.expand(x))))

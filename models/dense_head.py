@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.blocks import Conv
+from models.blocks import Conv, Proto
 from models.csp_blocks import depthwise_conv
 
 
@@ -210,22 +210,7 @@ class DenseHead(nn.Module):
         return torch.cat((boxes, scores, flat[..., box_end + self.num_classes :]), dim=-1)
 
 
-class ProtoUpsample(nn.Module):
-    """Mask prototypes on P3: 3x3 conv, learned 2x upsampling (transposed conv), 3x3 conv, 1x1 conv to `num_masks`."""
-
-    def __init__(self, in_channels: int, num_protos: int, num_masks: int) -> None:
-        super().__init__()
-        self.expand = Conv(in_channels, num_protos, 3)
-        self.upsample = nn.ConvTranspose2d(num_protos, num_protos, 2, 2, 0, bias=True)
-        self.refine = Conv(num_protos, num_protos, 3)
-        self.project = Conv(num_protos, num_masks, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C_in, H, W) -> (B, num_masks, 2H, 2W)."""
-        return self.project(self.refine(self.upsample(self.expand(x))))
-
-
-class MultiScaleProto(ProtoUpsample):
+class MultiScaleProto(Proto):
     """YOLO26-seg prototypes: P4 and P5 projected to P3's width, upsampled and added to P3 before the proto chain.
 
     A training-only branch predicts per-pixel class logits from that sum (a semantic-segmentation
@@ -233,7 +218,7 @@ class MultiScaleProto(ProtoUpsample):
     """
 
     def __init__(self, in_channels: Sequence[int], num_protos: int, num_masks: int, num_classes: int) -> None:
-        super().__init__(num_protos, num_protos, num_masks)
+        super().__init__(num_protos, num_protos, num_masks, learned_upsample=True)
         self.lateral = nn.ModuleList(Conv(c, in_channels[0], 1) for c in in_channels[1:])
         self.fuse_levels = Conv(in_channels[0], num_protos, 3)
         self.semantic = nn.Sequential(
@@ -272,7 +257,7 @@ class SegmentDenseHead(DenseHead):
         if multi_scale_protos:
             self.proto: nn.Module = MultiScaleProto(in_channels, num_protos, num_masks, num_classes)
         else:
-            self.proto = ProtoUpsample(in_channels[0], num_protos, num_masks)
+            self.proto = Proto(in_channels[0], num_protos, num_masks, learned_upsample=True)
         self.add_mask_branches(num_masks, in_channels)
 
     def forward(self, features: list[torch.Tensor]) -> tuple:

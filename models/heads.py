@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from models.blocks import Conv, upsample2x
+from models.blocks import Proto
 
 # Training output: raw list [(B, na, H_l, W_l, no)], plus protos (B, nm, H/4, W/4) for segmentation.
 TrainOutput = list[torch.Tensor] | tuple[list[torch.Tensor], torch.Tensor]
@@ -108,25 +108,6 @@ class DetectHead(nn.Module):
             )
             self._grids[key] = torch.stack((xs, ys), dim=-1).view(1, 1, height, width, 2)
         return self._grids[key]
-
-
-class Proto(nn.Module):
-    """Mask prototype branch (YOLOv5-seg): 3x3 Conv, nearest 2x upsample, 3x3 Conv, 1x1 Conv to `num_masks`.
-
-    On the stride-8 P3 feature it yields `num_masks` prototype masks at stride 4 (input size / 4);
-    each detection's mask is a linear combination of them (see segment/ops.assemble_masks).
-    """
-
-    def __init__(self, in_channels: int, num_protos: int, num_masks: int) -> None:
-        super().__init__()
-        self.expand = Conv(in_channels, num_protos, 3)
-        self.upsample = upsample2x()
-        self.refine = Conv(num_protos, num_protos, 3)
-        self.project = Conv(num_protos, num_masks, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C_in, H, W) -> (B, num_masks, 2H, 2W)."""
-        return self.project(self.refine(self.upsample(self.expand(x))))
 
 
 class SegmentHead(DetectHead):

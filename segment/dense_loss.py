@@ -9,53 +9,55 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from segment.mask_targets import MaskTargets, overlap_instance_ids
+from models.dense_head import DenseRaw
+from segment.mask_loss import MaskTermLoss
+from segment.mask_targets import overlap_instance_ids
 from utils.train.dense_loss import BranchTerms, DenseGains, DenseLoss, PaddedLabels
 
 
-class DenseSegmentationLoss(MaskTargets, DenseLoss):
+class DenseSegmentationLoss(MaskTermLoss, DenseLoss):
     """DenseLoss plus a mask term; items [box, seg, cls, dfl|l1], and [.., sem] for YOLO26-seg's semantic branch.
 
-    `__call__((raw, protos), targets, reduce_counts=None, *, masks)`: masks as for SegmentationLoss
-    (per-instance, or one index map per image with `overlap`). Mask term: for every foreground point,
-    its coefficients times the prototypes against its assigned instance's mask, BCE cropped to the
-    instance box and averaged over the box; summed and divided by the foreground count (averaged over
-    ranks, floored as the score sums are); gain: the box gain, for each branch by its weight. The
-    semantic term (training only) is half BCE, half soft Dice between the per-pixel class logits and
-    the union of each class's instance masks; gain: the box gain.
+    Called as MaskTermLoss says, with raw a DenseRaw and `overlap` for index masks. Mask term: for every
+    foreground point, its coefficients times the prototypes against its assigned instance's mask, BCE
+    cropped to the instance box and averaged over the box; summed and divided by the foreground count
+    (averaged over ranks, floored as the score sums are); gain: the box gain, for each branch by its
+    weight. The semantic term (training only) is half BCE, half soft Dice between the per-pixel class
+    logits and the union of each class's instance masks; gain: the box gain.
     """
 
     def __init__(self, model: nn.Module, gains: DenseGains, *, overlap: bool = False, **kwargs: Any) -> None:
-        super().__init__(model, gains, **kwargs)
-        self.overlap = overlap
+        super().__init__(model, gains, overlap=overlap, **kwargs)
         box, cls, dist = self.item_names
         has_semantic = hasattr(self.head.proto, "semantic")
         self.item_names = (box, "seg", cls, dist, *(("sem",) if has_semantic else ()))
 
-    def __call__(  # type: ignore[override]  # takes (raw, protos) and the masks, unlike detection
-        self,
-        outputs: tuple[Any, torch.Tensor],
-        targets: torch.Tensor,
-        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        *,
-        masks: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compute the loss for one batch: (loss (1,) multiplied by the batch size, items detached)."""
-        raw, protos = outputs
+    def _detection_items(
+        self, raw: DenseRaw, targets: torch.Tensor, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None
+    ) -> tuple[dict[str, torch.Tensor], tuple[list[tuple[float, BranchTerms]], PaddedLabels]]:
+        """Box, cls and dfl|l1 as for detection, and each branch's assignment with the padded labels."""
         branches, denominators, labels = self._branches(raw, targets, reduce_counts)
         box, cls, dist = self._weighted_items(branches, denominators)
-        targets = targets.to(device=protos.device, dtype=torch.float32)
-        with torch.autocast(protos.device.type, enabled=False):
-            protos = protos.float()
-            masks = self._prepare_masks(masks.to(protos.device), targets, len(protos), tuple(protos.shape[-2:]))
-            seg = self._mask_terms(branches, labels, protos, masks, targets, reduce_counts) * self.gains.box
-            terms = [box, seg, cls, dist]
-            if len(self.item_names) == 5:
-                semantic = raw.semantic
-                sem = protos.new_zeros(()) if semantic is None else self._semantic_term(semantic, masks, targets)
-                terms.append(sem * self.gains.box)
-        items = torch.stack(terms)
-        return items.sum().view(1) * len(protos), items.detach()
+        dist_name = self.item_names[3]  # "dfl", or "l1" at reg_max 1, as DenseLoss names it
+        return {"box": box, "cls": cls, dist_name: dist}, (branches, labels)
+
+    def _mask_items(
+        self,
+        raw: DenseRaw,
+        matches: tuple[list[tuple[float, BranchTerms]], PaddedLabels],
+        protos: torch.Tensor,
+        masks: torch.Tensor,
+        targets: torch.Tensor,
+        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> dict[str, torch.Tensor]:
+        """The mask term on each branch's foreground points and, for YOLO26-seg, the semantic term; box gain."""
+        branches, labels = matches
+        items = {"seg": self._mask_terms(branches, labels, protos, masks, targets, reduce_counts) * self.gains.box}
+        if "sem" in self.item_names:
+            semantic = raw.semantic
+            sem = protos.new_zeros(()) if semantic is None else self._semantic_term(semantic, masks, targets)
+            items["sem"] = sem * self.gains.box
+        return items
 
     def _mask_terms(
         self,

@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
-from torch import nn
 
-from segment.mask_targets import MaskTargets
-from utils.train.loss import DetectionLoss, LevelTerms, LossGains
+from segment.mask_loss import MaskTermLoss
+from utils.train.loss import DetectionLoss, LevelTerms
 
 
-class SegmentationLoss(MaskTargets, DetectionLoss):
+class SegmentationLoss(MaskTermLoss, DetectionLoss):
     """YOLOv5-seg loss: DetectionLoss's box/obj/cls terms plus a mask term; items [box, seg, obj, cls].
 
-    `__call__((raw, protos), targets, reduce_counts=None, *, masks)`: raw [(B, na, H_l, W_l, 5+nc+nm)],
-    protos (B, nm, h, w), targets (N, 6) normalised as for detection; masks are the batch's
-    ground truth (docs/CONTRACTS.md): per-instance (N, h', w') 0/1 aligned with the target rows, or
-    with `overlap` (B, h', w') holding i + 1 where an image's i-th instance is. Masks of another size
-    than the prototypes are resized (nearest) to it first.
+    Called as MaskTermLoss says, with raw [(B, na, H_l, W_l, 5+nc+nm)] and `overlap` for index masks.
 
     Mask term, per matched anchor (the same matches as the box term): BCE-with-logits between the
     assembled mask and the matched instance's mask, cropped to the instance box (in prototype
@@ -31,29 +25,29 @@ class SegmentationLoss(MaskTargets, DetectionLoss):
 
     item_names = ("box", "seg", "obj", "cls")
 
-    def __init__(self, model: nn.Module, gains: LossGains, *, overlap: bool = False, **kwargs: Any) -> None:
-        super().__init__(model, gains, **kwargs)
-        self.overlap = overlap
-
-    def __call__(  # type: ignore[override]  # takes (raw, protos) and the masks, unlike detection
+    def _detection_items(
         self,
-        outputs: tuple[list[torch.Tensor], torch.Tensor],
+        raw: list[torch.Tensor],
         targets: torch.Tensor,
-        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        *,
-        masks: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compute the loss for one batch: (loss (1,) multiplied by the batch size, items (4,) detached)."""
-        raw, protos = outputs
+        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> tuple[dict[str, torch.Tensor], tuple[list[LevelTerms], torch.Tensor]]:
+        """Box, obj and cls as for detection, and the per-level matches with their count denominators."""
         levels, denominators = self._match_levels(raw, targets, reduce_counts)
         box, obj, cls = self._detection_terms(levels, denominators)
-        targets = targets.to(device=protos.device, dtype=torch.float32)
-        with torch.autocast(protos.device.type, enabled=False):
-            protos = protos.float()
-            masks = self._prepare_masks(masks.to(protos.device), targets, len(protos), tuple(protos.shape[-2:]))
-            seg = self._mask_term(levels, denominators, protos, masks, targets)
-        losses = torch.stack((box, seg * self.gains.box, obj, cls))
-        return losses.sum().view(1) * len(protos), losses.detach()
+        return {"box": box, "obj": obj, "cls": cls}, (levels, denominators)
+
+    def _mask_items(
+        self,
+        raw: list[torch.Tensor],
+        matches: tuple[list[LevelTerms], torch.Tensor],
+        protos: torch.Tensor,
+        masks: torch.Tensor,
+        targets: torch.Tensor,
+        reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> dict[str, torch.Tensor]:
+        """The mask term on the box term's matches, with the box gain."""
+        levels, denominators = matches
+        return {"seg": self._mask_term(levels, denominators, protos, masks, targets) * self.gains.box}
 
     def _mask_term(
         self,

@@ -7,7 +7,7 @@ import torch
 
 from models.anchor_free import LAYOUTS, AnchorFreeSpec, build_model, segmentation_spec, spec_for_name
 from models.dense_head import DenseRaw, anchor_points, distances_to_xywh
-from models.yolo import estimate_gflops, model_info
+from models.model_info import estimate_gflops, model_info
 from utils.errors import ConfigError
 
 # Parameters and GFLOPs at 640 (nc 80) that Ultralytics 8.4.190 prints for its models built from its YAMLs.

@@ -88,12 +88,33 @@ def test_callbacks_refuse_unknown_events_and_are_silent_off_rank_0() -> None:
     assert seen == []
 
 
-def test_callback_modules_from_a_file_or_a_name(tmp_path: Path) -> None:
-    module = tmp_path / "follow.py"
-    module.write_text("SEEN = []\ndef on_train_end(event):\n    SEEN.append(event.name)\n")
-    callbacks = load_callback_modules([str(module)])
-    assert len(callbacks.handlers["on_train_end"]) == 1
-    assert sum(map(len, callbacks.handlers.values())) == 1
+def test_callback_modules_from_a_file_or_a_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every handler appends "<who> <event> <epoch>" to seen.txt: the test reads which ones ran, and with what.
+    seen = tmp_path / "seen.txt"
+    record = (
+        "def record(who, event):\n"
+        f"    with open({str(seen)!r}, 'a') as file:\n"
+        "        file.write(f'{who} {event.name} {event.epoch}\\n')\n"
+    )
+    (tmp_path / "follow.py").write_text(record + "def on_train_end(event):\n    record('file', event)\n")
+    (tmp_path / "run_followers").mkdir()
+    (tmp_path / "run_followers" / "__init__.py").write_text("")
+    (tmp_path / "run_followers" / "by_name.py").write_text(
+        record + "def on_fit_epoch_end(event):\n    record('name', event)\n"
+        "class Tracker:\n    def on_fit_epoch_end(self, event):\n        record('object', event)\n"
+        "callbacks = [Tracker()]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    callbacks = load_callback_modules([str(tmp_path / "follow.py"), "run_followers.by_name"])
+    assert sum(map(len, callbacks.handlers.values())) == 3
+    for event, epoch in (("on_fit_epoch_end", 2), ("on_train_end", None), ("on_val_end", 2)):
+        callbacks.fire(event, run_dir=tmp_path, options={}, epochs=2, epoch=epoch)
+    # A module's functions, then its `callbacks` objects; an event reaches only its own handlers.
+    assert (seen.read_text().splitlines() if seen.exists() else []) == [
+        "name on_fit_epoch_end 2",
+        "object on_fit_epoch_end 2",
+        "file on_train_end None",
+    ]
     (tmp_path / "empty.py").write_text("x = 1\n")
     with pytest.raises(ConfigError, match=r"empty.py: defines no function named like an event"):
         load_callback_modules([str(tmp_path / "empty.py")])

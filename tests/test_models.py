@@ -13,16 +13,8 @@ import yaml
 
 from models.anchors import anchor_match_ratios, best_possible_recall, check_anchors, kmeans
 from models.blocks import C3, SPPF, Conv
-from models.yolo import (
-    DEFAULT_ANCHORS,
-    DetectionModel,
-    ModelSpec,
-    build_model,
-    estimate_gflops,
-    memory_format,
-    model_info,
-    spec_from_cfg,
-)
+from models.model_info import estimate_gflops, memory_format, model_info
+from models.yolo import DEFAULT_ANCHORS, DetectionModel, ModelSpec, build_model, spec_from_cfg
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

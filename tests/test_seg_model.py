@@ -10,15 +10,8 @@ import torch
 import yaml
 
 from models.heads import SegmentHead
-from models.yolo import (
-    ModelSpec,
-    SegmentationModel,
-    build_model,
-    estimate_gflops,
-    model_info,
-    segmentation_spec,
-    spec_from_cfg,
-)
+from models.model_info import estimate_gflops, model_info
+from models.yolo import ModelSpec, SegmentationModel, build_model, segmentation_spec, spec_from_cfg
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cv2
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -112,8 +114,19 @@ def test_overlap_masks_train(tiny_data: Path, tmp_path: Path) -> None:
 
 
 def test_segment_train_plots_box_and_mask_curves(seg_run) -> None:
-    for name in ("train_batch0.jpg", "results.png", "PR_curve.png", "mask_PR_curve.png", "mask_F1_curve.png"):
-        assert (seg_run.run_dir / name).is_file(), name
+    curves = [f"{prefix}{kind}_curve.png" for prefix in ("", "mask_") for kind in ("PR", "F1", "P", "R")]
+    figures = {name: cv2.imread(str(seg_run.run_dir / name)) for name in ("train_batch0.jpg", "results.png", *curves)}
+    assert all(figure is not None for figure in figures.values()), [n for n, f in figures.items() if f is None]
+    # results.png: one 3 x 2.6 inch panel at 120 dpi per results.csv column (seg and mask ones too), five a row.
+    columns = len(_rows(seg_run.run_dir / "results.csv")[0]) - 1  # all but the epoch
+    assert figures["results.png"].shape[:2] == (312 * math.ceil(columns / 5), 1800)
+    # The mask curves are drawn from the mask metrics: this run scores boxes and masks differently
+    # (seed 5), so each mask figure differs from its box figure.
+    assert seg_run.metrics["mAP50"] != seg_run.metrics["mask_mAP50"]
+    for name in curves[:4]:
+        box_figure, mask_figure = figures[name], figures[f"mask_{name}"]
+        assert box_figure.shape == mask_figure.shape == (750, 1050, 3), name  # 7 x 5 inches at 150 dpi
+        assert not np.array_equal(box_figure, mask_figure), name
 
 
 @pytest.mark.distributed

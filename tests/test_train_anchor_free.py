@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,12 +49,16 @@ def test_training_records_the_family_its_recipe_and_its_loss_columns(yolo26_run)
 
 
 def test_val_scores_the_nms_free_head_and_with_nms_the_other(yolo26_run, tiny_data: Path, tmp_path: Path) -> None:
-    nms_free = val.main(tiny_val_argv(yolo26_run.run_dir / "weights" / "best.pt", tiny_data, tmp_path, "--name", "a"))
-    with_nms = val.main(
-        tiny_val_argv(yolo26_run.run_dir / "weights" / "best.pt", tiny_data, tmp_path, "--name", "b", "--nms")
-    )
+    weights = yolo26_run.run_dir / "weights" / "best.pt"
+    nms_free = val.main(tiny_val_argv(weights, tiny_data, tmp_path, "--name", "a", "--save-txt"))
+    with_nms = val.main(tiny_val_argv(weights, tiny_data, tmp_path, "--name", "b", "--save-txt", "--nms"))
     assert nms_free.num_images == with_nms.num_images == TINY.num_val
-    assert nms_free.as_dict()["mAP50-95"] >= 0 and with_nms.as_dict()["mAP50-95"] >= 0
+    free_rows = {image.path: image.detections for image in nms_free.predictions}
+    nms_rows = {image.path: image.detections for image in with_nms.predictions}
+    assert free_rows.keys() == nms_rows.keys() and all(len(rows) for rows in [*free_rows.values(), *nms_rows.values()])
+    # Two heads, two selections (top scores vs NMS): every image's detections differ. An ignored --nms, or an
+    # end-to-end model that never decodes its one-to-one head, would give the same rows twice.
+    assert all(not np.array_equal(free_rows[path], nms_rows[path]) for path in free_rows)
 
 
 def test_detect_writes_labels_with_at_most_max_det_rows(yolo26_run, tiny_data: Path, tmp_path: Path) -> None:
@@ -86,7 +91,7 @@ def test_fine_tuning_keeps_the_checkpoint_family(yolo26_run, tiny_data: Path, tm
     weights = yolo26_run.run_dir / "weights" / "best.pt"
     result = train.main(_train_args(tiny_data, tmp_path, "ft", "--weights", str(weights), "--epochs", "1"))
     checkpoint = load_checkpoint(result.last, for_resume=True)
-    assert (
-        checkpoint["model_spec"]["layout"] == "yolo26"
-        and torch.isfinite(torch.tensor([float(v) for v in checkpoint["hyp"].values()])).all()
-    )
+    assert checkpoint["model_family"] == "anchor_free"  # what val, detect, export and a resume build from
+    assert checkpoint["model_spec"] == load_checkpoint(weights)["model_spec"]  # yolo26n as trained, not a default
+    assert checkpoint["hyp"]["dfl"] == 1.5 and "obj" not in checkpoint["hyp"]  # the family's recipe, not YOLOv5's
+    assert torch.isfinite(torch.tensor([float(v) for v in checkpoint["hyp"].values()])).all()

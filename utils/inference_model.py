@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.yolo import memory_format
+from models.model_info import memory_format
 from utils import checkpoint as ckpt_io
 from utils.convert import load_weights
 from utils.families import build_model, family_of, spec_from_checkpoint

@@ -77,7 +77,7 @@ class TrainConfig:
     task: str = "detect"
     overlap_mask: bool = False  # segmentation: one index mask per image instead of one mask per instance
     mask_ratio: int = 4  # segmentation: masks at image size / mask_ratio (the prototype resolution)
-    channels_last: bool = True  # NHWC weights and activations (models.yolo.memory_format)
+    channels_last: bool = True  # NHWC weights and activations (models.model_info.memory_format)
     multi_label: bool = True  # validation NMS: a box once per class above conf (YOLOv5's mAP), else best class only
     dist_timeout: float = DEFAULT_TIMEOUT_MINUTES  # minutes a collective may wait before the job fails
     callbacks: tuple[str, ...] = ()  # modules (or .py files) whose event-named functions follow the run

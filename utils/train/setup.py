@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.yolo import memory_format, model_info
+from models.model_info import memory_format, model_info
 from utils.data.augment import AugmentParams
 from utils.data.data_config import DataConfig
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
