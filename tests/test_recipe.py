@@ -183,7 +183,7 @@ def test_run_recipe_counts_the_train_split_only_when_both_are_auto(tmp_path: Pat
     for index in range(5):
         (images / f"{index}.jpg").write_bytes(b"")  # listed, not read: the rule counts the split's files
     data = DataConfig(tmp_path / "d.yaml", tmp_path, {"train": (images,)}, ("a",), {})
-    with caplog.at_level(logging.INFO, logger="utils.train.setup"):
+    with caplog.at_level(logging.INFO, logger="utils.train.plan"):
         cfg = resolve_run_recipe(
             train_config_from_argv(["--batch-size", "2"]), data, DistContext(), resumed=False, files=YOLOV5_RECIPES
         )

@@ -68,7 +68,7 @@ def trained_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
     """Two epochs of train.py, saving epoch1.pt too so --resume can be tested against it."""
     project = tmp_path_factory.mktemp("runs")
     handler = _Recorder()
-    loggers = [logging.getLogger(name) for name in ("utils.train.engine", "utils.train.setup")]
+    loggers = [logging.getLogger(name) for name in ("utils.train.engine", "utils.train.setup", "utils.train.plan")]
     for logger in loggers:
         logger.addHandler(handler)
     try:
@@ -92,7 +92,7 @@ class _Recorder(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-ENGINE_LOG: list[str] = []  # utils.train.engine's and utils.train.setup's messages during trained_run
+ENGINE_LOG: list[str] = []  # utils.train.engine's, setup's and plan's messages during trained_run
 
 
 def test_startup_line_counts_the_cached_images(trained_run) -> None:
