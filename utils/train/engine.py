@@ -132,6 +132,7 @@ def train_one_epoch(
         # alone would leave the others waiting in the next step's all-reduce until the timeout.
         stop = _agree_before_step(state, ctx, f"the optimizer step at epoch {epoch + 1} batch {i + 1}")
         _optimizer_step(state)
+        state.startup.first_step(batches.seconds, ctx)  # the run's first step: the start-up time, logged once
         state.last_opt_step, state.steps_since_save = iteration, state.steps_since_save + 1
         mean_loss = loss_sum.cpu().numpy() / (i + 1)  # the one host read of this step
         if not tqdm_disabled(ctx):
