@@ -190,6 +190,21 @@ class TimedDataset(FakeDataset):
         return {**item, "path": f"{time.monotonic_ns()}|{index}|{epoch}|0"}
 
 
+def test_start_has_the_workers_build_the_first_batch_before_it_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set-up starts the workers (`TrainLoader.start`): their start and first batches overlap the rest of it."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    ctx = DistContext()
+    loader = build_train_loader(TimedDataset(8, ctx), 2, 2, ctx, seed=0, epochs=3)
+    loader.start(2, start_batch=1)  # as a run resumed at epoch 3, batch 2 does
+    time.sleep(1.0)  # the rest of the set-up: optimizer, EMA, callbacks
+    began = time.monotonic_ns()
+    loader.set_epoch(2, start_batch=1)  # what the first epoch asks for: the iteration started goes on
+    batches = list(loader)
+    assert max(built for built, _, _, _ in parse_paths(batches[0]["paths"])) < began
+    order = [index for batch in batches for _, index, _, _ in parse_paths(batch["paths"])]
+    assert order == loader.sampler.indices_of(2).tolist()[2:]
+
+
 def test_workers_build_the_next_epochs_first_batch_before_that_epoch_begins(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pipeline runs across the epoch boundary: epoch 1 does not start by waiting for its first batch."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)

@@ -349,6 +349,15 @@ class TrainLoader:
         self.sampler.set_epoch(epoch, start=start_batch * self.stream.batch_size)
         self._wanted = self._position(epoch, start_batch)
 
+    def start(self, epoch: int, start_batch: int = 0) -> None:
+        """`set_epoch`, and start the workers building that epoch's first batches now rather than at the first batch.
+
+        For set-up: forking the workers and building their first batches then overlaps the work the
+        training process still does before its first step (model summary, optimizer, EMA, callbacks).
+        """
+        self.set_epoch(epoch, start_batch)
+        self._iteration_at(self._wanted)
+
     def __len__(self) -> int:
         return self.stream.batches_per_epoch(self.sampler.start)
 

@@ -52,7 +52,7 @@ from utils.train.optim import (
 )
 from utils.train.prefetch import DevicePrefetcher, WaitTimer
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV, loss_columns, lr_columns
-from utils.train.saving import prepare_run_dir, restore_state, save_epoch, save_mid_epoch
+from utils.train.saving import prepare_run_dir, restore_state, resume_position, save_epoch, save_mid_epoch
 from utils.train.setup import (
     ModelBundle,
     build_datasets,
@@ -298,6 +298,8 @@ def _start_run(cfg: TrainConfig, task: Task, ctx: DistContext, callbacks: Callba
     # A bad annotations file fails now, not after training; the parsed file is not kept (it can be large).
     check_coco_target(data, "val", ctx, cfg.single_cls)
     datasets = build_datasets(cfg, task, data, bundle, ctx)
+    # The workers start now and build the first batches while the rest of the set-up runs (not after it).
+    datasets.train_loader.start(*resume_position(resume_ckpt))
     callbacks = _run_callbacks(cfg, run_dir, ctx, modules, callbacks)
     run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir, callbacks)
     try:  # from here on the callbacks are open (a TensorBoard writer): a failure is their teardown too
