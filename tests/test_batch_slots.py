@@ -42,7 +42,7 @@ def test_batches_from_slots_equal_items_built_here_even_when_all_are_kept(
     dataset: LoadImagesAndLabels, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    loader = build_train_loader(dataset, BATCH, 2, CTX, seed=0)
+    loader = build_train_loader(dataset, BATCH, 2, CTX, seed=0, epochs=2)  # nothing is built past epoch 1
     assert loader.slots is not None and loader.slots.slots_per_worker == 3
     for epoch in range(2):
         loader.set_epoch(epoch)
@@ -68,7 +68,8 @@ def test_lent_batches_are_read_in_place_from_the_worker_ring_and_every_slot_come
             ring = loader.slots._mapped[lent // loader.slots.slots_per_worker]
             assert batch["images"].untyped_storage().data_ptr() == ring.data_ptr()  # no copy was made
             assert torch.equal(batch["images"], _expected(dataset, batch["paths"], epoch))
-        assert loader.slots._lent is None and not loader.slots.busy.any()
+        assert loader.slots._lent is None  # the last batch's slot came back
+        assert int(loader.slots.busy.sum()) <= 2 * 2  # at most the batches built ahead (2 per worker) for the next
     loader.set_epoch(2)
     for _ in loader.lent():
         break  # an abandoned epoch still gives back the batch it had lent
@@ -79,7 +80,7 @@ def test_a_worker_with_no_free_slot_falls_back_to_a_new_buffer(
     dataset: LoadImagesAndLabels, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    loader = build_train_loader(dataset, BATCH, 1, CTX, seed=0)
+    loader = build_train_loader(dataset, BATCH, 1, CTX, seed=0, epochs=1)  # the DataLoader's iteration: 1 epoch
     loader.set_epoch(0)
     raw = list(loader.loader)  # the DataLoader itself: nothing takes the batches, so no slot is given back
     assert [batch.get("slot") for batch in raw] == [0, 1, 2] + [None] * 9

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 from pathlib import Path
 
 import cv2
@@ -22,6 +23,7 @@ from utils.data.loader import (
     resolve_num_workers,
     seed_worker,
 )
+from utils.data.sampler import SmartDistributedSampler
 from utils.distributed import DistContext
 
 IMAGE_HW = (8, 12)
@@ -179,6 +181,48 @@ def test_workers_draw_different_random_streams(monkeypatch: pytest.MonkeyPatch) 
     assert first != second
 
 
+class TimedDataset(FakeDataset):
+    """FakeDataset whose path starts with when the item was built (`time.monotonic_ns()`: one clock, all processes)."""
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, object]:
+        item = super().__getitem__(key)
+        _, index, epoch, _ = parse_paths([item["path"]])[0]  # type: ignore[list-item]
+        return {**item, "path": f"{time.monotonic_ns()}|{index}|{epoch}|0"}
+
+
+def test_start_has_the_workers_build_the_first_batch_before_it_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set-up starts the workers (`TrainLoader.start`): their start and first batches overlap the rest of it."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    ctx = DistContext()
+    loader = build_train_loader(TimedDataset(8, ctx), 2, 2, ctx, seed=0, epochs=3)
+    loader.start(2, start_batch=1)  # as a run resumed at epoch 3, batch 2 does
+    time.sleep(1.0)  # the rest of the set-up: optimizer, EMA, callbacks
+    began = time.monotonic_ns()
+    loader.set_epoch(2, start_batch=1)  # what the first epoch asks for: the iteration started goes on
+    batches = list(loader)
+    assert max(built for built, _, _, _ in parse_paths(batches[0]["paths"])) < began
+    order = [index for batch in batches for _, index, _, _ in parse_paths(batch["paths"])]
+    assert order == loader.sampler.indices_of(2).tolist()[2:]
+
+
+def test_workers_build_the_next_epochs_first_batch_before_that_epoch_begins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline runs across the epoch boundary: epoch 1 does not start by waiting for its first batch."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    ctx = DistContext()
+    loader = build_train_loader(TimedDataset(8, ctx), 2, 2, ctx, seed=0, epochs=2)
+    loader.set_epoch(0)
+    list(loader)
+    time.sleep(1.0)  # the end of an epoch: validation and checkpoints, while the workers run on
+    began = time.monotonic_ns()
+    loader.set_epoch(1)
+    batches = list(loader)
+    first = parse_paths(batches[0]["paths"])
+    assert max(built for built, _, _, _ in first) < began  # built during epoch 0's end, not after
+    assert {epoch for batch in batches for _, _, epoch, _ in parse_paths(batch["paths"])} == {1}
+    order = [index for batch in batches for _, index, _, _ in parse_paths(batch["paths"])]
+    assert order == loader.sampler.indices_of(1).tolist()  # exactly the epoch set_epoch(1) alone gives
+
+
 class NicenessDataset(FakeDataset):
     """FakeDataset whose `path` is the nice value of the process that built the item."""
 
@@ -311,3 +355,38 @@ def test_collate_stacks_overlap_masks_per_image() -> None:
     assert masks.shape == (3, 4, 6) and masks.dtype == torch.int16
     assert masks[:2].eq(3).all()
     assert torch.equal(masks[2, :2, :3], small[0]) and masks[2, 2:].eq(0).all() and masks[2, :, 3:].eq(0).all()
+
+
+# (epoch, first batch) the loader is asked for in turn: runs on from epoch 0 to 1, restarts for a mid-epoch resume
+# of epoch 2 (as after a crash), runs on to 3.
+STREAM_POSITIONS = [(0, 0), (1, 0), (2, 1), (3, 0)]
+
+
+def _stream_as_per_epoch_samplers(ctx: DistContext, num_items: int, shared: bool) -> None:
+    dataset = FakeDataset(num_items, ctx, seed=3)
+    if shared:  # every rank reads every image (--cache shm): one permutation dealt out to the ranks
+        dataset.shard = np.arange(num_items)
+    loader = build_train_loader(dataset, 2, 1, ctx, seed=3, epochs=4)  # a worker per rank (2 cores and more)
+    mine = []
+    for epoch, start_batch in STREAM_POSITIONS:
+        loader.set_epoch(epoch, start_batch)
+        keys = [(index, key_epoch) for batch in loader for _, index, key_epoch, _ in parse_paths(batch["paths"])]
+        alone = SmartDistributedSampler(dataset.shard, ctx, 3, num_items)  # a fresh sampler, as before the stream
+        alone.set_epoch(epoch, start=start_batch * 2)
+        assert keys == [(index, epoch) for index in alone], (epoch, start_batch)
+        mine.append([index for index, _ in keys])
+    every: list[list[list[int]] | None] = [None] * ctx.world_size
+    dist.all_gather_object(every, mine)
+    for position, (_, start_batch) in enumerate(STREAM_POSITIONS):
+        per_rank = [ranks[position] for ranks in every]  # type: ignore[index]
+        assert len({len(indices) for indices in per_rank}) == 1  # equal steps on every rank
+        if start_batch == 0:
+            assert set().union(*map(set, per_rank)) == set(range(num_items))  # every image this epoch
+        if not shared:  # each rank only its own shard: disjoint
+            assert not set(per_rank[0]) & set(per_rank[1])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("shared", [False, True])
+def test_two_gloo_ranks_stream_epochs_exactly_as_set_epoch_would(tmp_path: Path, shared: bool) -> None:
+    run_distributed(_stream_as_per_epoch_samplers, 2, tmp_path, 11, shared)

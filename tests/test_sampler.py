@@ -71,6 +71,19 @@ def test_set_epoch_changes_order_and_same_seed_epoch_repeats() -> None:
     assert list(other_seed) != orders[2]
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_indices_of_any_epoch_is_that_epochs_order_and_leaves_the_selected_epoch(shared: bool) -> None:
+    """A loader draws later epochs' orders ahead of time; that must neither differ nor move `set_epoch`'s choice."""
+    sampler = shared_samplers(11, 2)[1] if shared else make_sampler(11, rank=1, world_size=2)
+    sampler.set_epoch(1, start=2)
+    ahead = {epoch: sampler.indices_of(epoch).tolist() for epoch in (2, 3)}
+    assert (sampler.epoch, sampler.start, len(sampler)) == (1, 2, 4)
+    for epoch, indices in ahead.items():
+        sampler.set_epoch(epoch)
+        assert list(sampler) == indices
+    assert ahead[2] != ahead[3]
+
+
 def test_order_seed_separates_ranks_and_epochs() -> None:
     seeds = {order_seed(0, epoch, rank) for epoch in range(5) for rank in range(5)}
     assert len(seeds) == 25  # seed + epoch + rank would collide here

@@ -68,7 +68,10 @@ def trained_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
     """Two epochs of train.py, saving epoch1.pt too so --resume can be tested against it."""
     project = tmp_path_factory.mktemp("runs")
     handler = _Recorder()
-    loggers = [logging.getLogger(name) for name in ("utils.train.engine", "utils.train.setup", "utils.train.plan")]
+    loggers = [
+        logging.getLogger(name)
+        for name in ("utils.train.engine", "utils.train.setup", "utils.train.plan", "utils.train.startup")
+    ]
     for logger in loggers:
         logger.addHandler(handler)
     try:
@@ -92,13 +95,24 @@ class _Recorder(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-ENGINE_LOG: list[str] = []  # utils.train.engine's, setup's and plan's messages during trained_run
+ENGINE_LOG: list[str] = []  # utils.train.engine's, setup's, plan's and startup's messages during trained_run
 
 
 def test_startup_line_counts_the_cached_images(trained_run) -> None:
     # --cache auto holds the 16 tiny training images in RAM; the line once said "cached 0" regardless.
     startup = [message for message in ENGINE_LOG if message.startswith("world size")]
     assert len(startup) == 1 and "(this rank's shard 16, cached 16)" in startup[0], startup
+
+
+def test_the_start_up_time_is_logged_once_at_the_first_optimizer_step(trained_run) -> None:
+    lines = [message for message in ENGINE_LOG if message.startswith("start-up: ")]
+    assert len(lines) == 1, lines  # two epochs, one line
+    pattern = r"start-up: first optimizer step ([\d.]+) s after the process started \(([\d.]+) s of it waiting .*\)"
+    match = re.fullmatch(pattern, lines[0])
+    assert match is not None, lines[0]
+    assert float(match.group(2)) <= float(match.group(1))
+    first_epoch = ENGINE_LOG.index(lines[0])
+    assert not any(message.startswith("train: ") for message in ENGINE_LOG[:first_epoch])  # during epoch 1
 
 
 def test_every_epoch_logs_its_images_per_second_and_data_wait(trained_run) -> None:

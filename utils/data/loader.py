@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import math
 import os
 import random
 from collections.abc import Iterator
@@ -12,7 +14,7 @@ from typing import Any, TypedDict
 import cv2
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler, default_collate
 
 from utils.data.batch_slots import BatchSlots
 from utils.data.colour import hsv_jitter
@@ -231,25 +233,46 @@ def seed_worker(worker_id: int, seed: int, rank: int) -> None:
     torch.manual_seed(int(words[3]))
 
 
-class EpochKeyBatchSampler(Sampler[list[tuple[int, int]]]):
-    """Group the sampler's indices into batches of `(index, epoch)` keys, the last batch possibly short.
+class EpochStream(Sampler[list[tuple[int, int]]]):
+    """The train loader's batch sampler: batches of `(index, epoch)` keys for epoch after epoch.
 
-    Persistent workers hold their own copy of the dataset, so a `set_epoch` on the main
-    process never reaches them; sending the epoch inside every key lets the dataset derive
-    epoch-dependent behaviour (e.g. closing mosaic) in the worker.
+    An iteration starts where `begin(epoch, batch)` last put it and runs on into the following
+    epochs, up to `end_epoch` - 1 (at least the starting epoch) or without end when that is None.
+    Each epoch is `sampler.indices_of(epoch)` cut into batches of `batch_size`, its last batch
+    possibly short, so batch b of epoch e holds the same keys however the iteration got there
+    (from the start, after a mid-epoch resume, or running on from epoch e - 1). One iteration over
+    many epochs lets the workers build the next epoch's first batches while this epoch's last ones
+    train and while it is validated, rather than starting every epoch with an empty pipeline.
+    The epoch travels inside every key because workers build batches ahead and keep their own
+    copy of the dataset: whatever depends on the epoch (the item's random stream, closing mosaic)
+    is derived from the key in the worker, never from state the training process changes.
     """
 
-    def __init__(self, sampler: SmartDistributedSampler, batch_size: int) -> None:
+    def __init__(self, sampler: SmartDistributedSampler, batch_size: int, end_epoch: int | None = None) -> None:
         self.sampler = sampler
-        self.batches = BatchSampler(sampler, batch_size, drop_last=False)
+        self.batch_size = batch_size
+        self.end_epoch = end_epoch
+        self.start = (0, 0)  # (epoch, batch) the next iteration begins at
+
+    def begin(self, epoch: int, batch: int = 0) -> None:
+        """Make the next iteration start at batch `batch` of `epoch`."""
+        self.start = (int(epoch), int(batch))
+
+    def batches_per_epoch(self, skipped_samples: int = 0) -> int:
+        """Batches of one epoch after its first `skipped_samples` samples (the same on every rank)."""
+        return math.ceil((self.sampler.num_samples - skipped_samples) / self.batch_size)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        epoch = self.sampler.epoch
-        for batch in self.batches:
-            yield [(index, epoch) for index in batch]
+        epoch, batch = self.start  # read now, not when the DataLoader first draws from the generator
+        return self._keys(epoch, batch)
 
-    def __len__(self) -> int:
-        return len(self.batches)
+    def _keys(self, epoch: int, batch: int) -> Iterator[list[tuple[int, int]]]:
+        end = None if self.end_epoch is None else max(self.end_epoch, epoch + 1)
+        while end is None or epoch < end:
+            indices = self.sampler.indices_of(epoch)[batch * self.batch_size :].tolist()
+            for first in range(0, len(indices), self.batch_size):
+                yield [(index, epoch) for index in indices[first : first + self.batch_size]]
+            epoch, batch = epoch + 1, 0
 
 
 class UnreadableImages:
@@ -287,18 +310,25 @@ class UnreadableImages:
 
 
 class TrainLoader:
-    """This rank's training batches: a DataLoader over a `SmartDistributedSampler`, with `set_epoch`.
+    """This rank's training batches: a DataLoader over an `EpochStream`, handed out one epoch at a time.
 
-    `len()` is the number of batches per epoch, identical on every rank. Call `set_epoch(epoch)`
-    before iterating: the epoch's order is fixed when iteration starts, because workers
-    prefetch at once.
+    `len()` is the number of batches of the epoch `set_epoch` selected, identical on every rank.
+    Call `set_epoch(epoch)` before iterating. The DataLoader's iteration runs on across epochs:
+    when the epoch asked for is the one the running iteration reaches next (the usual next epoch,
+    or the rest of an epoch left part-way), it continues, and its workers have been building that
+    epoch's first batches since they finished the last one's; any other position restarts it there
+    (workers drop what they built ahead). Either way batch b of epoch e is the same.
     """
 
-    def __init__(self, loader: DataLoader, sampler: SmartDistributedSampler, slots: BatchSlots | None = None) -> None:
+    def __init__(self, loader: DataLoader, stream: EpochStream, slots: BatchSlots | None = None) -> None:
         self.loader = loader
-        self.sampler = sampler
+        self.stream = stream
+        self.sampler = stream.sampler
         self.slots = slots
         self.unreadable = UnreadableImages("another training image this rank may read is used in its place")
+        self._iteration: Iterator[Batch] | None = None  # the DataLoader's iteration, kept across epochs
+        self._reached = (0, 0)  # (epoch, batch) that `_iteration` yields next
+        self._wanted = (0, 0)  # (epoch, batch) the next epoch's iteration starts at (`set_epoch`)
 
     @property
     def dataset(self) -> Dataset:
@@ -316,10 +346,20 @@ class TrainLoader:
         Every rank calls it with the same values; `start_batch` > 0 continues an interrupted epoch
         with exactly the batches the uninterrupted run would have had next.
         """
-        self.sampler.set_epoch(epoch, start=start_batch * self.loader.batch_sampler.batches.batch_size)
+        self.sampler.set_epoch(epoch, start=start_batch * self.stream.batch_size)
+        self._wanted = self._position(epoch, start_batch)
+
+    def start(self, epoch: int, start_batch: int = 0) -> None:
+        """`set_epoch`, and start the workers building that epoch's first batches now rather than at the first batch.
+
+        For set-up: forking the workers and building their first batches then overlaps the work the
+        training process still does before its first step (model summary, optimizer, EMA, callbacks).
+        """
+        self.set_epoch(epoch, start_batch)
+        self._iteration_at(self._wanted)
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return self.stream.batches_per_epoch(self.sampler.start)
 
     def __iter__(self) -> Iterator[Batch]:
         """Yield the epoch's batches; unreadable images they report are warned about once each and counted."""
@@ -334,10 +374,26 @@ class TrainLoader:
         """
         return self._batches(lend=True)
 
+    def _position(self, epoch: int, batch: int) -> tuple[int, int]:
+        """(epoch, batch) with the position just past an epoch's last batch written as the next epoch's first."""
+        return (epoch + 1, 0) if batch >= self.stream.batches_per_epoch() else (epoch, batch)
+
+    def _iteration_at(self, position: tuple[int, int]) -> Iterator[Batch]:
+        """The DataLoader's iteration, continued when it is at `position`, else (re)started there."""
+        past_end = self.stream.end_epoch is not None and position[0] >= self.stream.end_epoch  # the iteration ended
+        if self._iteration is None or self._reached != position or past_end:
+            self.stream.begin(*position)
+            self._iteration = iter(self.loader)  # persistent workers: the same workers, reset
+            self._reached = position
+        return self._iteration
+
     def _batches(self, lend: bool) -> Iterator[Batch]:
-        count = 0
+        count, epoch = 0, self.sampler.epoch
+        iteration = self._iteration_at(self._wanted)
         try:
-            for batch in self.loader:
+            # islice asks for no batch past this epoch's: those stay with the workers for the next one.
+            for batch in itertools.islice(iteration, len(self)):
+                self._reached = self._position(self._reached[0], self._reached[1] + 1)
                 if self.slots is not None:
                     batch = self.slots.take(batch, lend)
                 count += self.unreadable.note(batch)
@@ -345,7 +401,7 @@ class TrainLoader:
         finally:
             if self.slots is not None:
                 self.slots.release()
-        self.unreadable.summarise(count, f"training epoch {self.sampler.epoch + 1}")
+        self.unreadable.summarise(count, f"training epoch {epoch + 1}")
 
 
 def build_train_loader(
@@ -356,6 +412,7 @@ def build_train_loader(
     seed: int,
     prefetch_factor: int = 2,
     shuffle: bool = True,
+    epochs: int | None = None,
 ) -> TrainLoader:
     """Build this rank's training loader over `dataset.shard`, with equal batches per epoch on every rank.
 
@@ -367,8 +424,11 @@ def build_train_loader(
     by `seed_worker` from (seed, rank, worker id).
     Memory is pinned when the device is CUDA. `shuffle=False` (rectangular training) walks the
     shard in dataset order, which is aspect-ratio order there, so each batch holds similar shapes.
+    The workers build batches across epoch boundaries (`EpochStream`, `TrainLoader`), through epoch
+    `epochs` - 1 (the run's last) or, when None, without end.
     """
     sampler = SmartDistributedSampler(dataset.shard, ctx, seed, dataset_len=len(dataset), shuffle=shuffle)
+    stream = EpochStream(sampler, per_rank_batch, end_epoch=epochs)
     workers = resolve_num_workers(num_workers, ctx, per_rank_batch)
     slots = None
     if workers > 0 and hasattr(dataset, "options"):  # LoadImagesAndLabels: batches of at most img_size squares
@@ -377,7 +437,7 @@ def build_train_loader(
         slots = BatchSlots(workers, prefetch_factor + 1, (per_rank_batch, side, side, 3))
     loader = DataLoader(
         dataset,
-        batch_sampler=EpochKeyBatchSampler(sampler, per_rank_batch),
+        batch_sampler=stream,
         num_workers=workers,
         collate_fn=functools.partial(collate_batch, slots=slots),
         pin_memory=ctx.device.type == "cuda",
@@ -390,11 +450,11 @@ def build_train_loader(
         LOGGER.info(
             "train loader: %d images/rank/epoch, %d batches of %d per rank, %d workers per rank",
             len(sampler),
-            len(loader),
+            stream.batches_per_epoch(),
             per_rank_batch,
             workers,
         )
-    return TrainLoader(loader, sampler, slots)
+    return TrainLoader(loader, stream, slots)
 
 
 class EvalLoader(DataLoader):

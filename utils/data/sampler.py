@@ -88,11 +88,19 @@ class SmartDistributedSampler(Sampler[int]):
         self.start = int(start)
 
     def epoch_indices(self) -> np.ndarray:
-        """Return this epoch's dataset indices, (num_samples,) int64, padded from the same permutation."""
+        """Return the dataset indices of the epoch `set_epoch` selected, (num_samples,) int64 (`indices_of`)."""
+        return self.indices_of(self.epoch)
+
+    def indices_of(self, epoch: int) -> np.ndarray:
+        """Return `epoch`'s dataset indices for this rank, (num_samples,) int64, padded from the same permutation.
+
+        A pure function of (seed, epoch, rank): it neither reads nor changes the epoch `set_epoch`
+        selected, so a loader may draw later epochs' orders ahead of time (`EpochStream`).
+        """
         if self.is_global:
-            return self._global_indices()
+            return self._global_indices(epoch)
         if self.shuffle:
-            generator = torch.Generator().manual_seed(order_seed(self.seed, self.epoch, self.rank))
+            generator = torch.Generator().manual_seed(order_seed(self.seed, epoch, self.rank))
             positions = torch.randperm(len(self.shard), generator=generator).numpy()
             order = self.shard[positions]
         else:
@@ -100,8 +108,8 @@ class SmartDistributedSampler(Sampler[int]):
         repeats = math.ceil(self.num_samples / len(order))
         return np.tile(order, repeats)[: self.num_samples]
 
-    def _global_indices(self) -> np.ndarray:
-        """This rank's deal of the epoch's permutation of the whole dataset (shuffled with rank 0's seed).
+    def _global_indices(self, epoch: int) -> np.ndarray:
+        """This rank's deal of `epoch`'s permutation of the whole dataset (shuffled with rank 0's seed).
 
         Seeded as rank 0's shard order is, so a single process samples exactly as without a
         shared cache. Without shuffling the shard's own order (the dataset's; aspect-ratio order
@@ -109,7 +117,7 @@ class SmartDistributedSampler(Sampler[int]):
         """
         order = self.shard  # every index, in the same order on every rank
         if self.shuffle:
-            generator = torch.Generator().manual_seed(order_seed(self.seed, self.epoch, 0))
+            generator = torch.Generator().manual_seed(order_seed(self.seed, epoch, 0))
             order = order[torch.randperm(len(order), generator=generator).numpy()]
         total = self.num_samples * self.world_size
         dealt = np.tile(order, math.ceil(total / len(order)))[:total]

@@ -53,7 +53,7 @@ from utils.train.plan import plan_run
 from utils.train.prefetch import DevicePrefetcher, WaitTimer
 from utils.train.records import TrainingTask
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV, loss_columns, lr_columns
-from utils.train.saving import prepare_run_dir, restore_state, save_epoch, save_mid_epoch
+from utils.train.saving import prepare_run_dir, restore_state, resume_position, save_epoch, save_mid_epoch
 from utils.train.setup import (
     ModelBundle,
     build_datasets,
@@ -132,6 +132,7 @@ def train_one_epoch(
         where = f"the optimizer step at epoch {epoch + 1} batch {i + 1}"
         stop, loss_total = _agree_before_step(state, ctx, where, loss_sum)
         _optimizer_step(state)
+        state.startup.first_step(batches.seconds, ctx)  # the run's first step: the start-up time, logged once
         state.last_opt_step, state.steps_since_save = iteration, state.steps_since_save + 1
         mean_loss = loss_total / (i + 1)
         if not tqdm_disabled(ctx):
@@ -304,6 +305,8 @@ def _start_run(
     # A bad annotations file fails now, not after training; the parsed file is not kept (it can be large).
     check_coco_target(data, "val", ctx, cfg.single_cls)
     datasets = build_datasets(cfg, task, data, bundle, ctx)
+    # The workers start now and build the first batches while the rest of the set-up runs (not after it).
+    datasets.train_loader.start(*resume_position(resume_ckpt))
     callbacks = _run_callbacks(cfg, run_dir, ctx, modules, callbacks)
     run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir, callbacks)
     try:  # from here on the callbacks are open (a TensorBoard writer): a failure is their teardown too

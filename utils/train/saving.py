@@ -39,7 +39,7 @@ def restore_state(
         raise ConfigError(f"--resume: the run already finished all {cfg.epochs} epochs; nothing to resume")
     state.scheduler = build_scheduler(state.optimizer, state.lr_fn, state.start_epoch)
     state.best_fitness = float(checkpoint.get("best_fitness", 0.0))
-    state.start_batch = int(checkpoint.get("batches_done", 0))
+    state.start_batch = resume_position(checkpoint)[1]
     if state.start_batch:  # a mid-epoch checkpoint: this rank's own running mean and buffers, when the size matches
         per_rank = checkpoint.get("rank_states") or []
         own = per_rank[ctx.rank] if len(per_rank) == ctx.world_size else None
@@ -48,6 +48,16 @@ def restore_state(
             state.model.load_state_dict(own["model_buffers"], strict=False)
             state.ema.ema.load_state_dict(own["ema_buffers"], strict=False)
     state.last_opt_step = state.start_epoch * batches + state.start_batch - 1
+
+
+def resume_position(checkpoint: dict[str, Any] | None) -> tuple[int, int]:
+    """(epoch, batch) a run resumed from `checkpoint` starts at, as `restore_state` sets them; (0, 0) without one.
+
+    Known before the model state is restored, so the train loader can start its workers there early.
+    """
+    if checkpoint is None:
+        return 0, 0
+    return int(checkpoint["epoch"]) + 1, int(checkpoint.get("batches_done", 0))
 
 
 def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Checkpoint:

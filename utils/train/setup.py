@@ -136,7 +136,9 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
     # Shards and sharded validation assume one dataset: nodes with differing copies fail here, not later.
     train.check_same_on_every_rank("train set")
     val.check_same_on_every_rank("val set")
-    train_loader = build_train_loader(train, per_rank, cfg.workers, ctx, cfg.seed, shuffle=not cfg.rect)
+    train_loader = build_train_loader(
+        train, per_rank, cfg.workers, ctx, cfg.seed, shuffle=not cfg.rect, epochs=cfg.epochs
+    )
     val_loader = build_val_loader(val, per_rank * 2, cfg.workers, ctx)
     return Datasets(train, val, train_loader, val_loader, per_rank)
 

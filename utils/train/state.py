@@ -20,6 +20,7 @@ from utils.train.ema import ModelEMA
 from utils.train.faults import StopSignals
 from utils.train.optim import Warmup
 from utils.train.setup import Datasets, ModelBundle
+from utils.train.startup import StartupClock
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class TrainState:
     nonfinite_losses: torch.Tensor | int = 0
     steps_since_save: int = 0  # optimizer steps since the last mid-epoch checkpoint
     stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM / SIGUSR1 received (fit() installs it)
+    startup: StartupClock = field(default_factory=StartupClock)  # logs when the first optimizer step came
 
 
 @dataclass(frozen=True)
