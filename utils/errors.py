@@ -31,9 +31,14 @@ class Preempted(Exception):
         self.checkpoint = checkpoint
 
 
+class StudyStopped(Exception):
+    """Raised by tune.py after SIGINT/SIGTERM stopped its running trials; the same command resumes the study."""
+
+
 def exit_on_user_error(main: Callable[[], object]) -> None:
     """Run a command's main(): a user mistake (bad flag, missing file) prints one line and exits 2;
-    a preempted run prints where it saved and exits REQUEUE_EXIT_CODE, for the job script to requeue."""
+    a preempted run (or a stopped study) prints how to go on and exits REQUEUE_EXIT_CODE, for the job script
+    to requeue."""
     try:
         main()
     except (ConfigError, FileNotFoundError) as error:
@@ -41,6 +46,9 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
         sys.exit(USER_ERROR_EXIT_CODE)
     except Preempted as stopped:  # the checkpoint is written: tell the job script to requeue
         print(f"preempted: {stopped}", file=sys.stderr)
+        sys.exit(REQUEUE_EXIT_CODE)
+    except StudyStopped as stopped:
+        print(f"stopped: {stopped}", file=sys.stderr)
         sys.exit(REQUEUE_EXIT_CODE)
 
 

@@ -36,6 +36,10 @@ def train_run(options: dict[str, Any], training: TrainingTask, callbacks: Any = 
 
 def train_main(argv: list[str] | None, training: TrainingTask, callbacks: Callbacks | None = None) -> FitResult:
     """The whole of train.py / segment/train.py: parse flags, set up the process group, train `training`'s task."""
+    if build_train_parser(training.name).parse_args(argv).evolve:  # YOLOv5's spelling of tune.py
+        from utils.cli.tune import evolve_argv, tune_main
+
+        return tune_main(evolve_argv(argv, training.name), training)
     cfg = train_config_from_argv(argv, training.name)
 
     def body(ctx: DistContext) -> FitResult:

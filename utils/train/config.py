@@ -230,6 +230,15 @@ def _add_run_flags(parser: argparse.ArgumentParser, task: str) -> None:
         action="store_true",
         help="skip train_batch*.jpg, results.png, the PR/F1/P/R curves and the confusion matrix",
     )
+    parser.add_argument(
+        "--evolve",
+        type=int,
+        nargs="?",
+        const=300,
+        default=0,
+        metavar="TRIALS",
+        help="tune the hyperparameters instead: tune.py with --trials TRIALS (default 300) in runs/evolve",
+    )
     parser.add_argument("--save-period", type=int, default=-1, help="also save epoch<N>.pt every N epochs (-1: off)")
     parser.add_argument(
         "--callbacks",

@@ -39,12 +39,14 @@ class FamilyTraining:
       EMA copy (every rank calls it): YOLOv5's AutoAnchor, nothing for anchor-free models
     - hyp_keys: the family-only Hyp keys its losses read (Hyp fields that default to None)
     - recipe_files: the short-run (AdamW) and long-run (SGD) hyp files `--optimizer auto` chooses from
+    - search_space: tune.py's default search space over this family's hyp (data/hyps/space.*.yaml)
     """
 
     name: str
     prepare_run: PrepareRun
     hyp_keys: tuple[str, ...]
     recipe_files: RecipeFiles
+    search_space: Path
 
     def check_hyp(self, hyp: Hyp, source: Path | str | None) -> None:
         """Raise a one-line ConfigError naming the hyp file when it lacks a key this family's losses read."""
@@ -80,6 +82,7 @@ YOLOV5_TRAINING = FamilyTraining(
     prepare_run=run_anchor_check,
     hyp_keys=("obj", "obj_pw", "anchor_t"),
     recipe_files=YOLOV5_RECIPES,
+    search_space=ROOT / "data/hyps/space.yolov5.yaml",
 )
 ANCHOR_FREE_TRAINING = FamilyTraining(
     name=ANCHOR_FREE.name,
@@ -88,6 +91,7 @@ ANCHOR_FREE_TRAINING = FamilyTraining(
     recipe_files=RecipeFiles(
         ROOT / "data/hyps/hyp.anchor-free.quickstart.yaml", ROOT / "data/hyps/hyp.anchor-free.scratch.yaml"
     ),
+    search_space=ROOT / "data/hyps/space.anchor-free.yaml",
 )
 FAMILY_TRAINING: dict[str, FamilyTraining] = {record.name: record for record in (ANCHOR_FREE_TRAINING, YOLOV5_TRAINING)}
 assert FAMILY_TRAINING.keys() == FAMILIES.keys(), "every model family needs its training record"

@@ -1,0 +1,59 @@
+"""A stand-in for train.py in tuner tests: writes results.csv rows and trial.json as a run would, in milliseconds.
+
+Reads the flags the tuner passes (--hyp, --project, --name, --epochs). Its per-epoch score and
+fitness are a smooth function of lr0 (best at 0.002), so samplers have something to find. Behaviour
+per trial name comes from FAKE_TRAINER (JSON {name: crash | oom | nan | hang | slow}); FAKE_EPOCH_S
+sets the seconds per epoch. It never imports torch, so a trial costs about one Python start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    for flag in ("--hyp", "--project", "--name", "--epochs", "--optimizer", "--device", "--data", "--cfg", "--imgsz"):
+        parser.add_argument(flag)
+    parser.add_argument("--callbacks", nargs="+", default=[])
+    args, _ = parser.parse_known_args()
+    run_dir = Path(args.project) / args.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    hyp = yaml.safe_load(Path(args.hyp).read_text())
+    mode = json.loads(os.environ.get("FAKE_TRAINER", "{}")).get(args.name, "")
+    epoch_s = float(os.environ.get("FAKE_EPOCH_S", "0.05")) * (50 if mode in ("slow", "hang") else 1)
+    epochs = int(args.epochs or 2)
+    (run_dir / "argv.json").write_text(json.dumps(sys.argv[1:]))
+    if mode == "crash":
+        print("Traceback (most recent call last):\nRuntimeError: the fake trainer crashed", file=sys.stderr)
+        return 1
+    if mode == "oom":
+        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", file=sys.stderr)
+        return 1
+    peak = 0.5 - 0.1 * abs(math.log10(hyp["lr0"] / 0.002))
+    with (run_dir / "results.csv").open("w") as file:
+        file.write("epoch,metrics/mAP50-95\n")
+        for epoch in range(1, epochs + 1):
+            time.sleep(epoch_s)
+            score = float("nan") if mode == "nan" else peak * epoch / epochs
+            file.write(f"{epoch},{score}\n")
+            file.flush()
+    weights = run_dir / "weights"
+    weights.mkdir(exist_ok=True)
+    (weights / "best.pt").write_bytes(b"fake")
+    fitness = float("nan") if mode == "nan" else peak
+    result = {"metrics": {"mAP50-95": fitness}, "epochs": epochs, "best": str(weights / "best.pt")}
+    (run_dir / "trial.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,430 @@
+"""tune.py: search-space files, the study's trials (complete, pruned, failed, interrupted, lost), resume, two workers.
+
+Most tests run trials with tests/fake_trainer.py in place of train.py (a trial costs one Python start);
+the `slow` ones run real tiny trainings or drive tune.py as a process and stop or kill it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+optuna = pytest.importorskip("optuna", reason="tune.py's tests need the optional optuna package")
+
+import train  # noqa: E402
+import tune  # noqa: E402
+from tests.conftest import make_tiny_dataset  # noqa: E402
+from utils.cli.entry import keyword_argv  # noqa: E402
+from utils.config import ROOT  # noqa: E402
+from utils.data.synthetic import SyntheticSpec  # noqa: E402
+from utils.errors import ConfigError  # noqa: E402
+from utils.hyp import load_hyp  # noqa: E402
+from utils.train.config import build_train_parser  # noqa: E402
+from utils.train.records import FAMILY_TRAINING  # noqa: E402
+from utils.tune import study as study_module  # noqa: E402
+from utils.tune import tuner  # noqa: E402
+from utils.tune.config import tune_config_from_argv  # noqa: E402
+from utils.tune.space import load_space  # noqa: E402
+from utils.tune.trial import FAILED, PRUNED, TrialCommand, TrialWatch, run_trial  # noqa: E402
+
+FAKE = Path(__file__).with_name("fake_trainer.py")
+ANCHOR_FREE_SHORT = ROOT / "data/hyps/hyp.anchor-free.quickstart.yaml"
+TINY = SyntheticSpec(num_train=8, num_val=4, min_side=64, max_side=96, max_objects=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_dataset(tmp_path_factory.mktemp("tune"), TINY)
+
+
+@pytest.fixture
+def fake_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trials run tests/fake_trainer.py, quickly, unless a test says otherwise."""
+    monkeypatch.setitem(tuner.TRAIN_SCRIPTS, "detect", FAKE)
+    monkeypatch.setattr(tuner, "POLL_S", 0.05)
+    monkeypatch.setenv("FAKE_EPOCH_S", "0.02")
+    monkeypatch.delenv("FAKE_TRAINER", raising=False)
+
+
+def _flags(data: Path, project: Path, **extra: object) -> dict[str, object]:
+    options = dict(cfg="yolov8n", data=data, imgsz=64, batch_size=4, epochs=3, workers=0, device="cpu",
+                   project=project, trials=4, seed=3, noplots=True)  # fmt: skip
+    return {**options, **extra}
+
+
+def _study(project: Path, name: str = "exp") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{project / name / 'study.db'}")
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# --- search spaces ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("lr00: [0.1, 1]", r"'lr00' is not a hyperparameter"),
+        ("obj: [0.5, 2]", r"'obj' is not read by this model family's loss \(its own keys: dfl\)"),
+        ("lr0: [0.1]", r"'lr0' must be 'fixed' or \[low, high\]"),
+        ("lr0: [0.1, 0.01]", r"'lr0': low 0.1 must be below high 0.01"),
+        ("lr0: [0.0, 0.1, log]", r"'lr0': a log scale needs bounds above 0"),
+        ("lr0: [0.1, 0.2, cubic]", r"'lr0': scale 'cubic' is not one of linear, log, int"),
+        ("nbs: [8.5, 64, int]", r"'nbs': an int scale needs whole-number bounds"),
+        ("lr0: [x0.1, xten]", r"'lr0': bound 'xten' must be a number or xF"),
+        ("lr0: [a, 1]", r"'lr0': bound 'a' must be a finite number"),
+        ("lr0: fixed", r"every key is fixed"),
+    ],
+)
+def test_a_bad_search_space_is_one_line_naming_the_file_and_key(tmp_path: Path, entry: str, message: str) -> None:
+    space = _write(tmp_path / "space.yaml", entry + "\n")
+    with pytest.raises(ConfigError, match=str(space).replace(".", r"\.") + ": .*" + message) as error:
+        load_space(space, load_hyp(ANCHOR_FREE_SHORT), ("dfl",))
+    assert "\n" not in str(error.value)
+
+
+def test_relative_bounds_scale_with_the_base_recipe_and_other_keys_stay_fixed(tmp_path: Path) -> None:
+    base = load_hyp(ANCHOR_FREE_SHORT)
+    space = load_space(_write(tmp_path / "s.yaml", "lr0: [x0.5, x4, log]\nnbs: [8, 32, int]\nmixup: fixed\n"), base,
+                       ("dfl",))  # fmt: skip
+    assert space.keys == ("lr0", "nbs")
+    lr0 = space.dimensions[0]
+    assert (lr0.low, lr0.high, lr0.scale) == pytest.approx((0.5 * base.lr0, 4 * base.lr0, "log"))
+    hyp = space.hyp_for({"lr0": 0.003, "nbs": 24})
+    assert (hyp.lr0, hyp.nbs, hyp.mixup, hyp.box) == (0.003, 24.0, base.mixup, base.box)
+    assert space.base_params == {"lr0": base.lr0, "nbs": base.nbs} and space.base_inside() == []
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TRAINING))
+def test_each_familys_space_lists_every_key_its_hyp_has_and_holds_both_recipes(family: str) -> None:
+    record = FAMILY_TRAINING[family]
+    listed = set(yaml.safe_load(record.search_space.read_text()))
+    for recipe in (record.recipe_files.short, record.recipe_files.long):
+        base = load_hyp(recipe)
+        assert listed == set(base.to_dict()), recipe
+        space = load_space(record.search_space, base, record.hyp_keys)
+        assert space.base_inside() == [], f"{recipe}'s values must be a point of the space (the first trial)"
+
+
+# --- options ---------------------------------------------------------------------------------------
+
+
+def test_train_flags_pass_to_trials_and_the_tuner_keeps_its_own() -> None:
+    argv = ["--cfg", "yolov8n", "--epochs", "5", "--imgsz", "64", "--cache", "ram", "--trials", "7", "--project", "p",
+            "--name", "s", "--hyp", str(ANCHOR_FREE_SHORT), "--no-channels-last"]  # fmt: skip
+    cfg = tune_config_from_argv(argv)
+    assert cfg.trials == 7 and cfg.study_dir == Path("p/s")
+    words = list(cfg.train_argv)
+    for flag, value in (("--cfg", "yolov8n"), ("--epochs", "5"), ("--imgsz", "64"), ("--cache", "ram")):
+        assert words[words.index(flag) + 1] == value
+    assert "--no-channels-last" in words
+    assert not {"--trials", "--project", "--name", "--hyp"} & set(words)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trials", "0"], r"--trials 0 must be at least 1"),
+        (["--resume"], r"--resume is train.py's: run the same tune command again"),
+        (["--noval"], r"--noval leaves no per-epoch mAP to prune on"),
+    ],
+)
+def test_study_flags_that_cannot_work_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        tune_config_from_argv(argv)
+
+
+def test_train_evolve_is_tune_with_that_many_trials_in_runs_evolve() -> None:
+    from utils.cli.tune import evolve_argv
+
+    assert evolve_argv(["--epochs", "3"], "detect") is None
+    words = evolve_argv(["--evolve", "5", "--epochs", "3", "--cfg", "yolov8n"], "detect")
+    assert words[-2:] == ["--trials", "5"] and "--evolve" not in words
+    assert words[words.index("--project") + 1] == str(ROOT / "runs" / "evolve")
+    assert evolve_argv(["--evolve"], "segment")[-2:] == ["--trials", "300"]
+
+
+def test_tune_refuses_to_run_under_torchrun(tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"runs without torchrun; --nproc-per-trial K"):
+        tune.run(**_flags(tiny_data, tmp_path))
+
+
+# --- studies with the fake trainer -------------------------------------------------------------------
+
+
+def test_a_study_runs_its_trials_and_writes_what_a_person_reads(tiny_data: Path, tmp_path: Path,
+                                                                 fake_trainer: None) -> None:  # fmt: skip
+    summary = tune.run(**_flags(tiny_data, tmp_path, trials=5, pruner="none", noplots=False))
+    study_dir = tmp_path / "exp"
+    study = _study(tmp_path)
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 5
+    base = load_hyp(ANCHOR_FREE_SHORT)  # 8 images x 3 epochs: --optimizer auto picks AdamW's recipe
+    assert trials[0].user_attrs["baseline"] and trials[0].params["lr0"] == base.lr0
+    assert len({t.params["lr0"] for t in trials}) == 5
+    argv = json.loads((study_dir / "trials" / "trial_0002" / "argv.json").read_text())
+    for flag, value in (("--imgsz", "64"), ("--optimizer", "AdamW"), ("--name", "trial_0002"), ("--device", "cpu")):
+        assert argv[argv.index(flag) + 1] == value
+    assert argv[argv.index("--callbacks") + 1] == "utils.tune.report"
+    trial_hyp = load_hyp(Path(argv[argv.index("--hyp") + 1]))
+    assert trial_hyp.lr0 == trials[2].params["lr0"] and trial_hyp.nbs == base.nbs
+    best = max(trials, key=lambda t: t.value)
+    assert summary.best_number == best.number and summary.best_fitness == best.value
+    assert summary.baseline_fitness == trials[0].value
+    assert load_hyp(study_dir / "best_hyp.yaml").lr0 == pytest.approx(best.params["lr0"])
+    rows = (study_dir / "trials.csv").read_text().splitlines()
+    assert len(rows) == 6 and rows[0].startswith("trial,state,mAP50-95,epochs,seconds,baseline,worker,reason,run_dir")
+    kept = sorted(p.parent.name for p in (study_dir / "trials").glob("*/weights"))
+    assert kept == [f"trial_{best.number:04d}"], "only the best trial keeps its weights"
+    assert (study_dir / "tune_fitness.png").stat().st_size > 0 and (study_dir / "tune_params.png").stat().st_size > 0
+    assert summary.line("mAP50-95").startswith("tune: 5 trials (5 complete); best trial ")
+
+
+def test_crashes_oom_and_nan_are_failed_trials_with_reasons_and_the_study_finishes(
+    tiny_data: Path, tmp_path: Path, fake_trainer: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_TRAINER", json.dumps({"trial_0001": "crash", "trial_0002": "oom", "trial_0003": "nan"}))
+    summary = tune.run(**_flags(tiny_data, tmp_path, trials=5))
+    trials = _study(tmp_path).get_trials()
+    states = [t.state.name for t in trials]
+    assert states == ["COMPLETE", "FAIL", "FAIL", "FAIL", "COMPLETE"]
+    reasons = [t.user_attrs.get("reason", "") for t in trials]
+    assert reasons[1] == "RuntimeError: the fake trainer crashed"
+    assert reasons[2].startswith("out of memory: torch.OutOfMemoryError: CUDA out of memory")
+    assert reasons[3] == "final mAP50-95 is nan"
+    assert summary.counts == {"complete": 2, "failed": 3}
+    assert "RuntimeError: the fake trainer crashed" in (tmp_path / "exp" / "trials.csv").read_text()
+
+
+class PruneFromTrialOne(optuna.pruners.BasePruner):
+    """Prunes every trial but the first once it has reported two epochs."""
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        return trial.number > 0 and len(trial.intermediate_values) >= 2
+
+
+def test_a_pruned_trial_stops_early_with_its_last_score(tiny_data: Path, tmp_path: Path, fake_trainer: None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setattr(study_module, "make_pruner", lambda cfg: PruneFromTrialOne())
+    monkeypatch.setenv("FAKE_EPOCH_S", "0.5")
+    started = time.monotonic()
+    summary = tune.run(**_flags(tiny_data, tmp_path, trials=2, epochs=10))
+    trials = _study(tmp_path).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED"]
+    pruned = trials[1]
+    assert pruned.user_attrs["epochs"] == 2 and pruned.value == pruned.intermediate_values[2]
+    assert pruned.user_attrs["reason"] == "pruned after epoch 2"
+    assert not (tmp_path / "exp" / "trials" / "trial_0001" / "trial.json").exists(), "stopped before its end"
+    assert time.monotonic() - started < 5 + 10 * 0.5 + 2 * 0.5 + 60, "the pruned trial did not run its 10 epochs"
+    assert summary.counts == {"complete": 1, "pruned": 1}
+
+
+def test_the_median_and_halving_pruners_wait_a_third_of_the_epochs() -> None:
+    cfg = tune_config_from_argv(["--epochs", "30"])
+    assert study_module.make_pruner(cfg)._n_warmup_steps == 11  # epochs 1-10 never pruned
+    halving = study_module.make_pruner(tune_config_from_argv(["--epochs", "30", "--pruner", "halving"]))
+    assert isinstance(halving, optuna.pruners.SuccessiveHalvingPruner) and halving._min_resource == 11
+    assert isinstance(study_module.make_pruner(tune_config_from_argv(["--pruner", "none"])), optuna.pruners.NopPruner)
+
+
+@pytest.mark.parametrize("sampler", ["cmaes", "ga", "random"])
+def test_every_sampler_runs_a_study(tiny_data: Path, tmp_path: Path, fake_trainer: None, sampler: str) -> None:
+    if sampler == "cmaes":
+        pytest.importorskip("cmaes")
+    summary = tune.run(**_flags(tiny_data, tmp_path, trials=3, sampler=sampler))
+    assert summary.counts == {"complete": 3}
+
+
+def test_a_study_resumed_with_other_settings_is_refused(tiny_data: Path, tmp_path: Path, fake_trainer: None) -> None:
+    tune.run(**_flags(tiny_data, tmp_path, trials=1))
+    with pytest.raises(ConfigError, match=r"study 'exp' was made with epochs 3, this command gives 4; give the same"):
+        tune.run(**_flags(tiny_data, tmp_path, trials=2, epochs=4))
+
+
+def test_the_same_command_again_adds_trials_up_to_the_new_count(tiny_data: Path, tmp_path: Path,
+                                                                 fake_trainer: None) -> None:  # fmt: skip
+    tune.run(**_flags(tiny_data, tmp_path, trials=2))
+    summary = tune.run(**_flags(tiny_data, tmp_path, trials=4))
+    trials = _study(tmp_path).get_trials()
+    assert [t.number for t in trials] == [0, 1, 2, 3] and summary.counts == {"complete": 4}
+    assert sum(bool(t.user_attrs.get("baseline")) for t in trials) == 1
+    assert len({t.params["lr0"] for t in trials}) == 4, "a resumed study does not ask for the same points again"
+
+
+def test_train_evolve_runs_the_study(tiny_data: Path, tmp_path: Path, fake_trainer: None) -> None:
+    options = _flags(tiny_data, tmp_path)
+    options.pop("trials")
+    argv = keyword_argv(build_train_parser(), options, "test")
+    summary = train.main([*argv, "--evolve", "2"])
+    assert summary.counts == {"complete": 2} and (tmp_path / "exp" / "best_hyp.yaml").exists()
+
+
+# --- one trial ---------------------------------------------------------------------------------------
+
+
+def _watch(stop: threading.Event | None = None, prune_at: int = 0) -> TrialWatch:
+    return TrialWatch(report=lambda epoch, score: bool(prune_at) and epoch >= prune_at, heartbeat=lambda: None,
+                      stop=stop or threading.Event(), score_column="metrics/mAP50-95", fitness_key="mAP50-95",
+                      poll_s=0.05)  # fmt: skip
+
+
+def test_a_trial_killed_by_a_signal_is_failed_with_the_signal(tmp_path: Path) -> None:
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    outcome = run_trial(TrialCommand([sys.executable, "-c", code], tmp_path / "run", tmp_path / "run.log"), _watch())
+    assert (outcome.state, outcome.reason) == (FAILED, "killed by SIGKILL")
+
+
+def test_a_stop_request_ends_a_trial_and_its_process_group(tmp_path: Path) -> None:
+    child = "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    code = f"import subprocess, sys, time; {child}; time.sleep(60)"
+    stop = threading.Event()
+    threading.Timer(1.0, stop.set).start()
+    started = time.monotonic()
+    command = TrialCommand([sys.executable, "-c", code], tmp_path / "run", tmp_path / "run.log")
+    outcome = run_trial(command, _watch(stop))
+    assert outcome.state == "interrupted" and outcome.reason.startswith("interrupted")
+    assert time.monotonic() - started < 30
+
+
+def test_scores_are_read_only_from_whole_rows(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    code = (
+        "import sys, time; f = open(sys.argv[1], 'w'); f.write('epoch,metrics/mAP50-95\\n1,0.1\\n2,0.'); f.flush();"
+        "time.sleep(1.0); f.write('2\\n3,0.3\\n'); f.close(); time.sleep(1.0)"
+    )
+    seen: list[tuple[int, float]] = []
+
+    def report(epoch: int, score: float) -> bool:
+        seen.append((epoch, score))
+        return False
+
+    watch = _watch()
+    watch.report = report
+    command = TrialCommand([sys.executable, "-c", code, str(run_dir / "results.csv")], run_dir, tmp_path / "log")
+    run_trial(command, watch)
+    assert seen == [(1, 0.1), (2, 0.2), (3, 0.3)]
+
+
+def test_pruning_stops_the_trial_at_the_epoch_it_was_decided(tmp_path: Path) -> None:
+    env = {"FAKE_EPOCH_S": "0.3"}
+    hyp = tmp_path / "hyp.yaml"
+    hyp.write_text(ANCHOR_FREE_SHORT.read_text())
+    argv = [sys.executable, str(FAKE), "--hyp", str(hyp), "--project", str(tmp_path), "--name", "t", "--epochs", "20"]
+    outcome = run_trial(TrialCommand(argv, tmp_path / "t", tmp_path / "t.log", env), _watch(prune_at=2))
+    assert (outcome.state, outcome.epochs) == (PRUNED, 2)
+    assert outcome.fitness == pytest.approx(0.4 * 2 / 20, abs=0.05)
+
+
+# --- processes: stop, kill, resume, two workers -----------------------------------------------------------
+
+
+DRIVER = (
+    "import sys; from pathlib import Path; from utils.tune import tuner; "
+    "tuner.TRAIN_SCRIPTS['detect'] = Path(sys.argv[1]); sys.argv[1:2] = []; "
+    "import tune; from utils.errors import exit_on_user_error; exit_on_user_error(tune.main)"
+)
+
+
+def _tune_process(data: Path, project: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    argv = ["--cfg", "yolov8n", "--data", str(data), "--imgsz", "64", "--batch-size", "4", "--epochs", "3",
+            "--workers", "0", "--device", "cpu", "--project", str(project), "--trials", "4", "--seed", "3",
+            "--noplots", *extra]  # fmt: skip
+    full_env = {**os.environ, "FAKE_EPOCH_S": "0.02", **(env or {})}
+    return subprocess.Popen([sys.executable, "-c", DRIVER, str(FAKE), *argv], cwd=ROOT, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_a_study_the_same_command_resumes(tiny_data: Path, tmp_path: Path) -> None:
+    process = _tune_process(tiny_data, tmp_path, env={"FAKE_TRAINER": json.dumps({"trial_0002": "hang"})})
+    _wait_for(tmp_path / "exp" / "trials" / "trial_0002" / "argv.json", process)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 75, output[-3000:]
+    assert "stopped: study 'exp' stopped; run the same command to resume it" in output
+    trials = _study(tmp_path).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL"]
+    assert trials[2].user_attrs["reason"].startswith("interrupted")
+
+    resumed = _tune_process(tiny_data, tmp_path)
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output[-3000:]
+    trials = _study(tmp_path).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE", "COMPLETE"]
+    assert len({t.params["lr0"] for t in trials if t.state.name == "COMPLETE"}) == 4, "no trial repeated"
+    assert "tune: 5 trials (4 complete, 1 failed)" in output
+
+
+@pytest.mark.slow
+def test_a_killed_tuners_running_trial_is_lost_and_not_counted(tiny_data: Path, tmp_path: Path) -> None:
+    process = _tune_process(tiny_data, tmp_path, env={"FAKE_TRAINER": json.dumps({"trial_0001": "hang"})})
+    run_dir = tmp_path / "exp" / "trials" / "trial_0001"
+    _wait_for(run_dir / "argv.json", process)
+    process.kill()  # no handler runs: the trial stays RUNNING in the storage, its trainer orphaned
+    process.communicate(timeout=60)
+    resumed = _tune_process(tiny_data, tmp_path)
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output[-3000:]
+    trials = _study(tmp_path).get_trials()
+    assert trials[1].state.name == "FAIL" and trials[1].user_attrs["reason"].startswith("lost: worker ")
+    assert [t.state.name for t in trials].count("COMPLETE") == 4
+    assert "trial 1 was lost with worker" in output
+
+
+@pytest.mark.slow
+def test_two_workers_share_one_study_through_a_journal_file(tiny_data: Path, tmp_path: Path) -> None:
+    journal = tmp_path / "study.journal"
+    env = {"FAKE_EPOCH_S": "0.4"}
+    workers = [_tune_process(tiny_data, tmp_path / f"machine{i}", "--storage", str(journal), "--trials", "6",
+                             env=env) for i in range(2)]  # fmt: skip
+    outputs = [worker.communicate(timeout=300)[0] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], [out[-2000:] for out in outputs]
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
+    study = optuna.load_study(study_name="exp", storage=storage)
+    trials = study.get_trials()
+    complete = [t for t in trials if t.state.name == "COMPLETE"]
+    assert 6 <= len(complete) <= 7, "each worker stops once the study has its trials (one may be in flight)"
+    assert sorted(t.number for t in trials) == list(range(len(trials)))
+    assert len({t.user_attrs["worker"] for t in complete}) == 2, "both workers ran trials"
+    assert sum(bool(t.user_attrs.get("baseline")) for t in trials) == 1
+
+
+# --- real trainings ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_trials_score_best_pt_and_the_best_hyp_trains(tiny_data: Path, tmp_path: Path) -> None:
+    summary = tune.run(**_flags(tiny_data, tmp_path, trials=2, epochs=1))
+    trials = _study(tmp_path).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"], [t.user_attrs for t in trials]
+    best = trials[summary.best_number]
+    result = json.loads((Path(best.user_attrs["run_dir"]) / "trial.json").read_text())
+    assert best.value == result["metrics"]["mAP50-95"] and Path(best.user_attrs["best"]).is_file()
+    hyp = load_hyp(tmp_path / "exp" / "best_hyp.yaml")
+    assert hyp.lr0 == pytest.approx(best.params["lr0"])
+    log = (tmp_path / "exp" / "trials" / "trial_0001.log").read_text()
+    assert "Final (" in log and "Done: 1 epochs." in log

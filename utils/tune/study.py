@@ -1,0 +1,183 @@
+"""The Optuna study behind tune.py: storage, sampler and pruner, and the workers that ask, run and tell trials.
+
+Trials are asked and told by hand (Optuna's ask/tell), so the tuner decides how each end is recorded:
+complete (fitness: the final mAP50-95 of the trial's best.pt), pruned (its last per-epoch score),
+failed with its reason (a crash, out of memory, NaN), or interrupted. Trials interrupted by a stop
+and trials lost with a killed worker do not count towards --trials, so running the same command again
+finishes the study. Every worker, on this machine or another sharing the storage, writes a heartbeat
+into its running trials; a running trial whose worker stopped beating (or died on this host) is
+marked failed when any worker next looks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+
+from utils.errors import ConfigError
+from utils.tune.config import TuneConfig
+from utils.tune.space import SearchSpace
+
+LOGGER = logging.getLogger(__name__)
+optuna.logging.set_verbosity(optuna.logging.WARNING)  # the tuner logs each trial itself, in one line
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 5 * HEARTBEAT_S
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
+# Why a failed trial does not count towards --trials: it never got to be a trial of its settings.
+NOT_COUNTED = ("interrupted", "lost")
+
+
+def open_storage(cfg: TuneConfig) -> optuna.storages.BaseStorage | str:
+    """The study's storage: SQLite in the study folder by default, a journal file, or a database URL."""
+    if not cfg.storage:
+        cfg.study_dir.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{(cfg.study_dir / 'study.db').resolve()}"
+    if "://" in cfg.storage:
+        return cfg.storage
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.storages.JournalStorage(JournalFileBackend(str(cfg.storage)))
+
+
+def make_sampler(cfg: TuneConfig, seed: int) -> optuna.samplers.BaseSampler:
+    """The --sampler: TPE (multivariate, with a constant liar for parallel trials), CMA-ES, genetic or random."""
+    startup = max(3, min(10, cfg.trials // 3))  # random trials before the model-based ones start
+    if cfg.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True, constant_liar=True)
+    if cfg.sampler == "cmaes":
+        try:
+            import cmaes  # noqa: F401  (Optuna's CMA-ES sampler needs it)
+        except ImportError:
+            raise ConfigError("--sampler cmaes needs the cmaes package: pip install cmaes") from None
+        return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=startup, warn_independent_sampling=False)
+    if cfg.sampler == "ga":
+        population = max(4, min(50, cfg.trials // 5))
+        return optuna.samplers.NSGAIISampler(seed=seed, population_size=population)
+    return optuna.samplers.RandomSampler(seed=seed)
+
+
+def make_pruner(cfg: TuneConfig) -> optuna.pruners.BasePruner:
+    """The --pruner: a trial is compared on its per-epoch mAP50-95, never during the first third of its epochs."""
+    warmup = max(1, cfg.train.epochs // 3)  # epochs 1..warmup are never pruned
+    if cfg.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=warmup + 1)
+    if cfg.pruner == "halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=warmup + 1, reduction_factor=3)
+    return optuna.pruners.NopPruner()
+
+
+def distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDistribution]:
+    """Optuna's distribution for each searched key."""
+    found: dict[str, optuna.distributions.BaseDistribution] = {}
+    for dim in space.dimensions:
+        if dim.scale == "int":
+            found[dim.key] = optuna.distributions.IntDistribution(int(dim.low), int(dim.high))
+        else:
+            found[dim.key] = optuna.distributions.FloatDistribution(dim.low, dim.high, log=dim.scale == "log")
+    return found
+
+
+def open_study(cfg: TuneConfig, space: SearchSpace, settings: dict[str, Any]) -> optuna.Study:
+    """Create the study or load it; a study made with other settings is a one-line error, not a silent mix.
+
+    `settings` are what makes trials comparable (data, model, epochs, size, batch, space): a new study
+    records them and queues the base recipe as its first trial; a loaded one must have the same.
+    """
+    storage = open_storage(cfg)
+    study_name = cfg.train.name
+    probe = optuna.create_study(storage=storage, study_name=study_name, direction="maximize", load_if_exists=True)
+    # A resumed or joined study seeds its sampler differently, so it does not ask again for the points
+    # the first run's random start-up trials had (same seed, same random draws).
+    seed = cfg.train.seed + 1000 * len(probe.trials) + (zlib.crc32(WORKER.encode()) if cfg.storage else 0)
+    study = optuna.load_study(study_name=study_name, storage=storage, sampler=make_sampler(cfg, seed),
+                              pruner=make_pruner(cfg))  # fmt: skip
+    recorded = study.user_attrs.get("settings")
+    if recorded is None:
+        study.set_user_attr("settings", settings)
+        outside = space.base_inside()
+        if outside:
+            LOGGER.warning(f"tune: the base recipe's {outside[0]} is outside its bounds in {space.path}; "
+                           "the study starts without it")  # fmt: skip
+        else:
+            study.enqueue_trial(space.base_params, user_attrs={"baseline": True}, skip_if_exists=True)
+    elif recorded != settings:
+        key = next(k for k in sorted(set(recorded) | set(settings)) if recorded.get(k) != settings.get(k))
+        raise ConfigError(
+            f"{cfg.study_dir}: study '{study_name}' was made with {key} {recorded.get(key)!r}, this command gives "
+            f"{settings.get(key)!r}; give the same flags to resume it, or another --name for a new study"
+        )
+    return study
+
+
+def counted_trials(study: optuna.Study) -> tuple[int, int]:
+    """(trials that count towards --trials, of them still running): interrupted and lost ones do not count."""
+    counted = running = 0
+    for trial in study.get_trials(deepcopy=False):
+        if trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs.get("reason", "").startswith(NOT_COUNTED):
+            continue
+        if trial.state == optuna.trial.TrialState.FAIL and "reason" not in trial.user_attrs:
+            continue  # failed by a heartbeat check of Optuna's own
+        counted += 1
+        running += trial.state == optuna.trial.TrialState.RUNNING
+    return counted, running
+
+
+def fail_lost_trials(study: optuna.Study) -> None:
+    """Mark failed the running trials whose worker is gone: dead on this host, or silent for STALE_AFTER_S."""
+    host = socket.gethostname()
+    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        worker = trial.user_attrs.get("worker", "")
+        beat = float(trial.user_attrs.get("heartbeat", 0.0))
+        worker_host, _, pid = worker.rpartition(":")
+        dead_here = worker_host == host and pid.isdigit() and not _alive(int(pid))
+        if worker and worker != WORKER and (dead_here or time.time() - beat > STALE_AFTER_S):
+            handle = optuna.trial.Trial(study, trial._trial_id)
+            handle.set_user_attr("reason", f"lost: worker {worker} stopped")
+            try:
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+            except (RuntimeError, ValueError):
+                pass  # another worker marked it first
+            LOGGER.warning(f"tune: trial {trial.number} was lost with worker {worker}; it does not count")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class AskedTrial:
+    """A trial this worker asked for: Optuna's handle and the hyp values to train with."""
+
+    trial: optuna.trial.Trial
+    params: dict[str, float]
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+
+def ask_next(study: optuna.Study, space: SearchSpace, total: int, lock: threading.Lock) -> AskedTrial | None:
+    """Ask for the next trial, or None when --trials are done or running (on every machine)."""
+    with lock:
+        fail_lost_trials(study)
+        counted, _ = counted_trials(study)
+        if counted >= total:
+            return None
+        trial = study.ask(distributions(space))
+        trial.set_user_attr("worker", WORKER)
+        trial.set_user_attr("heartbeat", time.time())
+        return AskedTrial(trial, dict(trial.params))

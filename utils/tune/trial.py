@@ -1,0 +1,183 @@
+"""One tune trial: a training run in a fresh process, followed through its results.csv, pruned or stopped on request.
+
+The trial is the plain train.py (or torchrun train.py) command a person could run again, with the
+trial's hyp file and `--callbacks utils.tune.report`. Its output goes to a log file beside its run
+folder. While it runs, each new results.csv row's score is reported (`report` says whether to prune);
+a pruned or interrupted trial gets SIGTERM (the run saves last.pt and stops), then SIGKILL after a
+grace period. Afterwards the outcome is classified from trial.json, the exit status and the log.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from utils.tune.report import read_trial_result
+
+COMPLETE, PRUNED, FAILED, INTERRUPTED = "complete", "pruned", "failed", "interrupted"
+STOP_GRACE_S = 60.0  # a stopped trial's time to save last.pt and exit before SIGKILL
+
+
+@dataclass(frozen=True)
+class TrialCommand:
+    """How to start a trial: the command, its environment additions, its run folder, log and CPU cores."""
+
+    argv: list[str]
+    run_dir: Path
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()  # cores the trial may use (empty: all); the tuner splits them between slots
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """How a trial ended: state (complete, pruned, failed, interrupted), fitness, epochs run, why, best.pt."""
+
+    state: str
+    fitness: float | None
+    epochs: int
+    reason: str = ""
+    best: str = ""
+
+
+@dataclass
+class TrialWatch:
+    """What the tuner does while a trial runs: `report(epoch, score)` -> prune?, `heartbeat()`, and `stop`."""
+
+    report: Callable[[int, float], bool]
+    heartbeat: Callable[[], None]
+    stop: threading.Event
+    score_column: str  # the results.csv column reported per epoch, e.g. metrics/mAP50-95
+    fitness_key: str  # the final metrics' key that is the trial's fitness, e.g. mAP50-95
+    poll_s: float = 1.0
+    heartbeat_s: float = 30.0
+
+
+def run_trial(command: TrialCommand, watch: TrialWatch) -> TrialOutcome:
+    """Run the trial to its end and return its outcome; every child process is gone when this returns."""
+    command.log.parent.mkdir(parents=True, exist_ok=True)
+    with command.log.open("ab") as log:
+        process = subprocess.Popen(
+            command.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **command.env},
+            start_new_session=True,  # its own process group: Ctrl-C reaches the tuner, which stops it
+        )  # fmt: skip
+        if command.cpus:
+            _pin(process.pid, command.cpus)
+        pruned_at, interrupted, scores = _follow(process, command.run_dir, watch)
+    if pruned_at is not None:
+        return TrialOutcome(PRUNED, scores[-1] if scores else None, pruned_at, f"pruned after epoch {pruned_at}")
+    if interrupted:
+        return TrialOutcome(INTERRUPTED, None, len(scores), "interrupted: the study was stopped")
+    return _classify(process.returncode, command, watch.fitness_key, len(scores))
+
+
+def _follow(process: subprocess.Popen, run_dir: Path, watch: TrialWatch) -> tuple[int | None, bool, list[float]]:
+    """Poll until the process exits: report new epochs' scores, beat the heart, stop on prune or request."""
+    scores: list[float] = []
+    last_beat = time.monotonic()
+    pruned_at = None
+    while process.poll() is None:
+        if watch.stop.wait(watch.poll_s):
+            _stop(process)
+            return None, True, scores
+        for epoch, score in _new_scores(run_dir / "results.csv", watch.score_column, len(scores)):
+            scores.append(score)
+            if math.isfinite(score) and watch.report(epoch, score):
+                pruned_at = epoch
+                break
+        if pruned_at is not None:
+            _stop(process)
+            return pruned_at, False, scores
+        if time.monotonic() - last_beat >= watch.heartbeat_s:
+            watch.heartbeat()
+            last_beat = time.monotonic()
+    scores += [score for _, score in _new_scores(run_dir / "results.csv", watch.score_column, len(scores))]
+    return None, False, scores
+
+
+def _new_scores(path: Path, column: str, seen: int) -> list[tuple[int, float]]:
+    """(epoch, score) of results.csv rows after the first `seen`; a row being written is left for later."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return []
+    lines = text.splitlines(keepends=True)
+    complete = [line for line in lines if line.endswith("\n")]
+    rows = list(csv.DictReader(complete))
+    found = []
+    for row in rows[seen:]:
+        try:
+            found.append((int(row["epoch"]), float(row.get(column) or "nan")))
+        except (KeyError, ValueError):
+            break
+    return found
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM the trial's process group (train.py saves last.pt and exits), SIGKILL it after STOP_GRACE_S."""
+    _signal_group(process, signal.SIGTERM)
+    try:
+        process.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        _signal_group(process, signal.SIGKILL)
+        process.wait()
+
+
+def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _pin(pid: int, cpus: tuple[int, ...]) -> None:
+    """Limit the trial to `cpus` (its workers inherit them); a process that already exited is left alone."""
+    try:
+        os.sched_setaffinity(pid, cpus)
+    except (OSError, AttributeError):
+        pass
+
+
+def _classify(returncode: int, command: TrialCommand, fitness_key: str, epochs: int) -> TrialOutcome:
+    """A finished trial's outcome: complete with a finite fitness, else failed with the reason found."""
+    result = read_trial_result(command.run_dir) or {}
+    if returncode == 0 and "metrics" in result:
+        fitness = float(result["metrics"].get(fitness_key, float("nan")))
+        epochs = int(result.get("epochs", epochs))
+        if not math.isfinite(fitness):
+            return TrialOutcome(FAILED, None, epochs, f"final {fitness_key} is {fitness}")
+        return TrialOutcome(COMPLETE, fitness, epochs, best=str(result.get("best", "")))
+    return TrialOutcome(FAILED, None, epochs, _failure_reason(returncode, result.get("error"), command.log))
+
+
+def _failure_reason(returncode: int, error: str | None, log: Path) -> str:
+    """One line: what the run reported, else the log's last error line, else the exit status; OOM is named."""
+    reason = error or _last_error_line(log)
+    if returncode < 0:
+        reason = f"killed by {signal.Signals(-returncode).name}" + (f" ({reason})" if reason else "")
+    elif not reason:
+        reason = f"exit status {returncode}"
+    if "out of memory" in reason.lower() and not reason.startswith("out of memory"):
+        reason = f"out of memory: {reason}"
+    return reason[:500]
+
+
+def _last_error_line(log: Path) -> str:
+    """The last line of the log that reads like an error (a traceback's last line, `error: ...`)."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()[-200:]
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        text = line.strip()
+        if text.startswith("error:") or "Error" in text.split(":")[0] or "out of memory" in text.lower():
+            return text
+    return ""
