@@ -6,6 +6,7 @@ the `slow` ones run real tiny trainings or drive tune.py as a process and stop o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -270,6 +272,48 @@ def test_train_evolve_runs_the_study(tiny_data: Path, tmp_path: Path, fake_train
     argv = keyword_argv(build_train_parser(), options, "test")
     summary = train.main([*argv, "--evolve", "2"])
     assert summary.counts == {"complete": 2} and (tmp_path / "exp" / "best_hyp.yaml").exists()
+
+
+def test_a_segmentation_study_is_scored_on_mask_map(tiny_data: Path, tmp_path: Path, fake_trainer: None,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    import segment.tune
+
+    monkeypatch.setitem(tuner.TRAIN_SCRIPTS, "segment", FAKE)
+    summary = segment.tune.run(**_flags(tiny_data, tmp_path, cfg="yolov8n-seg", trials=2))
+    trials = _study(tmp_path).get_trials()
+    for trial in trials:
+        result = json.loads((Path(trial.user_attrs["run_dir"]) / "trial.json").read_text())
+        assert trial.value == result["metrics"]["mask_mAP50-95"] != result["metrics"]["mAP50-95"]
+        assert trial.intermediate_values[3] == pytest.approx(trial.value)
+    header = (tmp_path / "exp" / "trials.csv").read_text().splitlines()[0]
+    assert header.startswith("trial,state,mask_mAP50-95,") and summary.counts == {"complete": 2}
+
+
+def test_trials_share_the_gpus_and_cores_and_mlflow_sees_one_experiment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner.torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(tuner.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    cfg = tune_config_from_argv(["--nproc-per-trial", "2", "--mlflow", "--name", "study1"])
+    slots = tuner.trial_slots(cfg)
+    assert [(s.device, s.env["CUDA_VISIBLE_DEVICES"], s.cpus) for s in slots] == [
+        ("0,1", "0,1", tuple(range(8))), ("0,1", "2,3", tuple(range(8, 16)))]  # fmt: skip
+    picked = tuner.trial_slots(tune_config_from_argv(["--device", "1,3", "--parallel", "2"]))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in picked] == ["1", "3"]
+    with pytest.raises(ConfigError, match=r"--parallel 3 x --nproc-per-trial 2: more than the 4 GPUs given"):
+        tuner.trial_slots(tune_config_from_argv(["--nproc-per-trial", "2", "--parallel", "3"]))
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    space = load_space(_write(tmp_path / "s.yaml", "lr0: [0.001, 0.1, log]\n"), load_hyp(ANCHOR_FREE_SHORT), ("dfl",))
+    plan = types.SimpleNamespace(cfg=types.SimpleNamespace(optimizer="SGD"))  # the command reads only the optimizer
+    run = tuner.StudyRun(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, project=tmp_path)), plan, space,
+                         study=None)  # fmt: skip
+    asked = study_module.AskedTrial(types.SimpleNamespace(number=7), {"lr0": 0.02})
+    command = tuner.trial_command(run, asked, slots[1])
+    assert command.argv[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--nproc-per-node=2" in command.argv
+    assert command.env == {"CUDA_VISIBLE_DEVICES": "2,3", "MLFLOW_EXPERIMENT_NAME": "tune-study1"}
+    assert command.argv[command.argv.index("--device") + 1] == "0,1" and "--mlflow" in command.argv
+    assert load_hyp(Path(command.argv[command.argv.index("--hyp") + 1])).lr0 == 0.02
 
 
 # --- one trial ---------------------------------------------------------------------------------------
