@@ -82,6 +82,7 @@ class TrainConfig:
     dist_timeout: float = DEFAULT_TIMEOUT_MINUTES  # minutes a collective may wait before the job fails
     callbacks: tuple[str, ...] = ()  # modules (or .py files) whose event-named functions follow the run
     mlflow: bool = False  # log to MLflow (also when MLFLOW_TRACKING_URI is set)
+    wandb: bool = False  # log to Weights & Biases (also when WANDB_PROJECT is set)
     # Fields the user set on the command line (not defaults): what --resume may take from it. Not stored.
     explicit: frozenset[str] = frozenset()
 
@@ -253,6 +254,12 @@ def _add_run_flags(parser: argparse.ArgumentParser, task: str) -> None:
         action="store_true",
         help="log params, per-epoch metrics and artifacts to MLflow (MLflow's default local store, or "
         "MLFLOW_TRACKING_URI, which also turns it on); needs `pip install mlflow`",
+    )
+    parser.add_argument(
+        "--wandb",
+        action="store_true",
+        help="log options, per-epoch metrics, best.pt and figures to Weights & Biases (project WANDB_PROJECT, which "
+        "also turns it on, else the run folder's parent; WANDB_MODE=offline keeps it local); needs `pip install wandb`",
     )
 
 

@@ -63,6 +63,7 @@ from utils.train.setup import (
 )
 from utils.train.state import FitResult, TrainedEpoch, TrainRun, TrainState
 from utils.train.tensorboard import TensorBoardLogger
+from utils.train.wandb_logger import WandbLogger, wandb_wanted
 
 LOGGER = logging.getLogger(__name__)
 
@@ -270,7 +271,7 @@ def fit(cfg: TrainConfig, training: TrainingTask, ctx: DistContext, callbacks: C
     """Train `training`'s task with options `cfg` on this rank; every rank of the job calls it.
 
     Rank 0 writes the run folder, checkpoints, results.csv and the plots, and tells `callbacks`
-    (with those of `--callbacks` modules, TensorBoard and MLflow when enabled) of the run's events;
+    (with those of `--callbacks` modules, TensorBoard, MLflow and W&B when enabled) of the run's events;
     decisions that end the loop are taken on rank 0 and broadcast, so every rank leaves at the
     same epoch.
     """
@@ -365,12 +366,14 @@ def _train_epochs(run: TrainRun, state: TrainState) -> FitResult:
 def _run_callbacks(
     cfg: TrainConfig, run_dir: Path, ctx: DistContext, modules: Callbacks, given: Callbacks
 ) -> Callbacks:
-    """The run's callbacks in calling order: TensorBoard, MLflow, the --callbacks modules', `given` (train.run's)."""
+    """The run's callbacks in calling order: TensorBoard, MLflow, W&B, --callbacks modules', `given` (train.run's)."""
     callbacks = Callbacks(state=given.state, enabled=ctx.is_main)
     if ctx.is_main:
         callbacks.add_object(TensorBoardLogger(run_dir, ctx))
         if mlflow_wanted(cfg.mlflow):
             callbacks.add_object(MLflowLogger(explicit=cfg.mlflow))
+        if wandb_wanted(cfg.wandb):
+            callbacks.add_object(WandbLogger(explicit=cfg.wandb))
     callbacks.merge(modules)
     callbacks.merge(given)
     return callbacks

@@ -93,7 +93,7 @@ def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunP
 
 # Options --resume takes from the new command line when given there; all others come from the checkpoint.
 # change the remaining schedule / the global batch (docs/distributed.md), or who follows the run
-RESUME_OVERRIDES = ("epochs", "batch_size", "callbacks", "mlflow")
+RESUME_OVERRIDES = ("epochs", "batch_size", "callbacks", "mlflow", "wandb")
 MACHINE_OPTIONS = ("device", "workers", "resume", "dist_timeout", "amp")  # where and how this attempt runs
 
 
