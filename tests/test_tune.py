@@ -409,14 +409,16 @@ def test_sigterm_leaves_a_study_the_same_command_resumes(tiny_data: Path, tmp_pa
     assert process.returncode == 75, output[-3000:]
     assert "stopped: study 'exp' stopped; run the same command to resume it" in output
     trials = _study(tmp_path).get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL"]
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL", "WAITING"]
     assert trials[2].user_attrs["reason"].startswith("interrupted")
+    assert trials[3].system_attrs["fixed_params"] == trials[2].params and trials[3].user_attrs["retry_of"] == 2
 
     resumed = _tune_process(tiny_data, tmp_path)
     output, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, output[-3000:]
     trials = _study(tmp_path).get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE", "COMPLETE"]
+    assert trials[3].params == trials[2].params, "the interrupted trial's point is trained first"
     assert len({t.params["lr0"] for t in trials if t.state.name == "COMPLETE"}) == 4, "no trial repeated"
     assert "tune: 5 trials (4 complete, 1 failed)" in output
 
@@ -433,8 +435,9 @@ def test_a_killed_tuners_running_trial_is_lost_and_not_counted(tiny_data: Path, 
     assert resumed.returncode == 0, output[-3000:]
     trials = _study(tmp_path).get_trials()
     assert trials[1].state.name == "FAIL" and trials[1].user_attrs["reason"].startswith("lost: worker ")
+    assert trials[2].params == trials[1].params and trials[2].user_attrs["retry_of"] == 1
     assert [t.state.name for t in trials].count("COMPLETE") == 4
-    assert "trial 1 was lost with worker" in output
+    assert "trial 1 was lost with worker" in output and "queued again" in output
 
 
 @pytest.mark.slow

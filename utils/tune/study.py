@@ -121,6 +121,8 @@ def counted_trials(study: optuna.Study) -> tuple[int, int]:
     """(trials that count towards --trials, of them still running): interrupted and lost ones do not count."""
     counted = running = 0
     for trial in study.get_trials(deepcopy=False):
+        if trial.state == optuna.trial.TrialState.WAITING:
+            continue  # queued values, not a trial yet
         if trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs.get("reason", "").startswith(NOT_COUNTED):
             continue
         if trial.state == optuna.trial.TrialState.FAIL and "reason" not in trial.user_attrs:
@@ -130,8 +132,16 @@ def counted_trials(study: optuna.Study) -> tuple[int, int]:
     return counted, running
 
 
+def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    """Queue an interrupted or lost trial's values again, so the resumed study trains that point (first)."""
+    attrs = {"retry_of": trial.number}
+    if trial.user_attrs.get("baseline"):
+        attrs["baseline"] = True
+    study.enqueue_trial(dict(trial.params), user_attrs=attrs)
+
+
 def fail_lost_trials(study: optuna.Study) -> None:
-    """Mark failed the running trials whose worker is gone: dead on this host, or silent for STALE_AFTER_S."""
+    """Mark failed the running trials whose worker is gone (dead here, or silent STALE_AFTER_S); queue them again."""
     host = socket.gethostname()
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         worker = trial.user_attrs.get("worker", "")
@@ -144,8 +154,11 @@ def fail_lost_trials(study: optuna.Study) -> None:
             try:
                 study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
             except (RuntimeError, ValueError):
-                pass  # another worker marked it first
-            LOGGER.warning(f"tune: trial {trial.number} was lost with worker {worker}; it does not count")
+                continue  # another worker marked it first (and queued it again)
+            requeue(study, trial)
+            LOGGER.warning(
+                f"tune: trial {trial.number} was lost with worker {worker}; not counted, its values queued again"
+            )
 
 
 def _alive(pid: int) -> bool:

@@ -99,7 +99,10 @@ def _follow(process: subprocess.Popen, run_dir: Path, watch: TrialWatch) -> tupl
         if time.monotonic() - last_beat >= watch.heartbeat_s:
             watch.heartbeat()
             last_beat = time.monotonic()
-    scores += [score for _, score in _new_scores(run_dir / "results.csv", watch.score_column, len(scores))]
+    for epoch, score in _new_scores(run_dir / "results.csv", watch.score_column, len(scores)):
+        scores.append(score)  # rows written after the last poll: reported too (later trials are compared with them)
+        if math.isfinite(score):
+            watch.report(epoch, score)
     return None, False, scores
 
 

@@ -32,7 +32,7 @@ from utils.train.records import TrainingTask
 from utils.tune.config import TuneConfig
 from utils.tune.results import StudySummary, prune_weights, write_results
 from utils.tune.space import SearchSpace, load_space
-from utils.tune.study import HEARTBEAT_S, AskedTrial, ask_next, open_study
+from utils.tune.study import HEARTBEAT_S, AskedTrial, ask_next, open_study, requeue
 from utils.tune.trial import COMPLETE, FAILED, INTERRUPTED, PRUNED, TrialCommand, TrialOutcome, TrialWatch, run_trial
 
 LOGGER = logging.getLogger(__name__)
@@ -225,7 +225,9 @@ def _tell(run: StudyRun, asked: AskedTrial, command: TrialCommand, outcome: Tria
         run.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
     else:
         assert outcome.state in (FAILED, INTERRUPTED)
-        run.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        frozen = run.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        if outcome.state == INTERRUPTED:
+            requeue(run.study, frozen)
 
 
 @contextlib.contextmanager
