@@ -10,6 +10,7 @@ import torch
 
 from models.anchor_free import AnchorFreeSpec, build_model, segmentation_spec
 from segment.task import SEGMENT
+from utils.backends.metadata import read_metadata
 from utils.boxes import best_detections, top_detections
 from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 from utils.distributed import DistContext
@@ -19,7 +20,6 @@ from utils.export import (
     Tolerance,
     export_checkpoint,
     match_detection_rows,
-    read_metadata,
 )
 from utils.inference_model import load_inference_model
 from utils.tasks import DETECT
