@@ -91,7 +91,9 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     """
     per_rank = per_rank_batch(cfg.batch_size, ctx)
     # First: cheap, and a wrong file fails fast.
-    request = BackendRequest(task.name, "val", ctx.device, cfg.half, cfg.channels_last, cfg.nms)
+    request = BackendRequest(
+        task=task.name, script="val", device=ctx.device, half=cfg.half, channels_last=cfg.channels_last, nms=cfg.nms
+    )
     model = load_backend(cfg.weights, request)
     imgsz = val_imgsz(model.info, cfg.imgsz)
     data = load_data_config(cfg.data, ctx)

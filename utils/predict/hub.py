@@ -116,7 +116,9 @@ class Detector(nn.Module):
         in memory. `tasks` maps a file's task to its Task (hubconf.py passes DETECT and SEGMENT). `size` starts at
         the size the checkpoint was trained at or the file was exported at.
         """
-        backend = load_backend(Path(path), BackendRequest(None, "hub", select_device(device), nms=nms))
+        backend = load_backend(
+            Path(path), BackendRequest(task=None, script="hub", device=select_device(device), nms=nms)
+        )
         if backend.info.task not in tasks:
             raise ConfigError(f"{path}: unknown task {backend.info.task!r}")
         return cls(backend, tasks[backend.info.task], backend.info.names, size=max(backend.info.imgsz))

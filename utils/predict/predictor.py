@@ -256,7 +256,9 @@ def load_predictor_model(
     The size is --imgsz, else the one the checkpoint was trained at (trained_imgsz) or the file was
     exported at; a fixed-size export refuses another. --classes is checked against the model's classes.
     """
-    request = BackendRequest(task.name, "predict", ctx.device, cfg.half, cfg.channels_last, cfg.nms)
+    request = BackendRequest(
+        task=task.name, script="predict", device=ctx.device, half=cfg.half, channels_last=cfg.channels_last, nms=cfg.nms
+    )
     backend = load_backend(cfg.weights, request)
     names = backend.info.names
     if cfg.classes is not None and max(cfg.classes) >= len(names):
