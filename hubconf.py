@@ -1,6 +1,7 @@
 """torch.hub entry points: `torch.hub.load("path/to/this/repo", "custom", path="best.pt", source="local")`.
 
-`custom` loads a checkpoint (ours, or a YOLOv5 / Ultralytics .pt, converted in memory); the size
+`custom` loads a checkpoint (ours, or a YOLOv5 / Ultralytics .pt, converted in memory) or a
+.torchscript / .onnx file export.py wrote; the size
 names (`yolov5n`, `yolo11s`, `yolo26m_seg`, ...) build that model with random weights. Nothing is
 ever downloaded. The returned model takes paths, numpy arrays or PIL images and returns
 detections as data (utils/predict/hub.py; docs/python-api.md).
@@ -12,7 +13,7 @@ dependencies = ["torch", "torchvision", "numpy", "cv2", "yaml", "pycocotools"]
 
 
 def custom(path: str, device: str = "", nms: bool = False):  # noqa: ANN201 - a Detector; imported lazily
-    """Load checkpoint `path` for inference on `device` ('' = GPU when present); `nms` as val.py --nms."""
+    """Load a checkpoint or exported file `path` on `device` ('' = GPU when present); `nms` as val.py --nms."""
     from segment.task import SEGMENT
     from utils.predict.hub import Detector
     from utils.tasks import DETECT

@@ -8,11 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from segment.evaluate import SegmentationScorer
 from segment.instance_masks import original_size_masks
-from utils.distributed import unwrap_model
 from utils.families import segmentation_spec, spec_from_cfg
 from utils.tasks import BOX_METRICS, Task, detection_loss_inputs
 
@@ -30,17 +28,12 @@ def segmentation_loss_inputs(batch: dict[str, Any], device: torch.device) -> dic
     return {**detection_loss_inputs(batch, device), "masks": batch["masks"].to(device, non_blocking=True)}
 
 
-def make_segmentation_scorer(model: nn.Module) -> SegmentationScorer:
-    """Return the mask-aware scorer for `model` (its head's number of mask coefficients)."""
-    return SegmentationScorer(unwrap_model(model).head.num_masks)
-
-
 SEGMENT = Task(
     name="segment",
     with_masks=True,
     metric_names=(*BOX_METRICS, *MASK_METRICS),
     spec_from_cfg=segment_spec_from_cfg,
     loss_inputs=segmentation_loss_inputs,
-    make_scorer=make_segmentation_scorer,
+    make_scorer=SegmentationScorer,  # takes the model's number of mask coefficients
     predict_masks=original_size_masks,
 )

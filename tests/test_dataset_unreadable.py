@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import cv2
@@ -146,6 +147,9 @@ class _OneBoxPerImage(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.row = nn.Parameter(torch.tensor([32.0, 32.0, 16.0, 16.0, 0.9, 0.8, 0.1, 0.1]), requires_grad=False)
+        # What every model has and evaluation reads (utils/backends: module_info): strides, the head's mask count.
+        self.stride = torch.tensor([8.0, 16.0, 32.0])
+        self.head = SimpleNamespace(num_masks=0)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         return self.row.expand(len(images), 1, -1), []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,9 @@ class _FixedPredictions(nn.Module):
     def __init__(self, row: list[float]) -> None:
         super().__init__()
         self.row = nn.Parameter(torch.tensor(row), requires_grad=False)
+        # What every model has and evaluation reads (utils/backends: module_info): strides, the head's mask count.
+        self.stride = torch.tensor([8.0, 16.0, 32.0])
+        self.head = SimpleNamespace(num_masks=0)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         return self.row.expand(len(images), 1, -1), []

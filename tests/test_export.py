@@ -17,6 +17,7 @@ import export
 from models.yolo import DEFAULT_ANCHORS, ModelSpec, build_model, segmentation_spec
 from segment.task import SEGMENT
 from utils import export as export_lib
+from utils.backends.metadata import read_metadata
 from utils.checkpoint import RunInfo, build_checkpoint, load_checkpoint, save_checkpoint
 from utils.distributed import DistContext
 from utils.errors import ConfigError, exit_on_user_error
@@ -30,7 +31,6 @@ from utils.export import (
     check_parity,
     export_checkpoint,
     export_config_from_args,
-    read_metadata,
 )
 from utils.inference_model import load_inference_model
 from utils.tasks import DETECT, Task
@@ -120,6 +120,9 @@ def test_torchscript_matches_pytorch_at_any_batch_and_size(
         "half": False,
         "end2end": False,
         "channels": 3,
+        "family": "yolov5",
+        "layout": "rows",
+        "num_masks": NUM_MASKS if task.with_masks else 0,
     }
 
 

@@ -10,6 +10,7 @@ import torch
 
 from models.anchor_free import AnchorFreeSpec, build_model, segmentation_spec
 from segment.task import SEGMENT
+from utils.backends.metadata import read_metadata
 from utils.boxes import best_detections, top_detections
 from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 from utils.distributed import DistContext
@@ -19,7 +20,6 @@ from utils.export import (
     Tolerance,
     export_checkpoint,
     match_detection_rows,
-    read_metadata,
 )
 from utils.inference_model import load_inference_model
 from utils.tasks import DETECT
@@ -96,11 +96,12 @@ def test_end_to_end_files_output_final_detections_and_nms_gives_the_rows(tmp_pat
     wanted = top_detections(decoded, conf_thres=0.0, max_det=300, multi_label=True)[0].numpy()
     for result in export_checkpoint(config, TASKS, DistContext()):
         (output,) = _run(result.path, images)
-        assert output.shape == (1, min(300, POINTS * len(NAMES)), 6)  # [x1, y1, x2, y2, score, class]
+        assert output.shape == (1, 300, 6)  # [x1, y1, x2, y2, score, class], whatever the input's size
         assert (np.diff(output[0, :, 4]) <= 0).all()  # best first
-        assert len(wanted) == output.shape[1]
+        # 84 points x 3 classes = 252 pairs, then padding rows (zero box and score) up to 300.
+        assert len(wanted) == POINTS * len(NAMES) < 300 and not output[0, len(wanted) :, :5].any()
         # Points whose scores are exactly equal come in any order: pair the rows before comparing.
-        paired = match_detection_rows(wanted, output[0], Tolerance(rtol=1e-3, atol=1e-3))
+        paired = match_detection_rows(wanted, output[0, : len(wanted)], Tolerance(rtol=1e-3, atol=1e-3))
         np.testing.assert_allclose(paired, wanted, rtol=1e-3, atol=1e-3)
         assert read_metadata(result.path)["end2end"] is True
     forced = ExportConfig(weights=weights, include=("torchscript",), imgsz=(IMGSZ, IMGSZ), nms=True)

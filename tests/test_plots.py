@@ -170,7 +170,8 @@ class _FixedDetections(nn.Module):
     def __init__(self, rows: list[list[float]], num_masks: int = 0) -> None:
         super().__init__()
         self.rows = nn.Parameter(torch.tensor(rows), requires_grad=False)
-        self.head = SimpleNamespace(num_masks=num_masks)  # what make_segmentation_scorer reads
+        self.head = SimpleNamespace(num_masks=num_masks)  # what the scorer is made from (utils/backends: module_info)
+        self.stride = torch.tensor([8.0, 16.0, 32.0])
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, Any]:
         decoded = self.rows.expand(len(images), -1, -1)

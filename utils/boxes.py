@@ -308,12 +308,16 @@ def best_detections(decoded: torch.Tensor, num_classes: int, max_det: int = 300)
     """An end-to-end head's final detections as one traceable tensor (what its exported file outputs).
 
     decoded: (B, N, 4 + nc + nm) rows [cx, cy, w, h, class probabilities, mask coefficients]. Returns
-    (B, k, 6 + nm) [x1, y1, x2, y2, score, class, coeffs...], k = min(max_det, N x nc): the k best
-    (point, class) scores, best first; no threshold (consumers apply theirs), no NMS.
+    (B, max_det, 6 + nm) [x1, y1, x2, y2, score, class, coeffs...]: the max_det best (point, class)
+    scores, best first; no threshold (consumers apply theirs), no NMS. When the image has fewer than
+    max_det (point, class) pairs, the last rows are padding (zero box, score and coefficients): the
+    shape never depends on the input's size, so a traced file runs at any size (a traced
+    k = min(max_det, N x nc) would be frozen at the traced size and fail on smaller inputs).
     """
+    padding_points = -(-max_det // num_classes)  # enough zero rows for max_det pairs on their own
+    decoded = torch.cat((decoded, decoded.new_zeros((decoded.shape[0], padding_points, decoded.shape[2]))), 1)
     scores = decoded[..., 4 : 4 + num_classes]
-    k = min(max_det, scores.shape[1] * num_classes)
-    best, flat_index = scores.flatten(1).topk(k, dim=1)
+    best, flat_index = scores.flatten(1).topk(max_det, dim=1)
     point = torch.div(flat_index, num_classes, rounding_mode="floor")
     rows = decoded.gather(1, point.unsqueeze(-1).expand(-1, -1, decoded.shape[-1]))
     classes = (flat_index - point * num_classes).to(decoded.dtype)

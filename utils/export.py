@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import dataclasses
 import datetime
@@ -16,12 +15,21 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from utils.backends.metadata import (
+    CHANNELS_FIRST,
+    END_TO_END,
+    ROWS,
+    TORCHSCRIPT_METADATA_FILE,
+    ExportMetadata,
+    onnx_metadata_value,
+    without_torchscript_deprecation,
+)
 from utils.boxes import best_detections
 from utils.checkpoint import trained_imgsz
 from utils.config import IMGSZ_FROM_CHECKPOINT_HELP
@@ -74,22 +82,6 @@ class Tolerance:
 # 7.9e-3 px at most, 0.25 of the tolerance, at a centre 2.07 px from the top edge (random weights: 3e-5 px).
 FP32_TOLERANCE = Tolerance(rtol=1e-3, atol=1e-3)
 FP16_TOLERANCE = Tolerance(rtol=1e-2, atol=1e-2)  # fp16 keeps ~3 significant digits
-
-
-class ExportMetadata(TypedDict):
-    """What an exported file carries besides the graph (TorchScript: config.txt as JSON; ONNX: metadata_props)."""
-
-    stride: int  # the largest model stride: input sides must be multiples of it
-    names: dict[int, str]  # class id -> name
-    task: str  # "detect" | "segment"
-    imgsz: list[int]  # [height, width] the graph was traced at
-    batch: int
-    dynamic: bool  # ONNX only: batch, height and width are free
-    half: bool
-    end2end: bool  # output0 holds final detections (B, max_det, 6 [+ nm]), no NMS needed
-    channels: int  # input channels
-    description: str
-    date: str  # ISO 8601, when the file was written
 
 
 @dataclass(frozen=True)
@@ -145,6 +137,7 @@ class ExportWrapper(nn.Module):
         self.end_to_end = decodes_end_to_end(model)
         self.num_classes = head.num_classes
         self.max_det = max_det
+        self.layout = END_TO_END if self.end_to_end else CHANNELS_FIRST if self.channels_first else ROWS
 
     def forward(self, images: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the model and keep what deployment needs (see the class docstring)."""
@@ -257,6 +250,9 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
         half=cfg.half,
         end2end=wrapper.end_to_end,
         channels=3,
+        family=family_of(model).name,
+        layout=wrapper.layout,
+        num_masks=int(model.head.num_masks),
         description=f"{task.name} model ({family_of(model).name}) exported from {cfg.weights.name}",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
@@ -391,10 +387,10 @@ def export_torchscript(
     misses and the grids are built in the graph from the input's size: the file runs at any batch
     size and any multiple-of-32 image size. Returns a runner of the saved file.
     """
-    with torch.no_grad(), _without_torchscript_deprecation():
+    with torch.no_grad(), without_torchscript_deprecation():
         # check_trace would trace a second time; check_parity compares the saved file's outputs instead.
         traced = torch.jit.trace(wrapper, example, check_trace=False)
-        traced.save(str(path), _extra_files={"config.txt": json.dumps(metadata)})
+        traced.save(str(path), _extra_files={TORCHSCRIPT_METADATA_FILE: json.dumps(metadata)})
         loaded = torch.jit.load(str(path), map_location=example.device)
 
     def run(images: torch.Tensor) -> list[np.ndarray]:
@@ -403,14 +399,6 @@ def export_torchscript(
         return [t.float().cpu().numpy() for t in (outputs if isinstance(outputs, tuple) else (outputs,))]
 
     return run
-
-
-@contextlib.contextmanager
-def _without_torchscript_deprecation() -> Iterator[None]:
-    """Silence torch's FutureWarnings that torch.jit is deprecated: TorchScript is the format asked for."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning)
-        yield
 
 
 def export_onnx(
@@ -448,8 +436,7 @@ def export_onnx(
     if cfg.simplify:
         model_proto = _simplify(model_proto)
     for key, value in metadata.items():
-        # str() of Python values: YOLOv5's and Ultralytics' readers parse them back with eval / literal_eval.
-        model_proto.metadata_props.add(key=key, value=str(value))
+        model_proto.metadata_props.add(key=key, value=onnx_metadata_value(value))
     onnx.checker.check_model(model_proto)
     onnx.save(model_proto, str(path))
     return _onnxruntime_runner(path, example)
@@ -488,28 +475,3 @@ def _onnxruntime_runner(path: Path, example: torch.Tensor) -> Runner | None:
 
 
 WRITERS: dict[str, Callable[..., Runner | None]] = {"torchscript": export_torchscript, "onnx": export_onnx}
-
-
-def read_metadata(path: Path) -> ExportMetadata:
-    """Read the metadata of an exported `.torchscript` or `.onnx` file (class ids back as int keys)."""
-    path = Path(path)
-    if path.suffix == ".onnx":
-        import onnx
-
-        props = {prop.key: prop.value for prop in onnx.load(str(path), load_external_data=False).metadata_props}
-        return ExportMetadata(**{key: _literal(value) for key, value in props.items()})  # type: ignore[typeddict-item]
-    extra_files = {"config.txt": ""}
-    with _without_torchscript_deprecation():
-        torch.jit.load(str(path), _extra_files=extra_files, map_location="cpu")
-    # JSON object keys are strings; class ids go back to int, as YOLOv5's loader does.
-    return json.loads(
-        extra_files["config.txt"], object_hook=lambda d: {int(k) if k.isdigit() else k: v for k, v in d.items()}
-    )
-
-
-def _literal(text: str) -> Any:
-    """Parse a Python literal written by str(); plain words (the task name) stay strings."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text

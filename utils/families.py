@@ -46,9 +46,10 @@ class Family:
     - channels_first: decoded rows are (B, N, no) in every family ([cx, cy, w, h (input pixels), YOLOv5's
       objectness, class scores (probabilities), mask coefficients]); export writes `output0` as (B, no, N),
       the layout Ultralytics' consumers read, instead of YOLOv5's (B, N, no)
-    - detection_selector(model) gives the function that turns the model's decoded rows into detections
-      (`non_max_suppression`'s arguments and result): NMS, or the top scores of an end-to-end head;
-      force_nms(model) (--nms) makes an end-to-end model use NMS
+    - detection_selector(end_to_end) gives the function that turns the model's decoded rows into detections
+      (`non_max_suppression`'s arguments and result): NMS, or the top scores of rows from an end-to-end
+      head (`decodes_end_to_end(model)`, or an exported file's metadata); force_nms(model) (--nms) makes an
+      end-to-end model use NMS
     """
 
     name: str
@@ -59,7 +60,7 @@ class Family:
     segmentation_spec: Callable[[Any], Any]
     build_model: Callable[[Any], nn.Module]
     channels_first: bool
-    detection_selector: Callable[[nn.Module], Callable[..., list[torch.Tensor]]]
+    detection_selector: Callable[[bool], Callable[..., list[torch.Tensor]]]
     force_nms: Callable[[nn.Module], None]
 
     def spec_from_dict(self, data: Mapping[str, Any]) -> Any:
@@ -76,7 +77,7 @@ YOLOV5 = Family(
     segmentation_spec=yolo.segmentation_spec,
     build_model=yolo.build_model,
     channels_first=False,
-    detection_selector=lambda model: non_max_suppression,
+    detection_selector=lambda end_to_end: non_max_suppression,
     force_nms=lambda model: None,  # always NMS
 )
 
@@ -90,9 +91,9 @@ def decodes_end_to_end(model: nn.Module) -> bool:
     return bool(getattr(head, "end_to_end", False) and getattr(head, "use_one_to_one", False))
 
 
-def dense_selector(model: nn.Module) -> Callable[..., list[torch.Tensor]]:
-    """NMS without objectness, or, for an end-to-end model decoding its one-to-one branch, the top scores."""
-    if decodes_end_to_end(model):
+def dense_selector(end_to_end: bool) -> Callable[..., list[torch.Tensor]]:
+    """NMS without objectness, or, for rows of an end-to-end model's one-to-one branch, the top scores."""
+    if end_to_end:
         return top_detections
     return functools.partial(non_max_suppression, objectness=False)
 

@@ -1,4 +1,4 @@
-"""Load a checkpoint or foreign weights into an inference-ready model: what val, detect, export and torch.hub share."""
+"""Load a checkpoint or foreign weights into an inference-ready model: what the checkpoint backend and export share."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from utils.backends import as_backend
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.eval.evaluate import DetectionScorer, EvalOptions, EvalResult, LossInputs, evaluate
@@ -29,7 +30,7 @@ class Task:
     - spec_from_cfg(model, num_classes) -> a family's spec: resolves `--cfg` (a size name or a model YAML)
     - loss_inputs(batch, device) -> the loss's keyword inputs taken from a batch; training and
       validation both get them here
-    - make_scorer(model) -> the evaluation loop's task-specific matching (DetectionScorer or a subclass)
+    - make_scorer(num_masks) -> the evaluation loop's task-specific matching (DetectionScorer or a subclass)
     - predict_masks(head_extra, detections, input_hw, shape) -> (n, H0, W0) bool masks at the original
       size, for prediction on new inputs (utils/predict); None for a task without masks
     """
@@ -39,7 +40,7 @@ class Task:
     metric_names: tuple[str, ...]  # keys of EvalResult.as_dict() logged per epoch (besides fitness)
     spec_from_cfg: Callable[[str, int], Any]
     loss_inputs: LossInputs
-    make_scorer: Callable[[nn.Module], DetectionScorer]
+    make_scorer: Callable[[int], DetectionScorer]
     predict_masks: Callable[..., np.ndarray] | None = None
 
     def evaluate(
@@ -50,9 +51,13 @@ class Task:
         ctx: DistContext,
         loss_fn: Callable[..., Any] | None = None,
     ) -> EvalResult:
-        """Run the evaluation loop (utils/eval/evaluate.py) with this task's scorer and loss inputs; all ranks call."""
-        scorer, inputs = self.make_scorer(model), self.loss_inputs
-        return evaluate(model, batches, options, ctx, scorer=scorer, loss_fn=loss_fn, loss_inputs=inputs)
+        """Run the evaluation loop (utils/eval/evaluate.py) with this task's scorer and loss inputs; all ranks call.
+
+        `model`: an inference backend (utils/backends) or a plain module, as `evaluate` takes it.
+        """
+        backend = as_backend(model)
+        scorer = self.make_scorer(backend.info.num_masks)
+        return evaluate(backend, batches, options, ctx, scorer=scorer, loss_fn=loss_fn, loss_inputs=self.loss_inputs)
 
 
 def detection_loss_inputs(batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
@@ -74,5 +79,5 @@ DETECT = Task(
     metric_names=BOX_METRICS,
     spec_from_cfg=detect_spec_from_cfg,
     loss_inputs=detection_loss_inputs,
-    make_scorer=lambda model: DetectionScorer(),
+    make_scorer=lambda num_masks: DetectionScorer(),
 )

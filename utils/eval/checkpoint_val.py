@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from torch import nn
 
-from utils import checkpoint as ckpt_io
+from utils.backends import BackendInfo, BackendRequest, InferenceBackend, load_backend, resolve_imgsz
 from utils.boxes import xyxy_to_xywhn
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
@@ -21,7 +20,6 @@ from utils.errors import ConfigError
 from utils.eval.coco import CocoTarget, check_coco_target, coco_evaluate
 from utils.eval.config import ValConfig
 from utils.eval.evaluate import EvalOptions, EvalResult, format_results
-from utils.inference_model import load_inference_model
 from utils.plots import plot_evaluation, val_batch_drawer
 from utils.runs import create_run_dir
 
@@ -35,13 +33,13 @@ LOGGER = logging.getLogger(__name__)
 class ValSetup:
     """What a validation run needs, built once: model, this rank's loader, data, and where outputs go."""
 
-    model: nn.Module
+    model: InferenceBackend  # the checkpoint or exported file (utils/backends)
     loader: Any
     data: DataConfig
     names: tuple[str, ...]
     save_dir: Path | None  # None when nothing is written (no --save-json / --save-txt)
     coco_target: CocoTarget | None  # rank 0 only, when --save-json and the YAML names annotations
-    imgsz: int  # --imgsz, else the size the checkpoint was trained at
+    imgsz: int  # --imgsz, else the size the checkpoint was trained at or the file exported at
 
 
 def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalResult:
@@ -92,32 +90,50 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     count, a missing or malformed annotations file) are one-line ConfigErrors raised on every rank.
     """
     per_rank = per_rank_batch(cfg.batch_size, ctx)
-    if cfg.half and ctx.device.type != "cuda":
-        LOGGER.warning("--half needs CUDA; validating in FP32 on CPU")
-    # First: cheap, and a wrong checkpoint fails fast.
-    model, checkpoint = load_inference_model(cfg.weights, task.name, ctx.device, cfg.half, cfg.channels_last, cfg.nms)
+    # First: cheap, and a wrong file fails fast.
+    request = BackendRequest(
+        task=task.name, script="val", device=ctx.device, half=cfg.half, channels_last=cfg.channels_last, nms=cfg.nms
+    )
+    model = load_backend(cfg.weights, request)
+    imgsz = val_imgsz(model.info, cfg.imgsz)
     data = load_data_config(cfg.data, ctx)
     coco_target = check_coco_target(data, cfg.split, ctx, cfg.single_cls) if cfg.save_json else None
-    imgsz = cfg.imgsz or ckpt_io.trained_imgsz(checkpoint)
     names = ("item",) if cfg.single_cls else data.names
-    if len(names) != len(checkpoint["names"]):
-        trained = len(checkpoint["names"])
+    if len(names) != len(model.info.names):
+        trained = len(model.info.names)
         raise ConfigError(f"{cfg.weights} was trained on {trained} classes but {cfg.data} has {len(names)}")
     wants_dir = cfg.save_json or cfg.save_txt or cfg.plots
     save_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok, ctx) if wants_dir else None
     options = DatasetOptions.for_evaluation(
         img_size=imgsz,
         batch_size=per_rank,
-        stride=int(model.stride.max()),
+        stride=model.info.stride,
         single_cls=cfg.single_cls,
         with_masks=task.with_masks,
         num_classes=len(data.names),
         names_file=data.yaml_file,
         workers=cfg.workers,
     )
+    if model.info.fixed_shape:  # every image letterboxed to the file's one size, not to its batch's rectangle
+        options = dataclasses.replace(options, rect=False, pad=0.0)
+        LOGGER.info(f"{cfg.weights} runs only {imgsz}x{imgsz}: square letterboxed batches instead of rectangles")
     dataset = LoadImagesAndLabels(data.split(cfg.split), options, ctx, data.coco_source(cfg.split))
     loader = build_val_loader(dataset, per_rank, cfg.workers, ctx)
     return ValSetup(model, loader, data, names, save_dir, coco_target, imgsz)
+
+
+def val_imgsz(info: BackendInfo, requested: int | None) -> int:
+    """The square side val runs at: --imgsz, else the trained or exported size (its long side if not square).
+
+    A fixed-shape export must be square (val letterboxes to squares) and runs only its own size; any
+    other --imgsz is a one-line ConfigError naming the file.
+    """
+    if info.fixed_shape and info.imgsz[0] != info.imgsz[1]:
+        height, width = info.imgsz
+        raise ConfigError(f"{info.path}: val needs a square input, but it was exported at a fixed {height}x{width}")
+    if requested is None:
+        return max(info.imgsz)
+    return resolve_imgsz(info, (requested, requested))[0]
 
 
 def report(

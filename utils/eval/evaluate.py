@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from utils.backends import as_backend
 from utils.boxes import box_iou, scale_boxes, xywh_to_xyxy, xyxy_to_xywhn
 from utils.data.loader import image_hw, images_on_device
 from utils.distributed import DistContext, all_gather_objects, all_reduce_sum
 from utils.eval.metrics import ConfusionMatrix, DetectionMetrics, iou_thresholds, match_predictions
-from utils.families import family_of
 from utils.logs import tqdm_disabled
 
 LOGGER = logging.getLogger(__name__)
@@ -211,17 +211,18 @@ def evaluate(
     The one evaluation loop of every task (call it through `Task.evaluate`, which supplies the
     task's scorer and loss inputs). Every rank must call it: per-image match statistics are
     gathered from all ranks (the val sampler shards images without padding, so each image is
-    scored exactly once) and every rank computes the same metrics. `model` is a plain module (the
-    EMA or an unwrapped model), never DDP, so ranks with different numbers of batches never meet
-    in a collective mid-loop. `scorer` holds the task-specific matching (DetectionScorer by
-    default). With `loss_fn`, the mean validation loss is computed too, from the inputs
-    `loss_inputs(batch, device)` gives (the same Task hook the training loop uses).
+    scored exactly once) and every rank computes the same metrics. `model` is an inference backend
+    (utils/backends: val.py's checkpoint or exported file) or a plain module (the EMA or an
+    unwrapped model), never DDP, so ranks with different numbers of batches never meet in a
+    collective mid-loop. `scorer` holds the task-specific matching (DetectionScorer by default).
+    With `loss_fn`, the mean validation loss is computed too, from the inputs `loss_inputs(batch,
+    device)` gives (the same Task hook the training loop uses).
     `options.on_batch`, when set, sees each batch after NMS (rank 0 draws the first ones).
     """
     scorer = scorer or DetectionScorer()
-    select = family_of(model).detection_selector(model)  # NMS over the family's layout, or an end-to-end top-k
-    weight = next(model.parameters())
-    device, dtype = weight.device, weight.dtype  # the input in the model's precision (half after val.py --half)
+    model = as_backend(model)  # a loaded file's backend, or the live model training hands in
+    select = model.selector()  # NMS over the family's layout, or an end-to-end top-k
+    device, dtype = model.device, model.dtype  # the input in the model's precision (half after val.py --half)
     was_training = model.training
     model.eval()
     stats, predictions = _Stats(), []

@@ -7,7 +7,8 @@
 
 The same pipeline as detect.py (`FramePredictor`: rectangular letterbox, forward, single-label
 NMS or an end-to-end head's top scores, boxes and masks back in the original pixels), so a
-checkpoint gives the detections detect.py writes for the same image and settings.
+checkpoint, or a .torchscript / .onnx file export.py wrote (`path="best.onnx"`), gives the
+detections detect.py writes for the same image and settings.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from utils.checkpoint import trained_imgsz
+from utils.backends import BackendRequest, InferenceBackend, as_backend, load_backend, resolve_imgsz
 from utils.distributed import select_device
 from utils.errors import ConfigError
 from utils.eval.coco import predictions_to_coco
 from utils.eval.evaluate import ImagePredictions
 from utils.families import build_model, segmentation_spec, spec_from_cfg
-from utils.inference_model import inference_model
 from utils.predict.config import PredictConfig
 from utils.predict.outputs import txt_lines
 from utils.predict.prediction import Prediction, class_name
@@ -89,16 +89,17 @@ class ImageResult:
 
 
 class Detector(nn.Module):
-    """A loaded checkpoint for in-memory inference: call it on images, get a list of `ImageResult`.
+    """A loaded checkpoint or exported file for in-memory inference: call it on images, get a list of `ImageResult`.
 
     Settings are attributes, as YOLOv5's hub models have them: `conf` (0.25), `iou` (0.45),
     `classes` (None: all), `agnostic` (False), `max_det` (1000), `size` (the long side: the size a
-    loaded checkpoint was trained at, as detect.py uses it; 640 for a model built from a size name).
+    loaded checkpoint was trained at or a file exported at, as detect.py uses it; 640 for a model
+    built from a size name). `model` is the inference backend (utils/backends) that runs it.
     """
 
-    def __init__(self, model: nn.Module, task: Task, names: Sequence[str], size: int = 640) -> None:
+    def __init__(self, model: InferenceBackend | nn.Module, task: Task, names: Sequence[str], size: int = 640) -> None:
         super().__init__()
-        self.model = model
+        self.model = as_backend(model)
         self.task = task
         self.names = tuple(names)
         self.size, self.conf, self.iou, self.max_det = size, 0.25, 0.45, 1000
@@ -109,21 +110,18 @@ class Detector(nn.Module):
     def from_checkpoint(
         cls, path: str | Path, tasks: Mapping[str, Task], device: str = "", nms: bool = False
     ) -> Detector:
-        """Load our checkpoint, or a YOLOv5 / Ultralytics .pt (converted in memory), for inference on `device`.
+        """Load a checkpoint, or a .torchscript / .onnx file export.py wrote, for inference on `device`.
 
-        `tasks` maps a checkpoint's `task` field to its Task (hubconf.py passes DETECT and SEGMENT).
+        Loaded through utils/backends, as detect.py loads it: a YOLOv5 / Ultralytics .pt is converted
+        in memory. `tasks` maps a file's task to its Task (hubconf.py passes DETECT and SEGMENT). `size` starts at
+        the size the checkpoint was trained at or the file was exported at.
         """
-        from utils.convert import load_weights
-
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: file not found")
-        checkpoint = load_weights(path)
-        if checkpoint["task"] not in tasks:
-            raise ConfigError(f"{path}: unknown task {checkpoint['task']!r}")
-        task = tasks[checkpoint["task"]]
-        model = inference_model(checkpoint, select_device(device), nms=nms)
-        return cls(model, task, checkpoint["names"], size=trained_imgsz(checkpoint))
+        backend = load_backend(
+            Path(path), BackendRequest(task=None, script="hub", device=select_device(device), nms=nms)
+        )
+        if backend.info.task not in tasks:
+            raise ConfigError(f"{path}: unknown task {backend.info.task!r}")
+        return cls(backend, tasks[backend.info.task], backend.info.names, size=max(backend.info.imgsz))
 
     def forward(self, images: Any, size: int | None = None) -> list[ImageResult]:
         """Detect in a path, a list of paths, (H, W, 3) uint8 RGB numpy arrays or PIL images (or a list of them).
@@ -131,8 +129,10 @@ class Detector(nn.Module):
         Pass BGR arrays (OpenCV's) as `image[..., ::-1]`. An unreadable path raises ConfigError naming it.
         """
         items = images if isinstance(images, list | tuple) else [images]
+        side = size or self.size
+        imgsz = resolve_imgsz(self.model.info, (side, side))  # a fixed-size export refuses another size
         config = PredictConfig(
-            weights=Path(), source="", imgsz=(size or self.size,) * 2, conf_thres=self.conf, iou_thres=self.iou,
+            weights=Path(), source="", imgsz=imgsz, conf_thres=self.conf, iou_thres=self.iou,
             max_det=self.max_det, classes=tuple(self.classes) if self.classes is not None else None,
             agnostic_nms=self.agnostic,
         )  # fmt: skip

@@ -22,14 +22,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from utils.backends import BackendRequest, InferenceBackend, as_backend, load_backend, resolve_imgsz
 from utils.boxes import scale_boxes
-from utils.checkpoint import trained_imgsz
 from utils.data.augment import bgr_to_rgb_chw, letterbox
 from utils.data.loader import ShapeInfo
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, run_on_main
 from utils.errors import ConfigError
-from utils.families import family_of
-from utils.inference_model import load_inference_model
 from utils.predict.config import PredictConfig
 from utils.predict.draw import annotate
 from utils.predict.outputs import RunWriter, VideoSink, write_image
@@ -90,21 +88,23 @@ class PredictResult:
 
 
 class FramePredictor:
-    """Predict one (H, W, 3) uint8 BGR image at a time with a loaded eval model: boxes (and masks) in its pixels.
+    """Predict one (H, W, 3) uint8 BGR image at a time with a loaded model: boxes (and masks) in its pixels.
 
     Rectangular letterbox (YOLOv5's `auto=True`: the long side fits `cfg.imgsz`, the short side is
-    padded to a multiple of the model's largest stride), a batch of one, single-label NMS (one class
-    per box, what a deployed detector reports), and the letterbox undone (`scale_boxes`; masks via
-    `task.predict_masks`).
+    padded to a multiple of the model's largest stride; a fixed-shape export gets exactly its size),
+    a batch of one, single-label NMS (one class per box, what a deployed detector reports), and the
+    letterbox undone (`scale_boxes`; masks via `task.predict_masks`). `model` is an inference backend
+    (utils/backends) or a plain eval module.
     """
 
-    def __init__(self, model: nn.Module, task: Task, cfg: PredictConfig) -> None:
-        parameter = next(model.parameters())
-        self.model = model
-        self.device, self.dtype = parameter.device, parameter.dtype
-        self.stride = int(model.stride.max())
-        self.num_masks = int(model.head.num_masks)
-        self.select = family_of(model).detection_selector(model)  # NMS, or an end-to-end head's top scores
+    def __init__(self, model: InferenceBackend | nn.Module, task: Task, cfg: PredictConfig) -> None:
+        self.model = as_backend(model)
+        self.device, self.dtype = self.model.device, self.model.dtype
+        self.stride = self.model.info.stride
+        self.num_masks = self.model.info.num_masks
+        # A fixed-shape file takes only its own size: letterbox to it, not to the smallest stride multiple.
+        self.is_rectangular = not self.model.info.fixed_shape
+        self.select = self.model.selector()  # NMS, or an end-to-end head's top scores
         self.predict_masks = task.predict_masks
         self.cfg = cfg
 
@@ -112,7 +112,7 @@ class FramePredictor:
     def __call__(self, image: np.ndarray) -> tuple[Prediction, tuple[int, int], np.ndarray]:
         """Return (prediction, letterboxed input (H, W), seconds spent in pre-process, inference, NMS)."""
         start = time.perf_counter()
-        letterboxed, ratio_wh, pad_wh = letterbox(image, self.cfg.imgsz, auto=True, stride=self.stride)
+        letterboxed, ratio_wh, pad_wh = letterbox(image, self.cfg.imgsz, auto=self.is_rectangular, stride=self.stride)
         chw = bgr_to_rgb_chw(letterboxed)
         inputs = torch.from_numpy(chw).to(self.device)[None].to(self.dtype) / 255
         _sync(self.device)
@@ -250,30 +250,22 @@ class PredictionLoop:
 
 def load_predictor_model(
     cfg: PredictConfig, task: Task, ctx: DistContext
-) -> tuple[nn.Module, tuple[str, ...], tuple[int, int]]:
-    """Load the fused eval model of `cfg.weights`, its class names and the (h, w) to predict at.
+) -> tuple[InferenceBackend, tuple[str, ...], tuple[int, int]]:
+    """Load `cfg.weights` (checkpoint or exported file: utils/backends), its class names and the (h, w) to predict at.
 
-    The size is --imgsz, else the one the checkpoint was trained at (trained_imgsz). --half and
-    --classes are checked against the model.
+    The size is --imgsz, else the one the checkpoint was trained at (trained_imgsz) or the file was
+    exported at; a fixed-size export refuses another. --classes is checked against the model's classes.
     """
-    if cfg.half and ctx.device.type != "cuda":
-        LOGGER.warning("--half needs CUDA; predicting in FP32 on CPU")
-    model, checkpoint = load_inference_model(
-        cfg.weights,
-        task.name,
-        ctx.device,
-        half=cfg.half,
-        channels_last=cfg.channels_last,
-        nms=cfg.nms,
-        script="predict",
+    request = BackendRequest(
+        task=task.name, script="predict", device=ctx.device, half=cfg.half, channels_last=cfg.channels_last, nms=cfg.nms
     )
-    stored = checkpoint["names"]
-    names = tuple(str(stored[key]) for key in sorted(stored)) if isinstance(stored, dict) else tuple(map(str, stored))
+    backend = load_backend(cfg.weights, request)
+    names = backend.info.names
     if cfg.classes is not None and max(cfg.classes) >= len(names):
         raise ConfigError(
             f"--classes {' '.join(map(str, cfg.classes))}: {cfg.weights} has {len(names)} classes (0-{len(names) - 1})"
         )
-    return model, names, cfg.imgsz or (trained_imgsz(checkpoint),) * 2
+    return backend, names, resolve_imgsz(backend.info, cfg.imgsz)
 
 
 def predict(cfg: PredictConfig, task: Task, ctx: DistContext) -> PredictResult:
@@ -306,11 +298,10 @@ def predict(cfg: PredictConfig, task: Task, ctx: DistContext) -> PredictResult:
     return PredictResult(save_dir, total, mine_tally, loop_seconds)
 
 
-def warm_up(model: nn.Module, imgsz: tuple[int, int]) -> None:
+def warm_up(model: InferenceBackend, imgsz: tuple[int, int]) -> None:
     """Run one forward on a blank image of `imgsz` (outside the timings)."""
-    parameter = next(model.parameters())
     with torch.no_grad():
-        model(torch.zeros((1, 3, *imgsz), device=parameter.device, dtype=parameter.dtype))
+        model(torch.zeros((1, 3, *imgsz), device=model.device, dtype=model.dtype))
 
 
 def log_summary(total: Tally, save_dir: Path, cfg: PredictConfig, world_size: int) -> None:

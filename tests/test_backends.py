@@ -1,0 +1,336 @@
+"""Tests for utils/backends: val, detect, segment and torch.hub run an exported file as they run its checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import detect
+import hubconf
+import val
+from segment import predict as segment_predict
+from segment import val as segment_val
+from segment.task import SEGMENT
+from tests.conftest import make_tiny_dataset
+from utils.backends import BackendRequest, load_backend, resolve_imgsz
+from utils.backends.exported import rows_from_detections
+from utils.backends.metadata import read_metadata
+from utils.boxes import best_detections, top_detections
+from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
+from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
+from utils.distributed import DistContext
+from utils.errors import ConfigError
+from utils.eval.checkpoint_val import val_imgsz
+from utils.export import ExportConfig, export_checkpoint
+from utils.families import build_model, spec_from_cfg
+from utils.predict.config import PredictConfig
+from utils.predict.predictor import FramePredictor
+from utils.tasks import DETECT, Task
+
+TASKS = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
+IMGSZ = 64
+# Three detection families (YOLOv5 rows, anchor-free channels first, YOLO26's end-to-end detections) and one -seg.
+MODELS = {"yolov5n": DETECT, "yolov8n": DETECT, "yolo26n": DETECT, "yolov8n-seg": SEGMENT}
+TINY = SyntheticSpec(num_train=1, num_val=6, max_objects=3, min_object_frac=0.2, min_side=64, max_side=160)
+BOX_ATOL_PX = 2e-3  # ONNX and TorchScript reorder sums: boxes move by ~1e-4 px at 64 px (export allows 1e-3 + 1e-3 x)
+METRIC_ATOL = 0.002
+CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning"),  # TorchScript is under test
+]
+
+
+def _save_random_checkpoint(name: str, task: Task, path: Path) -> Path:
+    """A random-init `name` model for the six shape classes, saved as training saves it (trained at 64 px).
+
+    The head's weights get noise: a fresh head starts at one prior for all classes, and scores tied
+    across classes would be ranked in whatever order each runtime likes.
+    """
+    torch.manual_seed(0)
+    spec = spec_from_cfg(name, len(SHAPE_NAMES))
+    model = build_model(spec)
+    with torch.no_grad():
+        for parameter in model.head.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    run = RunInfo(
+        task=task.name, model_spec=spec.to_dict(), names=list(SHAPE_NAMES), train_config={"imgsz": IMGSZ}, hyp={},
+        model_family=spec.family,
+    )  # fmt: skip
+    state = build_checkpoint(run=run, model=model, ema=None, optimizer=None, scaler=None, epoch=0,
+                             best_fitness=0.0)  # fmt: skip
+    save_checkpoint(state, path, DistContext())
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """Per model: best.pt, best.torchscript (traced at batch 1, 64 px) and a dynamic best.onnx, written once."""
+    pytest.importorskip("onnxruntime")
+    found = {}
+    for name, task in MODELS.items():
+        folder = tmp_path_factory.mktemp(name)
+        weights = _save_random_checkpoint(name, task, folder / "best.pt")
+        (torchscript,) = export_checkpoint(ExportConfig(weights, ("torchscript",)), TASKS, DistContext())
+        (onnx,) = export_checkpoint(ExportConfig(weights, ("onnx",), dynamic=True), TASKS, DistContext())
+        found[name] = {"pt": weights, "torchscript": torchscript.path, "onnx": onnx.path}
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_dataset(tmp_path_factory.mktemp("backends-data"), TINY)
+
+
+def _request(task: str | None = "detect", **options: object) -> BackendRequest:
+    return BackendRequest(task=task, script="val", device=CPU, **options)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_metadata_read_back_is_what_export_wrote_and_what_the_backend_reports(
+    files: dict[str, dict[str, Path]], name: str
+) -> None:
+    task = MODELS[name]
+    checkpoint = load_backend(files[name]["pt"], _request(task.name)).info
+    layout = {"yolov5n": "rows", "yolov8n": "channels_first", "yolo26n": "end2end"}.get(name, "channels_first")
+    for file_format, dynamic in (("torchscript", False), ("onnx", True)):
+        path = files[name][file_format]
+        metadata = read_metadata(path)
+        assert {key: metadata[key] for key in ("task", "imgsz", "batch", "dynamic", "half", "family", "layout")} == {
+            "task": task.name, "imgsz": [IMGSZ, IMGSZ], "batch": 1, "dynamic": dynamic, "half": False,
+            "family": checkpoint.family, "layout": layout,
+        }  # fmt: skip
+        assert metadata["names"] == dict(enumerate(SHAPE_NAMES)) and metadata["num_masks"] == checkpoint.num_masks
+        info = load_backend(path, _request(task.name)).info
+        # The file says what the checkpoint says; only its storage differs (and a TorchScript trace takes any batch).
+        same = dataclasses.replace(checkpoint, path=path, file_format=file_format, layout=layout)
+        assert info == same and info.batch is None and not info.fixed_shape
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_backends_return_the_checkpoints_rows(files: dict[str, dict[str, Path]], name: str) -> None:
+    # Rows in the eval layout, then the family's selector: the same selected detections from every file.
+    task = MODELS[name]
+    images = torch.rand(2, 3, IMGSZ, 96, generator=torch.Generator().manual_seed(1))  # not the traced size or batch
+    backends = {kind: load_backend(path, _request(task.name)) for kind, path in files[name].items()}
+    selected = {}
+    for kind, backend in backends.items():
+        with torch.no_grad():
+            rows, extra = backend(images)
+        selected[kind] = backend.selector()(rows, 0.001, 0.6, max_det=300, num_masks=backend.info.num_masks,
+                                            multi_label=True)  # fmt: skip
+        if task.with_masks:
+            assert extra[1].shape == (2, backend.info.num_masks, IMGSZ // 4, 96 // 4)
+    for kind in ("torchscript", "onnx"):
+        for want, got in zip(selected["pt"], selected[kind], strict=True):
+            assert len(want) == len(got) > 0, kind
+            np.testing.assert_allclose(got.numpy(), want.numpy(), atol=BOX_ATOL_PX, rtol=1e-3, err_msg=kind)
+
+
+def _val(script: object, weights: Path, data: Path, project: Path, *extra: str) -> object:
+    argv = ["--weights", str(weights), "--data", str(data), "--batch-size", "4", "--workers", "0",
+            "--device", "cpu", "--project", str(project), "--save-txt", *extra]  # fmt: skip
+    return script.main(argv)
+
+
+def _predictions_by_image(result: object) -> dict[str, np.ndarray]:
+    """Each image's detections (original pixels), best score first."""
+    order = {item.path: np.argsort(-item.detections[:, 4], kind="stable") for item in result.predictions}
+    return {item.path: item.detections[order[item.path]] for item in result.predictions}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_val_scores_an_exported_file_as_its_checkpoint(
+    files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path, name: str
+) -> None:
+    script = segment_val if MODELS[name].with_masks else val
+    results = {kind: _val(script, path, tiny_data, tmp_path / kind) for kind, path in files[name].items()}
+    want = results["pt"]
+    for kind in ("torchscript", "onnx"):
+        got = results[kind]
+        for key, value in want.as_dict().items():
+            assert got.as_dict()[key] == pytest.approx(value, abs=METRIC_ATOL), (kind, key)
+        expected, found = _predictions_by_image(want), _predictions_by_image(got)
+        assert expected.keys() == found.keys() and sum(map(len, expected.values())) > 0
+        for path, rows in expected.items():
+            assert found[path].shape == rows.shape, (kind, path)
+            np.testing.assert_allclose(found[path], rows, atol=BOX_ATOL_PX * 4, rtol=1e-3, err_msg=kind)
+
+
+def _read_labels(folder: Path) -> dict[str, np.ndarray]:
+    """detect.py's --save-txt --save-conf files: per image, rows (class, ..., conf) best score first."""
+    found = {}
+    for path in sorted(folder.glob("*.txt")):
+        rows = [[float(v) for v in line.split()] for line in path.read_text().splitlines()]
+        found[path.name] = sorted(rows, key=lambda row: -row[-1])
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_detect_writes_an_exported_files_detections_as_its_checkpoints(
+    files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path, name: str
+) -> None:
+    script = segment_predict if MODELS[name].with_masks else detect
+    source = tiny_data.parent / "shapes" / "images" / "val"
+    # --max-det 40: an end-to-end file keeps its 300 best (point, class) scores, which hold the 40 best points'
+    # best classes whatever the scores (39 points x 6 classes < 300), so single-label selection is exact.
+    labels = {}
+    for kind, path in files[name].items():
+        argv = ["--weights", str(path), "--source", str(source), "--device", "cpu", "--conf-thres", "0.001",
+                "--max-det", "40", "--save-txt", "--save-conf", "--nosave",
+                "--project", str(tmp_path / kind)]  # fmt: skip
+        result = script.main(argv)
+        labels[kind] = _read_labels(result.save_dir / "labels")
+    assert len(labels["pt"]) == TINY.num_val and sum(map(len, labels["pt"].values())) > 0
+    for kind in ("torchscript", "onnx"):
+        assert labels[kind].keys() == labels["pt"].keys()
+        for image, rows in labels["pt"].items():
+            got = labels[kind][image]
+            assert len(got) == len(rows), (kind, image)
+            # Class and score of every detection; its box (or for masks the outline's first point) too.
+            want_head = np.array([[row[0], row[1], row[2], row[-1]] for row in rows])
+            got_head = np.array([[row[0], row[1], row[2], row[-1]] for row in got])
+            atol = 2e-2 if MODELS[name].with_masks else 1e-4  # outlines trace mask pixels; boxes are 6-decimal text
+            np.testing.assert_allclose(got_head, want_head, atol=atol, err_msg=f"{kind} {image}")
+
+
+def test_hub_custom_loads_an_onnx_file_and_detects_as_the_checkpoint(
+    files: dict[str, dict[str, Path]], tmp_path: Path
+) -> None:
+    image = np.random.default_rng(0).integers(0, 255, (80, 112, 3), dtype=np.uint8)
+    results = {}
+    for kind in ("pt", "onnx"):
+        model = hubconf.custom(path=str(files["yolov8n"][kind]), device="cpu")
+        model.conf = 0.001
+        assert model.size == IMGSZ and model.names == SHAPE_NAMES
+        (results[kind],) = model(image)
+    assert len(results["onnx"]) == len(results["pt"]) > 0
+    np.testing.assert_allclose(results["onnx"].boxes, results["pt"].boxes, atol=BOX_ATOL_PX * 2)
+    np.testing.assert_allclose(results["onnx"].scores, results["pt"].scores, atol=1e-4)
+    assert (results["onnx"].classes == results["pt"].classes).all()
+
+
+def _one_line(error: pytest.ExceptionInfo[ConfigError]) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_mismatches_are_refused_in_one_line_naming_the_file(files: dict[str, dict[str, Path]], tmp_path: Path) -> None:
+    seg_onnx, det_onnx, e2e_torchscript = (
+        files["yolov8n-seg"]["onnx"],
+        files["yolov8n"]["onnx"],
+        files["yolo26n"]["torchscript"],
+    )
+    with pytest.raises(ConfigError) as error:
+        load_backend(seg_onnx, _request("detect"))
+    assert _one_line(error) == f"{seg_onnx} is a segment export, not a detect one; use segment/val.py"
+    with pytest.raises(ConfigError) as error:
+        load_backend(det_onnx, BackendRequest("segment", "predict", CPU))
+    assert _one_line(error) == f"{det_onnx} is a detect export, not a segment one; use detect.py"
+    with pytest.raises(ConfigError, match="exported in FP32; for --half export it with export.py --half") as error:
+        load_backend(det_onnx, _request(half=True))
+    with pytest.raises(ConfigError, match="final detections; for --nms export it with --nms") as error:
+        load_backend(e2e_torchscript, _request(nms=True))
+    assert str(e2e_torchscript) in _one_line(error)
+    with pytest.raises(ConfigError, match="missing.onnx: file not found"):
+        load_backend(tmp_path / "missing.onnx", _request())
+
+
+def test_files_without_our_metadata_are_refused(tmp_path: Path) -> None:
+    pytest.importorskip("onnx")
+    conv = nn.Conv2d(3, 8, 3).eval()
+    images = torch.zeros(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.onnx.export(conv, (images,), str(tmp_path / "foreign.onnx"), dynamo=False)
+        torch.jit.trace(conv, images).save(str(tmp_path / "foreign.torchscript"))
+    for name in ("foreign.onnx", "foreign.torchscript"):
+        with pytest.raises(ConfigError) as error:
+            load_backend(tmp_path / name, _request())
+        assert _one_line(error) == (
+            f"{tmp_path / name}: no metadata from this project's export.py; export the .pt with export.py"
+        )
+    (tmp_path / "text.torchscript").write_text("not a model")
+    with pytest.raises(ConfigError, match="text.torchscript: not a TorchScript file torch can load"):
+        load_backend(tmp_path / "text.torchscript", _request())
+
+
+def test_a_static_onnx_file_runs_only_its_size_and_any_batch(files: dict[str, dict[str, Path]], tmp_path: Path) -> None:
+    weights = Path(shutil.copy(files["yolov8n"]["pt"], tmp_path / "best.pt"))
+    (exported,) = export_checkpoint(ExportConfig(weights, ("onnx",), batch_size=2), TASKS, DistContext())
+    backend = load_backend(exported.path, _request())
+    assert backend.info.fixed_shape and backend.info.batch == 2 and backend.info.imgsz == (IMGSZ, IMGSZ)
+    with pytest.raises(ConfigError) as error:
+        resolve_imgsz(backend.info, (96, 96))
+    assert _one_line(error) == (
+        f"{exported.path}: exported at a fixed 64x64, cannot run --imgsz 96x96; omit --imgsz, "
+        "or export again with --imgsz 96 96 or --dynamic"
+    )
+    with pytest.raises(ConfigError, match="fixed 64x64, cannot run --imgsz 96x96"):
+        val_imgsz(backend.info, 96)
+    assert val_imgsz(backend.info, None) == val_imgsz(backend.info, IMGSZ) == IMGSZ
+    # Three images through a batch-2 file: a full chunk, then one padded with a blank image.
+    images = torch.rand(3, 3, IMGSZ, IMGSZ, generator=torch.Generator().manual_seed(2))
+    checkpoint = load_backend(weights, _request())
+    with torch.no_grad():
+        want, got = checkpoint(images)[0], backend(images)[0]
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-3, rtol=1e-3)
+    # detect.py letterboxes a wide picture to the file's whole square, not to a 32 x 64 rectangle.
+    cfg = PredictConfig(weights=exported.path, source="", imgsz=(IMGSZ, IMGSZ), conf_thres=0.01)
+    wide = np.random.default_rng(0).integers(0, 255, (40, 100, 3), dtype=np.uint8)
+    assert FramePredictor(backend, DETECT, cfg)(wide)[1] == (IMGSZ, IMGSZ)
+    assert FramePredictor(checkpoint, DETECT, cfg)(wide)[1] == (32, IMGSZ)
+
+
+@pytest.mark.slow
+def test_val_refuses_another_size_for_a_static_file_in_one_line(
+    files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path
+) -> None:
+    weights = Path(shutil.copy(files["yolov5n"]["pt"], tmp_path / "best.pt"))
+    (exported,) = export_checkpoint(ExportConfig(weights, ("onnx",)), TASKS, DistContext())
+    argv = ["--weights", str(exported.path), "--data", str(tiny_data), "--workers", "0", "--device", "cpu"]
+    result = val.main([*argv, "--project", str(tmp_path / "runs")])  # no --imgsz: the file's 64, square batches
+    assert result.num_images == TINY.num_val
+    done = subprocess.run(
+        [sys.executable, "val.py", *argv, "--imgsz", "96"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: {exported.path}: exported at a fixed 64x64, cannot run --imgsz 96x96; omit --imgsz, "
+        "or export again with --imgsz 96 96 or --dynamic"
+    ]
+
+
+@pytest.mark.parametrize("num_masks", [0, 3])
+def test_end_to_end_detections_become_rows_the_top_score_selector_reads_as_the_checkpoints(num_masks: int) -> None:
+    generator = torch.Generator().manual_seed(num_masks)
+    num_classes, num_points = 6, 500
+    decoded = torch.cat(
+        (
+            torch.rand(2, num_points, 2, generator=generator) * 64,  # centres
+            torch.rand(2, num_points, 2, generator=generator) * 20 + 1,  # sizes
+            torch.rand(2, num_points, num_classes, generator=generator),
+            torch.randn(2, num_points, num_masks, generator=generator),
+        ),
+        2,
+    )
+    rows = rows_from_detections(best_detections(decoded, num_classes, 300), num_classes, num_masks)
+    assert rows.shape[0] == 2 and rows.shape[2] == 4 + num_classes + num_masks
+    for options in ({"multi_label": True, "max_det": 300}, {"multi_label": False, "max_det": 50}):
+        want = top_detections(decoded, 0.001, num_masks=num_masks, **options)
+        got = top_detections(rows, 0.001, num_masks=num_masks, **options)
+        for expected, found in zip(want, got, strict=True):
+            assert len(found) == len(expected) == options["max_det"]
+            np.testing.assert_allclose(found.numpy(), expected.numpy(), atol=1e-4)

@@ -1,0 +1,149 @@
+"""What every exported-file backend shares: its metadata checked against the request, fixed batches, rows back.
+
+A runtime (TorchScript, onnxruntime; later OpenVINO, TensorRT) is one ExportedBackend subclass that
+opens its file, hands its metadata to `exported_info` and runs images in `run_file`; the checks,
+the fixed-batch handling and the layout conversion here are the same for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from utils.backends.base import BackendInfo, BackendRequest, InferenceBackend
+from utils.backends.metadata import CHANNELS_FIRST, END_TO_END, LAYOUTS, REQUIRED_KEYS
+from utils.boxes import xyxy_to_xywh
+from utils.checkpoint import ENTRY_SCRIPTS
+from utils.errors import ConfigError
+from utils.families import family_named
+
+
+def exported_info(path: Path, metadata: Mapping[str, Any], file_format: str) -> BackendInfo:
+    """The BackendInfo of an exported file from the metadata export.py wrote into it.
+
+    A file without our keys (another tool's export, or one written before export.py recorded the
+    family and layout) is a one-line ConfigError naming the file and the fix.
+    """
+    missing = [key for key in REQUIRED_KEYS if key not in metadata]
+    if missing:
+        what = "no metadata" if len(missing) == len(REQUIRED_KEYS) else f"no {', '.join(missing)} in its metadata"
+        raise ConfigError(f"{path}: {what} from this project's export.py; export the .pt with export.py")
+    if metadata["layout"] not in LAYOUTS:
+        raise ConfigError(f"{path}: unknown output layout {metadata['layout']!r} (known: {', '.join(LAYOUTS)})")
+    family_named(metadata["family"], path)  # an unknown family is a one-line error naming the file
+    names = metadata["names"]
+    height, width = metadata["imgsz"]
+    # A TorchScript trace builds its grids from the input's size, so it runs any batch and size.
+    is_static = file_format == "onnx" and not metadata["dynamic"]
+    return BackendInfo(
+        path=path,
+        file_format=file_format,
+        task=metadata["task"],
+        family=metadata["family"],
+        layout=metadata["layout"],
+        names=tuple(str(names[key]) for key in sorted(names)) if isinstance(names, dict) else tuple(map(str, names)),
+        imgsz=(int(height), int(width)),
+        fixed_shape=is_static,
+        batch=int(metadata["batch"]) if is_static else None,
+        dtype=torch.float16 if metadata["half"] else torch.float32,
+        stride=int(metadata["stride"]),
+        num_masks=int(metadata["num_masks"]),
+        end_to_end=metadata["layout"] == END_TO_END,
+    )
+
+
+def check_request(info: BackendInfo, request: BackendRequest) -> None:
+    """Refuse, in one line naming the file, what an exported file cannot do for `request`.
+
+    A file of another task points at the entry point that takes it; --half needs a file exported in
+    FP16 (an FP32 graph is not converted here); an FP16 file needs CUDA; --nms needs the NMS layout,
+    which an end-to-end file does not hold.
+    """
+    path = info.path
+    if request.task is not None and info.task != request.task:
+        entry = ENTRY_SCRIPTS[request.script][info.task == "segment"]
+        raise ConfigError(f"{path} is a {info.task} export, not a {request.task} one; use {entry}")
+    if request.half and info.dtype != torch.float16:
+        raise ConfigError(f"{path} was exported in FP32; for --half export it with export.py --half (on CUDA)")
+    if info.dtype == torch.float16 and request.device.type != "cuda":
+        raise ConfigError(f"{path} was exported in FP16, which runs on CUDA only; use --device 0 or an FP32 export")
+    if request.nms and info.end_to_end:
+        raise ConfigError(f"{path} holds an end-to-end head's final detections; for --nms export it with --nms")
+
+
+class ExportedBackend(InferenceBackend):
+    """An exported file run by its runtime; subclasses open the file and implement `run_file`.
+
+    forward() returns the eval model's rows (see InferenceBackend) whatever layout the file stores, so
+    selection is the same code as for a checkpoint. A file with a fixed batch runs any batch: larger
+    ones in chunks of its batch, a short chunk padded with blank images whose outputs are dropped.
+    """
+
+    def __init__(self, info: BackendInfo, device: torch.device) -> None:
+        super().__init__(info)
+        self._device = device
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def run_file(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """The file's outputs for `images` (output0 [, output1]) as tensors on `device`."""
+        raise NotImplementedError
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(rows (B, N, no), None) for detection, (rows, (None, protos)) for segmentation."""
+        if self.info.fixed_shape and tuple(images.shape[2:]) != self.info.imgsz:
+            shape, fixed = tuple(images.shape), self.info.imgsz
+            raise ValueError(f"{self.info.path}: input {shape} does not match its fixed size {fixed}")
+        outputs = self._run_in_batches(images)
+        rows = rows_from_output(outputs[0].float(), self.info)
+        return (rows, (None, outputs[1])) if self.info.num_masks else (rows, None)
+
+    def _run_in_batches(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """run_file on `images`, in chunks of a fixed batch (the last padded) when the file has one."""
+        batch = self.info.batch
+        if batch is None or len(images) == batch:
+            return self.run_file(images)
+        pieces = []
+        for chunk in images.split(batch):
+            padded = torch.cat((chunk, chunk.new_zeros((batch - len(chunk), *chunk.shape[1:]))))
+            pieces.append([output[: len(chunk)] for output in self.run_file(padded)])
+        return [torch.cat(parts) for parts in zip(*pieces, strict=True)]
+
+
+def rows_from_output(output0: torch.Tensor, info: BackendInfo) -> torch.Tensor:
+    """A file's `output0` in the eval model's ROWS layout (B, N, no), what the family's selector reads."""
+    if info.layout == CHANNELS_FIRST:
+        return output0.transpose(1, 2)
+    if info.layout == END_TO_END:
+        return rows_from_detections(output0, len(info.names), info.num_masks)
+    return output0
+
+
+def rows_from_detections(detections: torch.Tensor, num_classes: int, num_masks: int) -> torch.Tensor:
+    """An end-to-end file's final detections back as decoded rows, for the same top-score selector as a checkpoint.
+
+    detections: (B, k, 6 + nm) [x1, y1, x2, y2, score, class, coeffs], the k best (point, class) scores.
+    Returns (B, M, 4 + nc + nm) [cx, cy, w, h, class scores, coeffs]: one row per point, the scores of
+    its classes among the k and 0 for the others; images with fewer points are padded with zero rows
+    (score 0 never passes a threshold). Rows of one point are copies of one decoded row, so equal
+    boxes and coefficients identify the point. The selector then gives the checkpoint's detections
+    whenever they lie within the file's k scores: always with multi-label selection and --max-det <= k.
+    """
+    batch = len(detections)
+    per_image = []
+    for rows in detections:
+        point_columns = torch.cat((rows[:, :4], rows[:, 6:]), 1)
+        points, point_of_row = torch.unique(point_columns, dim=0, return_inverse=True)
+        scores = rows.new_zeros((len(points), num_classes))
+        scores[point_of_row, rows[:, 5].long()] = rows[:, 4]
+        per_image.append(torch.cat((xyxy_to_xywh(points[:, :4]), scores, points[:, 4:]), 1))
+    width = 4 + num_classes + num_masks
+    out = detections.new_zeros((batch, max((len(rows) for rows in per_image), default=0), width))
+    for index, rows in enumerate(per_image):
+        out[index, : len(rows)] = rows
+    return out
