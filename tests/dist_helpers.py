@@ -1,4 +1,4 @@
-"""Test helpers for real processes: run a function on N gloo ranks and collect the results; a free port."""
+"""Test helpers for real processes: run a function on N gloo ranks, collect the results; a free port; a hang guard."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from utils.distributed import DistContext, cleanup
+
+# Hang guard for one subprocess that starts Python and imports torch (val.py, a `-c` script): seconds alone,
+# minutes when pytest -n 8 shares 2 cores among its workers. Never a measure of speed.
+PROCESS_TIMEOUT_S = 300
 
 
 def _ephemeral_ports() -> tuple[int, int]:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from pycocotools.coco import COCO
 
+from tests.dist_helpers import PROCESS_TIMEOUT_S
 from utils.data.synthetic import (
     MARKER_NAME,
     SHAPE_NAMES,
@@ -195,7 +196,7 @@ def test_concurrent_processes_generate_once(tmp_path: Path) -> None:
                 pytest.fail(f"the generators did not both queue on the lock:\n{texts}")
             time.sleep(0.05)
         fcntl.flock(lock, fcntl.LOCK_UN)
-        assert [child.wait(timeout=120) for child in children] == [0, 0]
+        assert [child.wait(timeout=PROCESS_TIMEOUT_S) for child in children] == [0, 0]
     texts = [log.read_text() for log in logs]
     assert all("Waiting" in text for text in texts)
     assert sum(text.count("Generating synthetic dataset") for text in texts) == 1
