@@ -25,7 +25,7 @@ from torch import nn
 from models.anchor_free import AnchorFreeSpec
 from models.yolo import spec_from_cfg
 from tests.conftest import make_tiny_dataset
-from tests.dist_helpers import free_port, run_distributed
+from tests.dist_helpers import PROCESS_TIMEOUT_S, free_port, run_distributed
 from utils.config import DEFAULT_HYP
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext, average_bn_stats
@@ -435,7 +435,8 @@ from utils.distributed import barrier, init_distributed
 def body(ctx):
     at_barrier = pathlib.Path(sys.argv[2])
     if ctx.rank == 1:
-        while not at_barrier.exists():
+        deadline = time.monotonic() + float(sys.argv[1])  # a rank 0 that never gets there fails the test anyway
+        while not at_barrier.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         raise ValueError("rank 1 fails on purpose")
     at_barrier.touch()
@@ -467,7 +468,7 @@ def test_a_rank_that_raises_ends_the_run_instead_of_hanging(tmp_path: Path) -> N
     outputs = []
     try:
         for process in processes:
-            stdout, stderr = process.communicate(timeout=timeout_s + 30)
+            stdout, stderr = process.communicate(timeout=timeout_s + PROCESS_TIMEOUT_S)  # start-up under load
             outputs.append((process.returncode, stdout.decode(), stderr.decode()))
     finally:
         for process in processes:

@@ -14,7 +14,7 @@ import pytest
 import utils.cli.entry
 import utils.cli.train
 import utils.cli.val
-from tests.dist_helpers import free_port
+from tests.dist_helpers import PROCESS_TIMEOUT_S, free_port
 from utils.errors import ConfigError
 from utils.eval.config import build_val_parser, val_config_from_args
 from utils.tasks import DETECT
@@ -96,7 +96,7 @@ def test_run_entry_gives_the_process_group_its_timeout(tmp_path: Path) -> None:
         command = [sys.executable, str(script), str(timeout_s), str(late_s), str(tmp_path / "started")]
         processes.append(subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     try:
-        stdout, stderr = processes[0].communicate(timeout=late_s + 60)
+        stdout, stderr = processes[0].communicate(timeout=late_s + PROCESS_TIMEOUT_S)  # start-up under load
     finally:
         for process in processes:
             process.kill()  # rank 1 is still asleep: it has served its purpose
