@@ -1,9 +1,11 @@
-"""Test helpers for real processes: run a function on N gloo ranks and collect the results; a free port."""
+"""Test helpers for real processes: run a function on N gloo ranks, collect the results; a free port; a hang guard."""
 
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -17,12 +19,62 @@ import torch.multiprocessing as mp
 
 from utils.distributed import DistContext, cleanup
 
+# Hang guard for one subprocess that starts Python and imports torch (val.py, a `-c` script): seconds alone,
+# minutes when pytest -n 8 shares 2 cores among its workers. Never a measure of speed.
+PROCESS_TIMEOUT_S = 300
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (bind to port 0, the source port of a connect)."""
+    try:
+        low, high = (int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _port_block() -> range:
+    """The ports this process hands out: one of 16 blocks below the ephemeral range, one per xdist worker.
+
+    Workers gw0..gw15 get disjoint blocks, so two tests running side by side under `pytest -n`
+    never pick the same port; the main process (no xdist) takes block 0.
+    """
+    high = _ephemeral_ports()[0]
+    low = max(1024, high // 3)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    size = (high - low) // 16
+    start = low + (int(worker) % 16 if worker.isdigit() else 0) * size
+    return range(start, start + size)
+
+
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a subprocess's --master_port)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now and that no other test of this run will be given.
+
+    Launchers need the number before they bind the port (torchrun --master_port, MASTER_PORT,
+    `mlflow server --port`), so it must stay free for the seconds their start takes. A port the
+    kernel picked (bind to port 0) does not: it comes from the ephemeral range, where any
+    outgoing connection on the machine (gloo, TCPStore clients, HTTP) may take it meanwhile as
+    its source port. So the port comes from below that range, where the kernel never hands
+    ports out by itself, from this xdist worker's own block (`_port_block`), never twice from
+    one process; the random start and the bind check step around other programs that bind there.
+    """
+    block = _port_block()
+    offset = random.randrange(len(block))
+    for step in range(len(block)):
+        port = block[(offset + step) % len(block)]
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (or just released and still in TIME_WAIT): the launcher might not get it
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {block.start}-{block.stop - 1}")
 
 
 def _result_path(tmp_path: Path, rank: int) -> Path:

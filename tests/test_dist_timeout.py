@@ -14,7 +14,7 @@ import pytest
 import utils.cli.entry
 import utils.cli.train
 import utils.cli.val
-from tests.dist_helpers import free_port
+from tests.dist_helpers import PROCESS_TIMEOUT_S, free_port
 from utils.errors import ConfigError
 from utils.eval.config import build_val_parser, val_config_from_args
 from utils.tasks import DETECT
@@ -54,8 +54,11 @@ def test_train_and_val_entry_points_hand_the_timeout_to_run_entry(monkeypatch: p
 
 
 # One rank of a torchrun-like job: rank 1 is alive but late, so only the group's timeout can end rank 0's wait.
+# Each rank enters run_entry (which creates the group with the timeout under test) only once both have started
+# (a file per rank in argv[3]): a slow interpreter start must not make the group's set-up time out instead of
+# the barrier. The barrier alone is timed, so a loaded machine's slow start-up and teardown do not count.
 LATE_RANK_SCRIPT = """
-import datetime, sys, time
+import datetime, os, pathlib, sys, time
 import torch
 from utils.cli.entry import run_entry
 from utils.distributed import barrier
@@ -63,37 +66,43 @@ from utils.distributed import barrier
 def body(ctx):
     if ctx.rank == 1:
         time.sleep(float(sys.argv[2]))
-    barrier(ctx)
+    start = time.monotonic()
+    try:
+        barrier(ctx)
+    finally:
+        print(f"seconds in the barrier: {time.monotonic() - start:.2f}", flush=True)
 
 torch.set_num_threads(1)
-start = time.monotonic()
-try:
-    run_entry("cpu", body, datetime.timedelta(seconds=float(sys.argv[1])))
-finally:
-    print(f"seconds in run_entry: {time.monotonic() - start:.2f}", flush=True)
+started = pathlib.Path(sys.argv[3])
+(started / os.environ["RANK"]).touch()
+while len(list(started.iterdir())) < 2:
+    time.sleep(0.01)
+run_entry("cpu", body, datetime.timedelta(seconds=float(sys.argv[1])))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_run_entry_gives_the_process_group_its_timeout(tmp_path: Path) -> None:
-    timeout_s, late_s = 2.0, 20.0
+    timeout_s, late_s = 5.0, 60.0  # rank 1 is killed once rank 0 is done: its lateness costs no time
     script = tmp_path / "late_rank.py"
     script.write_text(LATE_RANK_SCRIPT)
+    (tmp_path / "started").mkdir()
     port, repo = free_port(), Path(__file__).resolve().parents[1]
     processes = []
     for rank in range(2):
         env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(port))
-        command = [sys.executable, str(script), str(timeout_s), str(late_s)]
+        command = [sys.executable, str(script), str(timeout_s), str(late_s), str(tmp_path / "started")]
         processes.append(subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     try:
-        stdout, stderr = processes[0].communicate(timeout=late_s + 60)
+        stdout, stderr = processes[0].communicate(timeout=late_s + PROCESS_TIMEOUT_S)  # start-up under load
     finally:
         for process in processes:
             process.kill()  # rank 1 is still asleep: it has served its purpose
             process.wait()
-    seconds = float(stdout.decode().rsplit(":", 1)[1])
     assert processes[0].returncode != 0, "rank 0's barrier should have timed out"
-    assert "timed out" in stderr.decode().lower(), stderr.decode()  # gloo: "Timed out waiting 2000ms for recv"
+    assert "timed out" in stderr.decode().lower(), stderr.decode()  # gloo: "Timed out waiting 5000ms for recv"
+    assert "seconds in the barrier" in stdout.decode(), f"rank 0 never reached the barrier:\n{stderr.decode()}"
+    seconds = float(stdout.decode().rsplit(":", 1)[1])
     assert timeout_s <= seconds < late_s / 2, f"rank 0 waited {seconds:.1f} s with a {timeout_s:.0f} s timeout"

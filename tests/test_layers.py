@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_helpers import PROCESS_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAINING_MODULES = ("utils.train", "segment.training", "segment.loss", "segment.dense_loss", "utils.cli.train")
 
@@ -48,7 +50,7 @@ def test_inference_entry_points_never_import_training_code(tmp_path: Path) -> No
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=PROCESS_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
@@ -58,7 +60,8 @@ def test_inference_entry_points_never_import_training_code(tmp_path: Path) -> No
 def test_the_training_entry_imports_its_engine() -> None:
     # The other side of the test above: the probe sees training modules when they are loaded.
     code = f"import sys, train; print(sorted(n for n in sys.modules if n.startswith({TRAINING_MODULES!r})))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-c", code]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "utils.train.engine" in done.stdout and "utils.cli.train" in done.stdout
 

@@ -182,37 +182,67 @@ def test_workers_draw_different_random_streams(monkeypatch: pytest.MonkeyPatch) 
 
 
 class TimedDataset(FakeDataset):
-    """FakeDataset whose path starts with when the item was built (`time.monotonic_ns()`: one clock, all processes)."""
+    """FakeDataset whose path starts with when the item was built (`time.monotonic_ns()`: one clock, all processes).
+
+    Each item built also leaves a file `<epoch>-<index>` in `built_dir`, so a test can see that the
+    workers built a batch without asking the loader for it.
+    """
+
+    def __init__(self, num_items: int, ctx: DistContext, built_dir: Path) -> None:
+        super().__init__(num_items, ctx)
+        self.built_dir = built_dir
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict[str, object]:
         item = super().__getitem__(key)
         _, index, epoch, _ = parse_paths([item["path"]])[0]  # type: ignore[list-item]
-        return {**item, "path": f"{time.monotonic_ns()}|{index}|{epoch}|0"}
+        timed = {**item, "path": f"{time.monotonic_ns()}|{index}|{epoch}|0"}
+        (self.built_dir / f"{epoch}-{index}").touch()
+        return timed
 
 
-def test_start_has_the_workers_build_the_first_batch_before_it_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+def wait_until_built(dataset: TimedDataset, epoch: int, indices: list[int]) -> None:
+    """Return once the workers have built items `indices` of `epoch`, unasked; fail if they do not within 120 s.
+
+    Stands for the rest of a run's set-up (or an epoch's end) during which they should: waiting for the
+    evidence rather than sleeping a second keeps the test right however slowly a loaded machine starts them.
+    """
+    deadline = time.monotonic() + 120
+    while not all((dataset.built_dir / f"{epoch}-{index}").exists() for index in indices):
+        assert time.monotonic() < deadline, f"no worker built epoch {epoch}'s items {indices} before being asked"
+        time.sleep(0.01)
+
+
+def test_start_has_the_workers_build_the_first_batch_before_it_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Set-up starts the workers (`TrainLoader.start`): their start and first batches overlap the rest of it."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     ctx = DistContext()
-    loader = build_train_loader(TimedDataset(8, ctx), 2, 2, ctx, seed=0, epochs=3)
+    dataset = TimedDataset(8, ctx, tmp_path)
+    loader = build_train_loader(dataset, 2, 2, ctx, seed=0, epochs=3)
     loader.start(2, start_batch=1)  # as a run resumed at epoch 3, batch 2 does
-    time.sleep(1.0)  # the rest of the set-up: optimizer, EMA, callbacks
+    expected = loader.sampler.indices_of(2).tolist()[2:]
+    wait_until_built(dataset, 2, expected[:2])  # the rest of the set-up: optimizer, EMA, callbacks
     began = time.monotonic_ns()
     loader.set_epoch(2, start_batch=1)  # what the first epoch asks for: the iteration started goes on
     batches = list(loader)
-    assert max(built for built, _, _, _ in parse_paths(batches[0]["paths"])) < began
+    assert max(built for built, _, _, _ in parse_paths(batches[0]["paths"])) < began  # that batch, not a new one
     order = [index for batch in batches for _, index, _, _ in parse_paths(batch["paths"])]
-    assert order == loader.sampler.indices_of(2).tolist()[2:]
+    assert order == expected
 
 
-def test_workers_build_the_next_epochs_first_batch_before_that_epoch_begins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_build_the_next_epochs_first_batch_before_that_epoch_begins(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """The pipeline runs across the epoch boundary: epoch 1 does not start by waiting for its first batch."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     ctx = DistContext()
-    loader = build_train_loader(TimedDataset(8, ctx), 2, 2, ctx, seed=0, epochs=2)
+    dataset = TimedDataset(8, ctx, tmp_path)
+    loader = build_train_loader(dataset, 2, 2, ctx, seed=0, epochs=2)
     loader.set_epoch(0)
     list(loader)
-    time.sleep(1.0)  # the end of an epoch: validation and checkpoints, while the workers run on
+    expected = loader.sampler.indices_of(1).tolist()
+    wait_until_built(dataset, 1, expected[:2])  # the end of an epoch: validation and checkpoints
     began = time.monotonic_ns()
     loader.set_epoch(1)
     batches = list(loader)
@@ -220,7 +250,7 @@ def test_workers_build_the_next_epochs_first_batch_before_that_epoch_begins(monk
     assert max(built for built, _, _, _ in first) < began  # built during epoch 0's end, not after
     assert {epoch for batch in batches for _, _, epoch, _ in parse_paths(batch["paths"])} == {1}
     order = [index for batch in batches for _, index, _, _ in parse_paths(batch["paths"])]
-    assert order == loader.sampler.indices_of(1).tolist()  # exactly the epoch set_epoch(1) alone gives
+    assert order == expected  # exactly the epoch set_epoch(1) alone gives
 
 
 class NicenessDataset(FakeDataset):

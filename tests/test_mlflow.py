@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import torch
 
 import train
 from tests.conftest import make_tiny_dataset
+from tests.dist_helpers import free_port
 from utils.data.synthetic import SyntheticSpec
 from utils.train.mlflow_logger import metric_name
 
@@ -46,12 +46,6 @@ def _train(tiny_data: Path, project: Path, **extra: object):
     options = dict(cfg="yolov5n", data=tiny_data, imgsz=64, batch_size=4, epochs=2, workers=0, device="cpu",
                    project=project, noplots=True, seed=1)  # fmt: skip
     return train.run(**{**options, **extra})
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _metric_steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
@@ -92,7 +86,7 @@ def test_local_store_gets_params_metrics_artifacts_and_a_resume_continues_the_ru
 @pytest.fixture
 def mlflow_server(tmp_path: Path) -> Iterator[str]:
     """A real `mlflow server` on a free localhost port, stopped after the test."""
-    port = _free_port()
+    port = free_port()
     uri = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
                "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
@@ -139,7 +133,7 @@ def test_a_real_tracking_server_named_by_the_environment_gets_the_run(
 def test_a_tracking_uri_nobody_listens_on_costs_one_warning(
     tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     with caplog.at_level(logging.WARNING):
         result = _train(tiny_data, tmp_path / "runs", epochs=1)
     assert result.best.is_file()

@@ -3,13 +3,14 @@ WaitTimer counts the time spent waiting for them."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+import utils.train.prefetch as prefetch
 from utils.train.prefetch import DevicePrefetcher, WaitTimer
 
 
@@ -83,21 +84,25 @@ def test_on_cuda_the_side_stream_copies_equal_the_plain_path() -> None:
         torch.testing.assert_close(on_device["targets"].cpu(), batch["targets"], rtol=0, atol=0)
 
 
-def test_wait_timer_counts_time_in_next_and_not_the_consumer() -> None:
+def test_wait_timer_counts_time_in_next_and_not_the_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A clock that moves only when producer or consumer says so: the sums are exact, however loaded the machine.
+    now = [0.0]
+    monkeypatch.setattr(prefetch, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
     def slow_source() -> Iterator[int]:
         for value in range(3):
-            time.sleep(0.05)  # the producer: counted
+            now[0] += 0.05  # the producer: counted
             yield value
 
     timer = WaitTimer(slow_source())
     seen = []
     for value in timer:
         seen.append(value)
-        time.sleep(0.1)  # the consumer's step: not counted
+        now[0] += 0.1  # the consumer's step: not counted
     assert seen == [0, 1, 2]
-    assert 0.15 <= timer.seconds < 0.3  # counting the consumer would make it >= 0.45
+    assert timer.seconds == pytest.approx(0.15)  # counting the consumer would make it 0.45
     again = list(timer)  # a second pass over a list-like source adds to the same total
-    assert again == [] and timer.seconds < 0.3
+    assert again == [] and timer.seconds == pytest.approx(0.15)
 
 
 def test_wait_timer_passes_a_failure_of_the_source_on() -> None:

@@ -19,6 +19,7 @@ import val
 from segment import train as seg_train
 from segment import val as seg_val
 from tests.conftest import make_tiny_dataset, tiny_val_argv
+from tests.dist_helpers import PROCESS_TIMEOUT_S
 from tests.test_torchrun import _torchrun
 from utils.config import QUICKSTART_HYP
 from utils.data.synthetic import SyntheticSpec
@@ -93,7 +94,7 @@ def test_detection_validator_refuses_a_segmentation_checkpoint_in_one_line(seg_r
         val.main(["--weights", str(seg_run.best), "--data", str(tiny_data), "--device", "cpu"])
     done = subprocess.run(
         [sys.executable, "val.py", "--weights", str(seg_run.best), "--data", str(tiny_data), "--device", "cpu"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
 

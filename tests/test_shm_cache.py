@@ -24,7 +24,7 @@ import tests.test_elastic as elastic
 import utils.data.shm_cache as shm_module
 import utils.data.shm_segment as segment_module
 from tests.conftest import make_tiny_dataset
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import PROCESS_TIMEOUT_S, run_distributed
 from tests.test_cache import _images
 from utils.data.cache import read_resized, resized_hw
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
@@ -283,7 +283,7 @@ def _run_and_exit(shm_dir: Path, paths: list[str], shapes: np.ndarray, **env: st
         env={**clean, "PYTHONPATH": str(ROOT), **env},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PROCESS_TIMEOUT_S,
     )
 
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from pycocotools.coco import COCO
 
+from tests.dist_helpers import PROCESS_TIMEOUT_S
 from utils.data.synthetic import (
     MARKER_NAME,
     SHAPE_NAMES,
@@ -185,11 +186,17 @@ def test_concurrent_processes_generate_once(tmp_path: Path) -> None:
             subprocess.Popen([sys.executable, "-c", _CHILD, str(root)], cwd=REPO_ROOT, stderr=err)
             for err in (err0, err1)
         ]
-        deadline = time.time() + 30
-        while not all("Waiting" in log.read_text() for log in logs) and time.time() < deadline:
+        # Both must be waiting before the lock is let go, however long a loaded machine takes to start them.
+        deadline = time.monotonic() + 300
+        while not all("Waiting" in log.read_text() for log in logs):
+            if time.monotonic() > deadline or any(child.poll() is not None for child in children):
+                for child in children:
+                    child.kill()
+                texts = "\n".join(log.read_text() for log in logs)
+                pytest.fail(f"the generators did not both queue on the lock:\n{texts}")
             time.sleep(0.05)
         fcntl.flock(lock, fcntl.LOCK_UN)
-        assert [child.wait(timeout=120) for child in children] == [0, 0]
+        assert [child.wait(timeout=PROCESS_TIMEOUT_S) for child in children] == [0, 0]
     texts = [log.read_text() for log in logs]
     assert all("Waiting" in text for text in texts)
     assert sum(text.count("Generating synthetic dataset") for text in texts) == 1

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,17 +26,17 @@ from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = SyntheticSpec(num_train=8, num_val=4, max_objects=3, min_object_frac=0.2, min_side=64, max_side=96)
-LAUNCH_TIMEOUT_S = 240
+# Only a hang guard: a 2-epoch run takes about a minute alone on 2 cores and several under pytest -n 8.
+LAUNCH_TIMEOUT_S = 600
 NPROC = 2
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # every test launches train.py under torchrun
 
 
 @dataclass
 class Launch:
-    """What one torchrun launch left: its exit code and wall time, and each rank's stdout and stderr."""
+    """What one torchrun launch left: its exit code, and each rank's stdout and stderr."""
 
     returncode: int
-    seconds: float
     launcher_output: str
     rank_stdout: list[str]
     rank_stderr: list[str]
@@ -48,15 +48,12 @@ def _torchrun(log_dir: Path, *train_args: str, script: str = "train.py") -> Laun
                "--master_port", str(free_port()), "--log-dir", str(log_dir), "--redirects", "3",
                script, "--device", "cpu", "--workers", "0", *train_args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    start = time.monotonic()
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    seconds = time.monotonic() - start
     rank_dirs = [next(log_dir.glob(f"*/attempt_0/{rank}"), None) for rank in range(NPROC)]
     if None in rank_dirs:
         pytest.fail(f"torchrun left no per-rank logs (exit {done.returncode}):\n{done.stdout}{done.stderr}")
     return Launch(
         returncode=done.returncode,
-        seconds=seconds,
         launcher_output=done.stdout + done.stderr,
         rank_stdout=[(d / "stdout.log").read_text() for d in rank_dirs],
         rank_stderr=[(d / "stderr.log").read_text() for d in rank_dirs],
@@ -130,7 +127,11 @@ def test_batch_size_not_divisible_by_processes_fails_fast_with_one_line(tiny_dat
         assert len(lines) == 1, stderr
         assert lines[0].startswith("error: --batch-size 3 is not divisible by 2 processes"), stderr
     assert not (tmp_path / "runs").exists(), "nothing is written before the options are validated"
-    assert launch.seconds < LAUNCH_TIMEOUT_S / 4, f"took {launch.seconds:.0f} s: a rank waited instead of failing"
+    # Fast: every rank refused the options itself (the line above) and the job ended on that refusal, a rank's exit
+    # code 2. A rank waiting for a peer would have printed no line of its own or sat out the group's 30-minute
+    # timeout, far past LAUNCH_TIMEOUT_S. The wall time is not asserted: a loaded machine takes minutes to start torch.
+    root_cause = launch.launcher_output.partition("Root Cause (first observed failure):")[2]
+    assert re.search(r"exitcode\s*:\s*2 ", root_cause), launch.launcher_output
 
 
 def test_resume_under_torchrun_continues_from_saved_epoch(ddp_run, tmp_path: Path) -> None:

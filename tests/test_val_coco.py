@@ -20,7 +20,7 @@ from pycocotools.cocoeval import COCOeval
 import val
 from segment import val as segment_val
 from segment.task import SEGMENT
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import PROCESS_TIMEOUT_S, run_distributed
 from utils.checkpoint import RunInfo, build_checkpoint, load_checkpoint, save_checkpoint
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 from utils.distributed import DistContext, gather_objects
@@ -194,7 +194,7 @@ def test_missing_annotations_file_is_one_error_line(dataset, weights: Path, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [sys.executable, "val.py", *_val_args(weights, bad_yaml, tmp_path, "--save-json")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
@@ -230,7 +230,7 @@ def test_corrupt_checkpoint_is_one_error_line(tmp_path: Path) -> None:
     bad.write_bytes(b"not a zip archive")
     done = subprocess.run(
         [sys.executable, "val.py", "--weights", str(bad), "--device", "cpu"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S,
     )  # fmt: skip
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and str(bad) in lines[0], done.stderr
