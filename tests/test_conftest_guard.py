@@ -12,6 +12,7 @@ import val
 from segment import train as seg_train
 from segment import val as seg_val
 from utils.distributed import init_distributed
+from utils.errors import ConfigError
 
 GUARD_ERROR = pytest.fail.Exception  # pytest.fail's exception: a BaseException that `except Exception` cannot swallow
 
@@ -51,7 +52,7 @@ def test_entry_points_fail_a_test_not_marked_slow(main, tmp_path) -> None:
 @pytest.mark.slow
 def test_slow_tests_reach_the_real_entry_point(tmp_path) -> None:
     # Marked slow, the real run_entry runs and the missing weights give the library's own error.
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError, match=r"none\.pt: file not found"):
         val.main(["--weights", str(tmp_path / "none.pt"), "--device", "cpu"])
 
 

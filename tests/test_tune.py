@@ -453,8 +453,9 @@ def test_two_workers_share_one_study_through_a_journal_file(tiny_data: Path, tmp
     storage = optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
     study = optuna.load_study(study_name="exp", storage=storage)
     trials = study.get_trials()
-    complete = [t for t in trials if t.state.name == "COMPLETE"]
-    assert 6 <= len(complete) <= 7, "each worker stops once the study has its trials (one may be in flight)"
+    complete = [t for t in trials if t.state.name in ("COMPLETE", "PRUNED")]  # the median pruner may stop one
+    states = [(t.number, t.state.name, t.user_attrs.get("reason", "")) for t in trials]
+    assert 6 <= len(complete) <= 7, f"each worker stops once the study has its trials (one may be in flight): {states}"
     assert sorted(t.number for t in trials) == list(range(len(trials)))
     assert len({t.user_attrs["worker"] for t in complete}) == 2, "both workers ran trials"
     assert sum(bool(t.user_attrs.get("baseline")) for t in trials) == 1
