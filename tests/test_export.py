@@ -118,6 +118,7 @@ def test_torchscript_matches_pytorch_at_any_batch_and_size(
         "batch": 1,
         "dynamic": False,
         "half": False,
+        "precision": "fp32",
         "end2end": False,
         "channels": 3,
         "family": "yolov5",

@@ -1,4 +1,4 @@
-"""Export a checkpoint to TorchScript and ONNX with its metadata, and check each file's outputs against PyTorch."""
+"""Export a checkpoint to TorchScript, ONNX, OpenVINO or TensorRT with its metadata, checked against PyTorch."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from utils.backends.exported import Runner
 from utils.backends.metadata import (
     CHANNELS_FIRST,
     END_TO_END,
@@ -36,13 +38,27 @@ from utils.config import IMGSZ_FROM_CHECKPOINT_HELP
 from utils.convert import load_weights
 from utils.distributed import DistContext
 from utils.errors import ConfigError
+from utils.export_openvino import OpenVinoSettings, export_openvino, openvino_folder
+from utils.export_tensorrt import EngineSettings, export_engine
 from utils.families import decodes_end_to_end, family_of
 from utils.inference_model import inference_model
+from utils.quantization import (
+    MIN_AGREEMENT,
+    Agreement,
+    CalibrationSet,
+    calibration_batches,
+    detection_agreement,
+    load_calibration_images,
+)
 from utils.tasks import Task
 
 LOGGER = logging.getLogger(__name__)
 
-SUFFIXES = {"torchscript": ".torchscript", "onnx": ".onnx"}  # YOLOv5's file names: best.pt -> best.torchscript
+# YOLOv5's file names: best.pt -> best.torchscript, best.onnx, best.engine; OpenVINO writes a folder (openvino_folder).
+SUFFIXES = {"torchscript": ".torchscript", "onnx": ".onnx", "openvino": "_openvino_model", "engine": ".engine"}
+HALF_INPUT_FORMATS = ("torchscript", "onnx")  # --half makes their input FP16; OpenVINO and TensorRT keep FP32 input
+INT8_FORMATS = ("openvino", "engine")
+DEFAULT_CALIB_IMAGES = 300
 DEFAULT_OPSET = 17  # YOLOv5's default
 # The TorchScript-based ONNX exporter (dynamo=False) that we use writes opsets up to 20 in torch 2.14.
 OPSET_RANGE = (11, 20)
@@ -63,6 +79,9 @@ class ExportConfig:
     simplify: bool = False  # ONNX: run onnxsim on the graph
     opset: int = DEFAULT_OPSET
     nms: bool = False  # end-to-end models: export the one-to-many head's rows (for NMS) instead of final detections
+    int8: bool = False  # OpenVINO / TensorRT: post-training INT8 quantization, calibrated on `data`'s train images
+    data: Path | None = None  # dataset YAML for --int8 calibration
+    calib_images: int = DEFAULT_CALIB_IMAGES
 
 
 @dataclass(frozen=True)
@@ -88,11 +107,12 @@ FP16_TOLERANCE = Tolerance(rtol=1e-2, atol=1e-2)  # fp16 keeps ~3 significant di
 class ExportedFile:
     """One written file, how long writing it took, and how far its outputs are from PyTorch's."""
 
-    file_format: str  # "torchscript" | "onnx"
-    path: Path
+    file_format: str  # "torchscript" | "onnx" | "openvino" | "engine"
+    path: Path  # a file, or the model folder for OpenVINO
     export_seconds: float
-    max_abs_diff: float | None  # None when parity could not be run (ONNX without onnxruntime)
+    max_abs_diff: float | None  # None when parity could not be run (ONNX without onnxruntime) or for INT8
     tolerance_share: float | None = None  # the largest |diff| / (atol + rtol * |value|): <= 1 passes
+    agreement: float | None = None  # INT8 only: share of PyTorch's detections the file also finds (quantization.py)
 
 
 @dataclass(frozen=True)
@@ -151,15 +171,20 @@ class ExportWrapper(nn.Module):
 
 def build_export_parser() -> argparse.ArgumentParser:
     """Return the argparse parser of export.py (YOLOv5's flags for the formats we write)."""
-    parser = argparse.ArgumentParser(description="Export a detection or segmentation checkpoint to TorchScript/ONNX")
+    parser = argparse.ArgumentParser(description="Export a detection or segmentation checkpoint for deployment")
     parser.add_argument("--weights", type=Path, required=True, help="checkpoint path (best.pt / last.pt)")
-    parser.add_argument("--include", nargs="+", default=["torchscript"], help="formats: torchscript onnx")
+    parser.add_argument("--include", nargs="+", default=["torchscript"], help="torchscript onnx openvino engine")
     parser.add_argument(
         "--imgsz", "--img", "--img-size", nargs="+", type=int, help=f"(h [w]) {IMGSZ_FROM_CHECKPOINT_HELP}"
     )
     parser.add_argument("--batch-size", type=int, default=1, help="batch size of the traced input")
     parser.add_argument("--device", default="cpu", help="cpu or a cuda device, e.g. 0")
-    parser.add_argument("--half", action="store_true", help="FP16 export (CUDA only; not with --dynamic)")
+    parser.add_argument("--half", action="store_true", help="FP16 export (CUDA but for openvino; no --dynamic)")
+    parser.add_argument("--int8", action="store_true", help="openvino / engine: INT8 quantization (needs --data)")
+    parser.add_argument("--data", type=Path, help="dataset YAML whose train images calibrate --int8")
+    parser.add_argument(
+        "--calib-images", type=int, default=DEFAULT_CALIB_IMAGES, help="--int8: number of calibration images"
+    )
     parser.add_argument("--dynamic", action="store_true", help="ONNX: dynamic batch, height and width")
     parser.add_argument("--simplify", action="store_true", help="ONNX: simplify the graph (needs onnxsim)")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset version")
@@ -186,6 +211,9 @@ def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
         raise ConfigError(f"--opset {args.opset} must be within {OPSET_RANGE[0]}..{OPSET_RANGE[1]}")
     if args.half and args.dynamic:  # YOLOv5 refuses the pair too (it traces dynamic graphs on CPU, which lacks fp16)
         raise ConfigError("--half and --dynamic cannot be combined; use one of them")
+    check_int8_flags(args, include)
+    if "engine" in include and args.dynamic:
+        raise ConfigError("--dynamic is not supported for engine: TensorRT builds for one --imgsz and --batch-size")
     return ExportConfig(
         weights=args.weights,
         include=include,
@@ -197,20 +225,50 @@ def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
         simplify=args.simplify,
         opset=args.opset,
         nms=args.nms,
+        int8=args.int8,
+        data=args.data,
+        calib_images=args.calib_images,
     )
 
 
+def check_int8_flags(args: argparse.Namespace, include: tuple[str, ...]) -> None:
+    """Refuse, in one line naming the flag, an --int8 export that cannot be calibrated or has no INT8 form."""
+    if not args.int8:
+        return
+    others = [name for name in include if name not in INT8_FORMATS]
+    if others:
+        raise ConfigError(f"--int8 applies to --include openvino / engine, not {others[0]}; export it in another run")
+    if args.half:
+        raise ConfigError("--half and --int8 cannot be combined; --int8 keeps the layers it does not quantize in float")
+    if args.data is None:
+        raise ConfigError("--int8 needs --data, a dataset YAML whose train images calibrate the quantization")
+    if args.calib_images < 1:
+        raise ConfigError(f"--calib-images {args.calib_images} must be at least 1")
+    if args.imgsz is not None and args.imgsz[0] != args.imgsz[-1]:
+        raise ConfigError("--int8 calibrates on square images, as val letterboxes them; give one --imgsz side")
+
+
 def check_export_dependencies(cfg: ExportConfig, ctx: DistContext) -> None:
-    """Refuse, in one line, what this machine cannot do: --half off CUDA, ONNX without onnx, --simplify without onnxsim.
+    """Refuse, in one line, what this machine cannot do: --half off CUDA (but for OpenVINO), a missing package,
+    TensorRT without CUDA.
 
     onnxruntime is optional: without it the ONNX file is only checked structurally.
     """
-    if cfg.half and ctx.device.type != "cuda":
-        raise ConfigError("--half needs a CUDA device (e.g. --device 0); CPU exports stay FP32")
-    if "onnx" in cfg.include:
+    on_cuda = ctx.device.type == "cuda"
+    if cfg.half and not on_cuda and any(name != "openvino" for name in cfg.include):
+        raise ConfigError("--half needs a CUDA device (e.g. --device 0), except for --include openvino alone")
+    if "onnx" in cfg.include or "engine" in cfg.include:
         _require_package("onnx", "ONNX export needs the 'onnx' package: pip install onnx")
         if cfg.simplify:
             _require_package("onnxsim", "--simplify needs the 'onnxsim' package: pip install onnxsim")
+    if "openvino" in cfg.include:
+        _require_package("openvino", "OpenVINO export needs the 'openvino' package: pip install openvino")
+        if cfg.int8:
+            _require_package("nncf", "--int8 OpenVINO export needs the 'nncf' package: pip install nncf")
+    if "engine" in cfg.include:
+        if not on_cuda:
+            raise ConfigError("--include engine needs a CUDA device (e.g. --device 0): TensorRT builds for its GPU")
+        _require_package("tensorrt", "TensorRT export needs the 'tensorrt' package: pip install tensorrt (CUDA only)")
 
 
 def _require_package(name: str, message: str) -> None:
@@ -226,9 +284,10 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
 
     Runs on rank 0 only; other ranks return [] at once (no collective inside). The task comes from
     the checkpoint's `task` field, looked up in `tasks` ({"detect": DETECT, "segment": SEGMENT}).
-    Each file is written to a temporary sibling, loaded back and run on random input at the traced
-    batch size (and two more with --dynamic); only a file within tolerance replaces `best.<format>`.
-    Raises ExportMismatchError (one line) otherwise.
+    Each file (an OpenVINO folder) is written to a temporary sibling, loaded back and run on random
+    input at the traced batch size (and two more with --dynamic); only a file within tolerance
+    replaces `best.<format>`. An INT8 file is compared on its calibration images instead: it must
+    find MIN_AGREEMENT of PyTorch's detections. Raises ExportMismatchError (one line) otherwise.
     """
     if not ctx.is_main:
         return []
@@ -238,43 +297,127 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
     checkpoint = load_weights(cfg.weights)  # read once; a YOLOv5 file is converted, its task included
     task = tasks[checkpoint["task"]]
     cfg = dataclasses.replace(cfg, imgsz=cfg.imgsz or (trained_imgsz(checkpoint),) * 2)
-    model = inference_model(checkpoint, ctx.device, half=cfg.half, channels_last=False, nms=cfg.nms)
-    wrapper = ExportWrapper(model).eval()  # eval: exporters restore the wrapper's mode, and with it the model's
-    metadata = ExportMetadata(
+    graphs: dict[tuple[torch.device, bool], ExportWrapper] = {}
+
+    def graph(device: torch.device, half: bool) -> ExportWrapper:
+        """The export graph on `device` in FP16 or FP32, built once per pair."""
+        if (device, half) not in graphs:
+            model = inference_model(checkpoint, device, half=half, channels_last=False, nms=cfg.nms)
+            graphs[device, half] = ExportWrapper(model).eval()  # eval: exporters restore the wrapper's mode
+        return graphs[device, half]
+
+    calibration = None
+    if cfg.int8:
+        model = graph(ctx.device, False).model
+        spec = CalibrationSet(cfg.data, cfg.calib_images, cfg.imgsz[0], int(model.stride.max()), model.head.num_classes)
+        calibration = load_calibration_images(spec, ctx)
+    exported = []
+    for file_format in cfg.include:
+        # OpenVINO converts a CPU model; TensorRT parses an FP32 ONNX graph and lowers precision itself.
+        device = torch.device("cpu") if file_format == "openvino" else ctx.device
+        wrapper = graph(device, cfg.half and file_format in HALF_INPUT_FORMATS)
+        metadata = export_metadata(wrapper, checkpoint["names"], task, cfg, file_format)
+        exported.append(_export_format(file_format, wrapper, metadata, cfg, calibration))
+    return exported
+
+
+def export_metadata(
+    wrapper: ExportWrapper, names: list[str], task: Task, cfg: ExportConfig, file_format: str
+) -> ExportMetadata:
+    """What `file_format`'s file records about `wrapper` (see ExportMetadata)."""
+    model = wrapper.model
+    family = family_of(model).name
+    return ExportMetadata(
         stride=int(model.stride.max()),
-        names=dict(enumerate(checkpoint["names"])),
+        names=dict(enumerate(names)),
         task=task.name,
         imgsz=list(cfg.imgsz),
         batch=cfg.batch_size,
         dynamic=cfg.dynamic,
-        half=cfg.half,
+        half=cfg.half and file_format in HALF_INPUT_FORMATS,
+        precision="int8" if cfg.int8 else "fp16" if cfg.half else "fp32",
         end2end=wrapper.end_to_end,
         channels=3,
-        family=family_of(model).name,
+        family=family,
         layout=wrapper.layout,
         num_masks=int(model.head.num_masks),
-        description=f"{task.name} model ({family_of(model).name}) exported from {cfg.weights.name}",
+        description=f"{task.name} model ({family}) exported from {cfg.weights.name}",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
-    dtype = torch.float16 if cfg.half else torch.float32
-    example = torch.zeros(cfg.batch_size, 3, *cfg.imgsz, device=ctx.device, dtype=dtype)
+
+
+def export_path(weights: Path, file_format: str, int8: bool) -> Path:
+    """Where `file_format` is written for `weights`: best.onnx, best.engine, best[_int8]_openvino_model/."""
+    if file_format == "openvino":
+        return openvino_folder(weights, int8)
+    return weights.with_suffix(SUFFIXES[file_format])
+
+
+def _export_format(
+    file_format: str,
+    wrapper: ExportWrapper,
+    metadata: ExportMetadata,
+    cfg: ExportConfig,
+    calibration: torch.Tensor | None,
+) -> ExportedFile:
+    """Write one format to a temporary sibling, check it against PyTorch, and move it into place."""
+    dtype = next(wrapper.parameters()).dtype
+    example = torch.zeros(cfg.batch_size, 3, *cfg.imgsz, device=next(wrapper.parameters()).device, dtype=dtype)
     batch_sizes = [cfg.batch_size, cfg.batch_size + 2] if cfg.dynamic else [cfg.batch_size]
     tolerance = FP16_TOLERANCE if cfg.half else FP32_TOLERANCE
-    exported = []
-    for file_format in cfg.include:
-        path = cfg.weights.with_suffix(SUFFIXES[file_format])
-        with _temporary_sibling(path) as tmp_path:
-            start = time.perf_counter()
-            runner = WRITERS[file_format](wrapper, example, tmp_path, metadata, cfg)
-            seconds = time.perf_counter() - start
-            parity = None
-            if runner is not None:
-                inputs = [_random_images(batch, cfg.imgsz, example) for batch in batch_sizes]
-                parity = check_parity(wrapper, runner, inputs, tolerance, path)
-            os.replace(tmp_path, path)
-        exported.append(ExportedFile(file_format, path, seconds, *_parity_fields(parity)))
-        _log_export(exported[-1], batch_sizes, tolerance, parity)
+    path = export_path(cfg.weights, file_format, cfg.int8)
+    with _temporary_sibling(path) as tmp_path:
+        start = time.perf_counter()
+        runner = _writer(file_format, cfg, calibration)(wrapper, example, tmp_path, metadata)
+        seconds = time.perf_counter() - start
+        parity = agreement = None
+        if runner is not None and calibration is not None:
+            batches = calibration_batches(calibration, cfg.batch_size)
+            agreement = check_agreement(wrapper, runner, batches, metadata, path)
+        elif runner is not None:
+            inputs = [_random_images(batch, cfg.imgsz, example) for batch in batch_sizes]
+            parity = check_parity(wrapper, runner, inputs, tolerance, path)
+        _replace(tmp_path, path)
+    recall = None if agreement is None else agreement.recall
+    exported = ExportedFile(file_format, path, seconds, *_parity_fields(parity), agreement=recall)
+    _log_export(exported, batch_sizes, tolerance, parity, agreement)
     return exported
+
+
+# A writer saves the graph to a path and returns a runner of the saved file (None: it cannot be run here).
+Writer = Callable[[nn.Module, torch.Tensor, Path, ExportMetadata], Runner | None]
+
+
+def _writer(file_format: str, cfg: ExportConfig, calibration: torch.Tensor | None) -> Writer:
+    """The function that writes `file_format` with `cfg`'s options (and `calibration` images for --int8)."""
+    if file_format == "openvino":
+        settings = OpenVinoSettings(cfg.weights.stem, cfg.half, cfg.dynamic, calibration)
+        return lambda wrapper, example, path, metadata: export_openvino(wrapper, example, path, metadata, settings)
+    if file_format == "engine":
+        engine = EngineSettings(cfg.half, calibration, cfg.opset)
+        return lambda wrapper, example, path, metadata: export_engine(wrapper, example, path, metadata, engine)
+    writer = WRITERS[file_format]
+    return lambda wrapper, example, path, metadata: writer(wrapper, example, path, metadata, cfg)
+
+
+def check_agreement(
+    wrapper: nn.Module, runner: Runner, batches: list[torch.Tensor], metadata: ExportMetadata, path: Path
+) -> Agreement:
+    """detection_agreement on the calibration batches; below MIN_AGREEMENT an ExportMismatchError naming `path`."""
+    agreement = detection_agreement(wrapper, runner, batches, metadata)
+    if agreement.recall < MIN_AGREEMENT:
+        raise ExportMismatchError(
+            f"{path}: the INT8 model finds {agreement.matched} of PyTorch's {agreement.expected} detections on the "
+            f"calibration images, fewer than {MIN_AGREEMENT:.0%}; the file was not written"
+        )
+    return agreement
+
+
+def _replace(tmp_path: Path, path: Path) -> None:
+    """Move the written `tmp_path` onto `path`; an existing model folder is removed first (rename needs that)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    os.replace(tmp_path, path)
 
 
 @contextlib.contextmanager
@@ -284,6 +427,8 @@ def _temporary_sibling(path: Path) -> Iterator[Path]:
     try:
         yield tmp_path
     finally:
+        if tmp_path.is_dir():
+            shutil.rmtree(tmp_path, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.unlink(tmp_path)
 
@@ -299,10 +444,19 @@ def _parity_fields(parity: Parity | None) -> tuple[float | None, float | None]:
     return (None, None) if parity is None else (parity.max_abs_diff, parity.tolerance_share)
 
 
-def _log_export(item: ExportedFile, batch_sizes: list[int], tolerance: Tolerance, parity: Parity | None) -> None:
-    """Log one line per file: path, size, time, and the parity result with its margin."""
-    size_mb = item.path.stat().st_size / 1e6
-    if parity is None:
+def _log_export(
+    item: ExportedFile, batch_sizes: list[int], tolerance: Tolerance, parity: Parity | None, agreement: Agreement | None
+) -> None:
+    """Log one line per file: path, size, time, and the parity result with its margin (INT8: the agreement)."""
+    files = [item.path] if item.path.is_file() else [path for path in item.path.iterdir() if path.is_file()]
+    size_mb = sum(path.stat().st_size for path in files) / 1e6
+    if agreement is not None:
+        result = (
+            f"INT8 finds {agreement.matched} of PyTorch's {agreement.expected} detections ({agreement.recall:.1%}; "
+            f"refused below {MIN_AGREEMENT:.0%}) on the calibration images at conf 0.25, IoU 0.5; it gives "
+            f"{agreement.found}. val.py gives its mAP"
+        )
+    elif parity is None:
         result = "onnx.checker passed; not compared with PyTorch (see above)"
     else:
         sizes = ", ".join(map(str, batch_sizes))
@@ -312,10 +466,6 @@ def _log_export(item: ExportedFile, batch_sizes: list[int], tolerance: Tolerance
             f"{parity.worst_value:.3g})"
         )
     LOGGER.info(f"{item.file_format}: {item.path} ({size_mb:.1f} MB) in {item.export_seconds:.1f} s; {result}")
-
-
-# A runner takes images and returns the exported file's outputs as numpy arrays, in ExportWrapper's order.
-Runner = Callable[[torch.Tensor], list[np.ndarray]]
 
 
 def check_parity(
@@ -474,4 +624,4 @@ def _onnxruntime_runner(path: Path, example: torch.Tensor) -> Runner | None:
     return run
 
 
-WRITERS: dict[str, Callable[..., Runner | None]] = {"torchscript": export_torchscript, "onnx": export_onnx}
+WRITERS: dict[str, Callable[..., Runner | None]] = {"torchscript": export_torchscript, "onnx": export_onnx}  # + _writer
