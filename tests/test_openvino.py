@@ -29,8 +29,8 @@ from utils.export import (
     export_checkpoint,
     export_config_from_args,
 )
+from utils.export.quantization import Agreement, _matched, head_output_convs
 from utils.families import build_model, spec_from_cfg
-from utils.quantization import Agreement, _matched, head_output_convs
 from utils.tasks import DETECT
 
 pytest.importorskip("openvino")

@@ -20,7 +20,7 @@ from torch import nn
 from utils.backends.exported import Runner
 from utils.backends.metadata import ExportMetadata, write_engine_file
 from utils.backends.tensorrt_runtime import engine_runner
-from utils.quantization import calibration_batches, head_output_convs
+from utils.export.quantization import calibration_batches, head_output_convs
 
 LOGGER = logging.getLogger(__name__)
 

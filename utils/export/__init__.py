@@ -7,18 +7,14 @@ import contextlib
 import dataclasses
 import datetime
 import importlib
-import json
 import logging
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -27,10 +23,7 @@ from utils.backends.metadata import (
     CHANNELS_FIRST,
     END_TO_END,
     ROWS,
-    TORCHSCRIPT_METADATA_FILE,
     ExportMetadata,
-    onnx_metadata_value,
-    without_torchscript_deprecation,
 )
 from utils.boxes import best_detections
 from utils.checkpoint import trained_imgsz
@@ -38,19 +31,37 @@ from utils.config import IMGSZ_FROM_CHECKPOINT_HELP
 from utils.convert import load_weights
 from utils.distributed import DistContext
 from utils.errors import ConfigError
-from utils.export_openvino import OpenVinoSettings, export_openvino, openvino_folder
-from utils.export_tensorrt import EngineSettings, export_engine
-from utils.families import decodes_end_to_end, family_of
-from utils.inference_model import inference_model
-from utils.quantization import (
+from utils.export.openvino import OpenVinoSettings, export_openvino, openvino_folder
+from utils.export.parity import (
+    FP16_TOLERANCE,
+    FP32_TOLERANCE,
+    ExportMismatchError,
+    Parity,
+    Tolerance,
+    check_agreement,
+    check_parity,
+    match_detection_rows,
+)
+from utils.export.quantization import (
     MIN_AGREEMENT,
     Agreement,
     CalibrationSet,
     calibration_batches,
-    detection_agreement,
     load_calibration_images,
 )
+from utils.export.tensorrt import EngineSettings, export_engine
+from utils.export.torch_formats import WRITERS, export_onnx, export_torchscript
+from utils.families import decodes_end_to_end, family_of
+from utils.inference_model import inference_model
 from utils.tasks import Task
+
+# What other modules and tests import from here (the parity check and writers live in the package's modules).
+__all__ = [
+    "FP16_TOLERANCE", "FP32_TOLERANCE", "ExportConfig", "ExportMismatchError", "ExportWrapper", "ExportedFile",
+    "Tolerance", "build_export_parser", "check_export_dependencies", "check_parity", "export_checkpoint",
+    "export_config_from_args", "export_metadata", "export_onnx", "export_path", "export_torchscript",
+    "match_detection_rows",
+]  # fmt: skip
 
 LOGGER = logging.getLogger(__name__)
 
@@ -85,25 +96,6 @@ class ExportConfig:
 
 
 @dataclass(frozen=True)
-class Tolerance:
-    """Exported outputs pass when |exported - pytorch| <= atol + rtol * |pytorch| element-wise (numpy.allclose)."""
-
-    rtol: float
-    atol: float
-
-
-# fp32: onnxruntime sums in another order, so yolov5n/s at 640 differ from PyTorch by up to 6e-5 on box pixels
-# near 640 (one float32 step there; benchmarks/export.py) and TorchScript by 0. atol + rtol = 1e-3 allows
-# 0.64 px at 640 and 0.002 on a score: well above rounding, well below what a wrong graph gives (whole pixels).
-# The margin is smallest on box coordinates near 0 px (points at the image's top or left edge), where only
-# atol applies, while an anchor-free head's pixel error is about the same everywhere: its DFL expectation is
-# scaled by the stride (up to 32). A yolov8n at 224 px with batch norms fitted to real images differed by
-# 7.9e-3 px at most, 0.25 of the tolerance, at a centre 2.07 px from the top edge (random weights: 3e-5 px).
-FP32_TOLERANCE = Tolerance(rtol=1e-3, atol=1e-3)
-FP16_TOLERANCE = Tolerance(rtol=1e-2, atol=1e-2)  # fp16 keeps ~3 significant digits
-
-
-@dataclass(frozen=True)
 class ExportedFile:
     """One written file, how long writing it took, and how far its outputs are from PyTorch's."""
 
@@ -113,27 +105,6 @@ class ExportedFile:
     max_abs_diff: float | None  # None when parity could not be run (ONNX without onnxruntime) or for INT8
     tolerance_share: float | None = None  # the largest |diff| / (atol + rtol * |value|): <= 1 passes
     agreement: float | None = None  # INT8 only: share of PyTorch's detections the file also finds (quantization.py)
-
-
-@dataclass(frozen=True)
-class Parity:
-    """How far an exported file's outputs are from PyTorch's, over every element compared.
-
-    `tolerance_share` is the largest |diff| / (atol + rtol * |value|), the file's margin (1 is the
-    limit); `worst_value` is the PyTorch value where it was reached. The largest |diff| alone says
-    little: rtol lets a 200-px box corner differ 100 times more than a score near 0.
-    """
-
-    max_abs_diff: float
-    tolerance_share: float
-    worst_value: float
-
-
-class ExportMismatchError(ConfigError):
-    """An exported file's outputs differ from PyTorch's beyond the tolerance; no file was written.
-
-    A ConfigError so the entry point reports it as one line (exit status 2) like other refusals.
-    """
 
 
 class ExportWrapper(nn.Module):
@@ -400,19 +371,6 @@ def _writer(file_format: str, cfg: ExportConfig, calibration: torch.Tensor | Non
     return lambda wrapper, example, path, metadata: writer(wrapper, example, path, metadata, cfg)
 
 
-def check_agreement(
-    wrapper: nn.Module, runner: Runner, batches: list[torch.Tensor], metadata: ExportMetadata, path: Path
-) -> Agreement:
-    """detection_agreement on the calibration batches; below MIN_AGREEMENT an ExportMismatchError naming `path`."""
-    agreement = detection_agreement(wrapper, runner, batches, metadata)
-    if agreement.recall < MIN_AGREEMENT:
-        raise ExportMismatchError(
-            f"{path}: the INT8 model finds {agreement.matched} of PyTorch's {agreement.expected} detections on the "
-            f"calibration images, fewer than {MIN_AGREEMENT:.0%}; the file was not written"
-        )
-    return agreement
-
-
 def _replace(tmp_path: Path, path: Path) -> None:
     """Move the written `tmp_path` onto `path`; an existing model folder is removed first (rename needs that)."""
     if path.is_dir() and not path.is_symlink():
@@ -466,162 +424,3 @@ def _log_export(
             f"{parity.worst_value:.3g})"
         )
     LOGGER.info(f"{item.file_format}: {item.path} ({size_mb:.1f} MB) in {item.export_seconds:.1f} s; {result}")
-
-
-def check_parity(
-    wrapper: nn.Module, runner: Runner, inputs: list[torch.Tensor], tolerance: Tolerance, path: Path
-) -> Parity:
-    """Compare the exported file's outputs with PyTorch's on each input; return the largest difference and margin.
-
-    Raises ExportMismatchError naming `path` when a shape differs or any element is outside `tolerance`.
-    """
-    worst, closest = 0.0, Parity(0.0, 0.0, 0.0)
-    for images in inputs:
-        with torch.no_grad():
-            expected = wrapper(images)
-        expected_arrays = [t.float().cpu().numpy() for t in (expected if isinstance(expected, tuple) else (expected,))]
-        got_arrays = [np.asarray(array, dtype=np.float32) for array in runner(images)]
-        for index, (want, got) in enumerate(zip(expected_arrays, got_arrays, strict=True)):
-            if want.shape != got.shape:
-                raise ExportMismatchError(f"{path}: output shape {got.shape} differs from PyTorch's {want.shape}")
-            if index == 0 and getattr(wrapper, "end_to_end", False):
-                got = np.stack([match_detection_rows(w, g, tolerance) for w, g in zip(want, got, strict=True)])
-            diff = float(np.abs(want - got).max()) if want.size else 0.0
-            worst = max(worst, diff)
-            closest = _closer(closest, want, got, tolerance)
-            if not np.allclose(got, want, rtol=tolerance.rtol, atol=tolerance.atol):
-                raise ExportMismatchError(
-                    f"{path}: outputs differ from PyTorch by up to {diff:.3g} at batch {len(images)}, beyond "
-                    f"{tolerance.atol:g} + {tolerance.rtol:g} * |value|; the file was not written"
-                )
-    return Parity(worst, closest.tolerance_share, closest.worst_value)
-
-
-def _closer(closest: Parity, want: np.ndarray, got: np.ndarray, tolerance: Tolerance) -> Parity:
-    """`closest`, or the element of this output nearer its tolerance (as a Parity: share and PyTorch value)."""
-    if not want.size:
-        return closest
-    share = np.abs(want - got) / (tolerance.atol + tolerance.rtol * np.abs(want))
-    index = np.unravel_index(int(share.argmax()), share.shape)
-    if share[index] <= closest.tolerance_share:
-        return closest
-    return Parity(0.0, float(share[index]), float(want[index]))
-
-
-def match_detection_rows(want: np.ndarray, got: np.ndarray, tolerance: Tolerance) -> np.ndarray:
-    """Reorder one image's exported detection rows (k, 6 [+ nm]) onto PyTorch's, for an order-free comparison.
-
-    A file ranks (point, class) scores that are equal to float rounding in whatever order its runtime
-    gives them, so rows are paired greedily by their largest column difference. Rows scoring within
-    the tolerance of the last one kept may have been swapped for others at the cut: only their score
-    is compared (their columns are taken from PyTorch's row).
-    """
-    remaining = list(range(len(got)))
-    paired = np.empty_like(got)
-    boundary = want[:, 4].min() + tolerance.atol + tolerance.rtol * abs(want[:, 4].min()) if len(want) else 0.0
-    for row in range(len(want)):
-        costs = np.abs(got[remaining] - want[row]).max(axis=1)
-        best = remaining.pop(int(costs.argmin()))
-        paired[row] = got[best]
-        if want[row, 4] <= boundary:
-            paired[row, :4], paired[row, 5:] = want[row, :4], want[row, 5:]
-    return paired
-
-
-def export_torchscript(
-    wrapper: nn.Module, example: torch.Tensor, path: Path, metadata: ExportMetadata, cfg: ExportConfig
-) -> Runner:
-    """Trace `wrapper` on `example` (as YOLOv5 does) and save it to `path` with metadata as `config.txt`.
-
-    Tracing records tensor sizes as values of the graph, so DetectHead's grid cache (keyed by size)
-    misses and the grids are built in the graph from the input's size: the file runs at any batch
-    size and any multiple-of-32 image size. Returns a runner of the saved file.
-    """
-    with torch.no_grad(), without_torchscript_deprecation():
-        # check_trace would trace a second time; check_parity compares the saved file's outputs instead.
-        traced = torch.jit.trace(wrapper, example, check_trace=False)
-        traced.save(str(path), _extra_files={TORCHSCRIPT_METADATA_FILE: json.dumps(metadata)})
-        loaded = torch.jit.load(str(path), map_location=example.device)
-
-    def run(images: torch.Tensor) -> list[np.ndarray]:
-        with torch.no_grad():
-            outputs = loaded(images)
-        return [t.float().cpu().numpy() for t in (outputs if isinstance(outputs, tuple) else (outputs,))]
-
-    return run
-
-
-def export_onnx(
-    wrapper: nn.Module, example: torch.Tensor, path: Path, metadata: ExportMetadata, cfg: ExportConfig
-) -> Runner | None:
-    """Export `wrapper` to ONNX at `path` with YOLOv5's input/output names and metadata_props; check it.
-
-    Uses the TorchScript-based exporter (`dynamo=False`): it needs only the `onnx` package, writes the
-    graph YOLOv5 users expect, and is several times faster here than the dynamo exporter, which also
-    needs onnxscript. Returns an onnxruntime runner, or None when onnxruntime is not installed.
-    """
-    import onnx
-
-    output_names = ["output0", "output1"] if wrapper.with_protos else ["output0"]
-    dynamic_axes = None
-    if cfg.dynamic:
-        points_axis = {} if wrapper.end_to_end else {2 if wrapper.channels_first else 1: "anchors"}
-        dynamic_axes = {"images": {0: "batch", 2: "height", 3: "width"}, "output0": {0: "batch", **points_axis}}
-        if wrapper.with_protos:
-            dynamic_axes["output1"] = {0: "batch", 2: "mask_height", 3: "mask_width"}
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export", category=DeprecationWarning)
-        torch.onnx.export(
-            wrapper,
-            (example,),
-            str(path),
-            dynamo=False,
-            opset_version=cfg.opset,
-            do_constant_folding=True,
-            input_names=["images"],
-            output_names=output_names,
-            dynamic_axes=dynamic_axes,
-        )
-    model_proto = onnx.load(str(path))
-    if cfg.simplify:
-        model_proto = _simplify(model_proto)
-    for key, value in metadata.items():
-        model_proto.metadata_props.add(key=key, value=onnx_metadata_value(value))
-    onnx.checker.check_model(model_proto)
-    onnx.save(model_proto, str(path))
-    return _onnxruntime_runner(path, example)
-
-
-def _simplify(model_proto: Any) -> Any:
-    """Return onnxsim's simplified graph, or the original when onnxsim cannot verify it."""
-    import onnxsim
-
-    simplified, is_valid = onnxsim.simplify(model_proto)
-    if not is_valid:
-        LOGGER.warning("onnxsim could not verify the simplified graph; keeping the original")
-        return model_proto
-    return simplified
-
-
-def _onnxruntime_runner(path: Path, example: torch.Tensor) -> Runner | None:
-    """Open `path` in onnxruntime (its CUDA provider for a CUDA example when present); None when it cannot run it."""
-    try:
-        import onnxruntime
-    except ImportError:
-        LOGGER.info("onnxruntime is not installed (pip install onnxruntime): parity not run, ONNX file checked only")
-        return None
-    providers = ["CPUExecutionProvider"]
-    if example.device.type == "cuda" and "CUDAExecutionProvider" in onnxruntime.get_available_providers():
-        providers.insert(0, "CUDAExecutionProvider")
-    elif example.dtype == torch.float16:  # the CPU provider lacks fp16 kernels for most operators
-        LOGGER.warning("onnxruntime has no CUDA provider here (onnxruntime-gpu): parity of the FP16 file not run")
-        return None
-    session = onnxruntime.InferenceSession(str(path), providers=providers)
-
-    def run(images: torch.Tensor) -> list[np.ndarray]:
-        return session.run(None, {"images": images.cpu().numpy()})
-
-    return run
-
-
-WRITERS: dict[str, Callable[..., Runner | None]] = {"torchscript": export_torchscript, "onnx": export_onnx}  # + _writer

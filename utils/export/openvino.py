@@ -14,7 +14,7 @@ from torch import nn
 from utils.backends.exported import Runner
 from utils.backends.metadata import OPENVINO_METADATA_FILE, ExportMetadata, without_torchscript_deprecation
 from utils.backends.openvino_runtime import compile_for_cpu, openvino_runner
-from utils.quantization import calibration_batches, head_output_convs
+from utils.export.quantization import calibration_batches, head_output_convs
 
 LOGGER = logging.getLogger(__name__)
 
