@@ -1,4 +1,4 @@
-"""Tests for export.py / utils/export.py: TorchScript and ONNX files match PyTorch, carry metadata, dynamic batch."""
+"""Tests for export.py / utils/export/: TorchScript and ONNX files match PyTorch, carry metadata, dynamic batch."""
 
 from __future__ import annotations
 
