@@ -161,6 +161,18 @@ def test_int8_export_calibrates_on_train_images_and_val_runs_it(
     assert result.num_images == TINY.num_val and 0.0 <= result.as_dict()["mAP50-95"] <= 1.0
 
 
+def test_half_writes_fp16_weights_on_cpu_that_take_fp32_input(
+    folders: dict[str, dict[str, Path]], tmp_path: Path
+) -> None:
+    weights = Path(shutil.copy(folders["yolov8n"]["pt"], tmp_path / "best.pt"))
+    (exported,) = export_checkpoint(ExportConfig(weights, ("openvino",), half=True), TASKS, DistContext())
+    assert exported.tolerance_share is not None and exported.tolerance_share <= 1.0  # FP16 tolerance, checked
+    fp32_bin = folders["yolov8n"]["openvino"] / "best.bin"
+    assert (exported.path / "best.bin").stat().st_size < 0.6 * fp32_bin.stat().st_size
+    info = load_backend(exported.path, _request()).info
+    assert info.precision == "fp16" and info.dtype == torch.float32 and info.fixed_shape
+
+
 def test_int8_keeps_the_heads_output_convolutions_in_float() -> None:
     v5 = build_model(spec_from_cfg("yolov5n", 6))
     seg = build_model(spec_from_cfg("yolov8n-seg", 6))
