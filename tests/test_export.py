@@ -1,4 +1,4 @@
-"""Tests for export.py / utils/export.py: TorchScript and ONNX files match PyTorch, carry metadata, dynamic batch."""
+"""Tests for export.py / utils/export/: TorchScript and ONNX files match PyTorch, carry metadata, dynamic batch."""
 
 from __future__ import annotations
 
@@ -118,6 +118,7 @@ def test_torchscript_matches_pytorch_at_any_batch_and_size(
         "batch": 1,
         "dynamic": False,
         "half": False,
+        "precision": "fp32",
         "end2end": False,
         "channels": 3,
         "family": "yolov5",

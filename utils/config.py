@@ -1,7 +1,7 @@
 """Defaults and flags every entry point shares; each job's own options live beside it.
 
 Training's options are utils/train/config.py (TrainConfig), validation's utils/eval/config.py
-(ValConfig), prediction's utils/predict/config.py and export's utils/export.py.
+(ValConfig), prediction's utils/predict/config.py and export's utils/export/__init__.py.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class BackendInfo:
     """
 
     path: Path | None  # None for a live model (training's evaluation)
-    file_format: str  # "pytorch" | "torchscript" | "onnx"
+    file_format: str  # "pytorch" | "torchscript" | "onnx" | "openvino" | "engine"
     task: str  # "detect" | "segment"
     family: str  # a model family name (utils/families.py)
     layout: str  # output0 as the file stores it (utils/backends/metadata.py: LAYOUTS); "rows" for a checkpoint
@@ -37,6 +37,7 @@ class BackendInfo:
     stride: int  # the largest model stride: input sides are multiples of it
     num_masks: int  # mask coefficients per row (0 for detection)
     end_to_end: bool  # rows need only the top scores (an end-to-end head), not NMS
+    precision: str = "fp32"  # what computes inside: "fp32" | "fp16" | "int8" (an INT8 or FP16 IR takes FP32 input)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ def module_info(model: nn.Module, **known: Any) -> BackendInfo:
         "family": family_of(target).name, "layout": "rows", "names": (), "imgsz": (640, 640), "fixed_shape": False,
         "batch": None, "dtype": parameter.dtype, "stride": int(target.stride.max()),
         "num_masks": int(target.head.num_masks), "end_to_end": decodes_end_to_end(target),
+        "precision": "fp16" if parameter.dtype == torch.float16 else "fp32",
     }  # fmt: skip
     return BackendInfo(**{**fields, **known})
 

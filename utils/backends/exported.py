@@ -1,16 +1,17 @@
 """What every exported-file backend shares: its metadata checked against the request, fixed batches, rows back.
 
-A runtime (TorchScript, onnxruntime; later OpenVINO, TensorRT) is one ExportedBackend subclass that
+A runtime (TorchScript, onnxruntime, OpenVINO, TensorRT) is one ExportedBackend subclass that
 opens its file, hands its metadata to `exported_info` and runs images in `run_file`; the checks,
 the fixed-batch handling and the layout conversion here are the same for all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from utils.backends.base import BackendInfo, BackendRequest, InferenceBackend
@@ -19,6 +20,10 @@ from utils.boxes import xyxy_to_xywh
 from utils.checkpoint import ENTRY_SCRIPTS
 from utils.errors import ConfigError
 from utils.families import family_named
+
+# A runner takes images and returns an exported file's outputs (output0 [, output1]) as numpy arrays: what
+# export's parity check compares and what the OpenVINO and TensorRT backends wrap.
+Runner = Callable[[torch.Tensor], list[np.ndarray]]
 
 
 def exported_info(path: Path, metadata: Mapping[str, Any], file_format: str) -> BackendInfo:
@@ -36,8 +41,9 @@ def exported_info(path: Path, metadata: Mapping[str, Any], file_format: str) -> 
     family_named(metadata["family"], path)  # an unknown family is a one-line error naming the file
     names = metadata["names"]
     height, width = metadata["imgsz"]
-    # A TorchScript trace builds its grids from the input's size, so it runs any batch and size.
-    is_static = file_format == "onnx" and not metadata["dynamic"]
+    # A TorchScript trace builds its grids from the input's size, so it runs any batch and size; a TensorRT
+    # engine is always built for one shape (export.py refuses --dynamic for it).
+    is_static = file_format == "engine" or (file_format in ("onnx", "openvino") and not metadata["dynamic"])
     return BackendInfo(
         path=path,
         file_format=file_format,
@@ -52,7 +58,11 @@ def exported_info(path: Path, metadata: Mapping[str, Any], file_format: str) -> 
         stride=int(metadata["stride"]),
         num_masks=int(metadata["num_masks"]),
         end_to_end=metadata["layout"] == END_TO_END,
+        precision=str(metadata.get("precision", "fp16" if metadata["half"] else "fp32")),  # older files lack the key
     )
+
+
+FP32_INPUT_FORMATS = ("openvino", "engine")  # their precision is chosen at export; their input stays FP32
 
 
 def check_request(info: BackendInfo, request: BackendRequest) -> None:
@@ -66,6 +76,8 @@ def check_request(info: BackendInfo, request: BackendRequest) -> None:
     if request.task is not None and info.task != request.task:
         entry = ENTRY_SCRIPTS[request.script][info.task == "segment"]
         raise ConfigError(f"{path} is a {info.task} export, not a {request.task} one; use {entry}")
+    if request.half and info.file_format in FP32_INPUT_FORMATS:
+        raise ConfigError(f"{path} takes FP32 input ({info.precision} inside, fixed at export); run it without --half")
     if request.half and info.dtype != torch.float16:
         raise ConfigError(f"{path} was exported in FP32; for --half export it with export.py --half (on CUDA)")
     if info.dtype == torch.float16 and request.device.type != "cuda":

@@ -1,4 +1,4 @@
-"""The metadata export.py writes into a TorchScript or ONNX file and the backends read back: keys, layouts, parsing."""
+"""The metadata export.py writes into each exported model and the backends read back: keys, layouts, parsing."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 import torch
+import yaml
 
 # How `output0` is laid out in a file (the `layout` key). The eval model itself always returns ROWS.
 ROWS = "rows"  # (B, N, no): [cx, cy, w, h (input pixels), objectness (YOLOv5 only), class probabilities, coeffs]
@@ -19,10 +20,16 @@ END_TO_END = "end2end"  # (B, k, 6 + nm): an end-to-end head's k best rows [x1, 
 LAYOUTS = (ROWS, CHANNELS_FIRST, END_TO_END)
 
 TORCHSCRIPT_METADATA_FILE = "config.txt"  # YOLOv5's name for the TorchScript extra file
+OPENVINO_METADATA_FILE = "metadata.yaml"  # beside the IR in an OpenVINO model folder (Ultralytics' name)
+PRECISIONS = ("fp32", "fp16", "int8")
 
 
 class ExportMetadata(TypedDict):
-    """What an exported file carries besides the graph (TorchScript: config.txt as JSON; ONNX: metadata_props)."""
+    """What an exported model carries besides the graph.
+
+    TorchScript: config.txt as JSON; ONNX: metadata_props; OpenVINO: metadata.yaml in the model folder;
+    TensorRT: a JSON header before the engine (`write_engine_file`).
+    """
 
     stride: int  # the largest model stride: input sides must be multiples of it
     names: dict[int, str]  # class id -> name
@@ -30,7 +37,8 @@ class ExportMetadata(TypedDict):
     imgsz: list[int]  # [height, width] the graph was traced at
     batch: int
     dynamic: bool  # ONNX only: batch, height and width are free (a TorchScript file runs any size either way)
-    half: bool  # fp16 weights and input
+    half: bool  # fp16 input (TorchScript / ONNX --half); OpenVINO and TensorRT always take fp32 input
+    precision: str  # what computes inside, one of PRECISIONS: "fp16" for any --half export, "int8" for --int8
     end2end: bool  # output0 holds final detections (B, max_det, 6 [+ nm]), no NMS needed
     channels: int  # input channels
     family: str  # the model family (utils/families.py: "yolov5" | "anchor_free")
@@ -69,17 +77,20 @@ def parse_torchscript_metadata(text: str) -> dict[str, Any]:
     """A TorchScript file's config.txt (JSON) back to Python values, class ids as int keys ({} when empty)."""
     if not text:
         return {}
-    # JSON object keys are strings; class ids go back to int, as YOLOv5's loader does.
-    return json.loads(text, object_hook=lambda d: {int(k) if k.isdigit() else k: v for k, v in d.items()})
+    return json.loads(text, object_hook=_int_class_ids)
 
 
 def read_metadata(path: Path | str) -> ExportMetadata:
-    """Read the metadata of an exported `.torchscript` or `.onnx` file (class ids back as int keys).
+    """Read the metadata of an export: `.torchscript`, `.onnx`, `.engine` or an OpenVINO folder (class ids as int keys).
 
     Reads ONNX with the `onnx` package (the graph, not its weights' external data); a file without
     our metadata gives whatever keys it has, possibly none.
     """
     path = Path(path)
+    if path.is_dir():
+        return read_openvino_metadata(path)  # type: ignore[return-value]
+    if path.suffix == ".engine":
+        return read_engine_metadata(path)  # type: ignore[return-value]
     if path.suffix == ".onnx":
         import onnx
 
@@ -97,3 +108,48 @@ def _literal(text: str) -> Any:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+
+
+def read_openvino_metadata(folder: Path) -> dict[str, Any]:
+    """An OpenVINO model folder's metadata.yaml ({} when the folder has none: another tool's export)."""
+    path = folder / OPENVINO_METADATA_FILE
+    if not path.is_file():
+        return {}
+    loaded = yaml.safe_load(path.read_text())
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def write_engine_file(path: Path, metadata: Mapping[str, Any], plan: bytes) -> None:
+    """Write a TensorRT plan with our metadata before it: 4-byte little-endian length, UTF-8 JSON, the plan.
+
+    The same layout as Ultralytics' `.engine` files, so either project's reader finds the metadata.
+    """
+    header = json.dumps(dict(metadata)).encode()
+    with open(path, "wb") as file:
+        file.write(len(header).to_bytes(4, byteorder="little"))
+        file.write(header)
+        file.write(plan)
+
+
+def read_engine_metadata(path: Path) -> dict[str, Any]:
+    """The metadata `write_engine_file` put before a plan ({} when the file starts with a bare plan)."""
+    return split_engine_file(path)[0]
+
+
+def split_engine_file(path: Path) -> tuple[dict[str, Any], bytes]:
+    """(metadata, plan bytes) of an `.engine` file; a file without our JSON header is ({}, the whole file)."""
+    data = Path(path).read_bytes()
+    length = int.from_bytes(data[:4], byteorder="little")
+    if 2 <= length <= len(data) - 4:
+        try:
+            metadata = json.loads(data[4 : 4 + length].decode(), object_hook=_int_class_ids)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return {}, data
+        if isinstance(metadata, dict):
+            return metadata, data[4 + length :]
+    return {}, data
+
+
+def _int_class_ids(mapping: dict[str, Any]) -> dict[Any, Any]:
+    """JSON object keys are strings; class ids go back to int, as YOLOv5's loader does."""
+    return {int(key) if key.isdigit() else key: value for key, value in mapping.items()}
