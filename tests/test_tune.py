@@ -408,6 +408,7 @@ def test_sigterm_leaves_a_study_the_same_command_resumes(tiny_data: Path, tmp_pa
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 75, output[-3000:]
     assert "stopped: study 'exp' stopped; run the same command to resume it" in output
+    assert "tune: 3 trials (2 complete, 1 failed); best trial" in output, "the queued values are not counted as a trial"
     trials = _study(tmp_path).get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL", "WAITING"]
     assert trials[2].user_attrs["reason"].startswith("interrupted")

@@ -60,9 +60,10 @@ def write_results(
         from utils.tune.plots import plot_study  # matplotlib only when there is something to draw
 
         plot_study(trials, space, study_dir, fitness_key)
-    counts = {name: 0 for name in STATES.values()}
-    for trial in trials:
-        counts[STATES.get(trial.state.name, trial.state.name.lower())] += 1
+    counts = {name: 0 for name in STATES.values() if name != "waiting"}
+    for trial in trials:  # queued values (an interrupted trial's, the base recipe) are not trials yet
+        if trial.state != optuna.trial.TrialState.WAITING:
+            counts[STATES.get(trial.state.name, trial.state.name.lower())] += 1
     return StudySummary(
         counts={k: v for k, v in counts.items() if v},
         best_number=None if best is None else best.number,
