@@ -158,6 +158,14 @@ def test_train_evolve_is_tune_with_that_many_trials_in_runs_evolve() -> None:
     assert evolve_argv(["--evolve"], "segment")[-2:] == ["--trials", "300"]
 
 
+def test_ray_without_ray_tune_is_one_line_before_any_work(tiny_data: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setitem(sys.modules, "ray.tune", None)  # `import ray.tune` now raises ImportError
+    with pytest.raises(ConfigError, match=r"^--ray needs Ray Tune: pip install 'ray\[tune\]'$"):
+        tune.run(**_flags(tiny_data, tmp_path, ray="local"))
+    assert not (tmp_path / "exp").exists()
+
+
 def test_tune_refuses_to_run_under_torchrun(tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"runs without torchrun; --nproc-per-trial K"):

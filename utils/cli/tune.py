@@ -29,6 +29,10 @@ def tune_main(argv: list[str] | None, training: TrainingTask) -> StudySummary:
         import optuna  # noqa: F401  (an optional dependency: only tuning needs it)
     except ImportError:
         raise ConfigError("tune.py (and --evolve) needs Optuna: pip install optuna") from None
+    if cfg.ray:
+        from utils.tune.ray_tune import require_ray
+
+        require_ray()
     from utils.tune.tuner import tune
 
     with logging_for(DistContext()):

@@ -17,7 +17,7 @@ DEFAULT_TRIALS = 30
 # train.py flags the tuner sets for each trial itself (the rest are passed on as given).
 TUNER_OWNED = ("project", "name", "exist_ok", "hyp", "optimizer", "label_smoothing", "resume", "device", "callbacks",
                "evolve")  # fmt: skip
-TUNE_FLAGS = ("trials", "space", "sampler", "pruner", "storage", "parallel", "nproc_per_trial", "keep_weights")
+TUNE_FLAGS = ("trials", "space", "sampler", "pruner", "storage", "parallel", "nproc_per_trial", "keep_weights", "ray")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class TuneConfig:
     parallel: int = 0  # trials at once on this machine (0: one per GPU group, 1 on CPU)
     nproc_per_trial: int = 1
     keep_weights: bool = False
+    ray: str = ""  # a Ray cluster's address ("auto", "ray://head:10001") or "local": trials run through Ray Tune
 
     @property
     def study_dir(self) -> Path:
@@ -74,6 +75,8 @@ def build_tune_parser(task: str = "detect") -> argparse.ArgumentParser:
                        help="trials at once on this machine (default: one per --nproc-per-trial GPUs; 1 on CPU)")
     group.add_argument("--nproc-per-trial", type=int, default=1, help="GPUs (torchrun ranks) per trial")
     group.add_argument("--keep-weights", action="store_true", help="keep every trial's weights (default: the best's)")
+    group.add_argument("--ray", default="", metavar="ADDRESS", help="run the trials on a Ray cluster through Ray Tune "
+                       "(Optuna as its search algorithm): its address (auto, ray://head:10001) or local")  # fmt: skip
     return parser
 
 

@@ -10,20 +10,26 @@ grace period. Afterwards the outcome is classified from trial.json, the exit sta
 from __future__ import annotations
 
 import csv
+import ctypes
 import math
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from utils.tune.report import read_trial_result
+from utils.tune.space import SearchSpace
 
 COMPLETE, PRUNED, FAILED, INTERRUPTED = "complete", "pruned", "failed", "interrupted"
 STOP_GRACE_S = 60.0  # a stopped trial's time to save last.pt and exit before SIGKILL
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,42 @@ class TrialCommand:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     cpus: tuple[int, ...] = ()  # cores the trial may use (empty: all); the tuner splits them between slots
+    die_with_parent: bool = False  # SIGTERM the trial when the process that started it dies (Ray's workers)
+
+
+@dataclass(frozen=True)
+class TrialRecipe:
+    """What every trial of a study runs, whatever starts it (a tuner thread here or a Ray worker elsewhere).
+
+    Picklable: Ray sends it to its workers, which need the project at the same path and the study
+    folder on a disk they share.
+    """
+
+    script: Path  # train.py or segment/train.py
+    train_argv: tuple[str, ...]  # the train flags the user gave
+    optimizer: str  # the base plan's resolved optimizer (--optimizer auto resolved once, for every trial)
+    callbacks: tuple[str, ...]  # the user's --callbacks, then the tuner's report
+    trials_dir: Path
+    space: SearchSpace
+    nproc_per_trial: int = 1
+    env: dict[str, str] = field(default_factory=dict)  # added to every trial's environment
+
+    def command(self, number: int, params: dict[str, float], device: str, env: dict[str, str] | None = None,
+                cpus: tuple[int, ...] = (), die_with_parent: bool = False) -> TrialCommand:  # fmt: skip
+        """Trial `number`'s train.py command (under torchrun for several ranks), with its hyp file written first."""
+        name = f"trial_{number:04d}"
+        hyp_file = self.trials_dir / "hyps" / f"{name}.yaml"
+        hyp_file.parent.mkdir(parents=True, exist_ok=True)
+        hyp_file.write_text(yaml.safe_dump(self.space.hyp_for(params).to_dict(), sort_keys=False), encoding="utf-8")
+        launcher = [sys.executable, str(self.script)]
+        if self.nproc_per_trial > 1:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={self.nproc_per_trial}", str(self.script)]  # fmt: skip
+        argv = [*launcher, *self.train_argv, "--hyp", str(hyp_file), "--optimizer", self.optimizer,
+                "--project", str(self.trials_dir), "--name", name, "--exist-ok", "--device", device,
+                "--callbacks", *self.callbacks]  # fmt: skip
+        return TrialCommand(argv, self.trials_dir / name, self.trials_dir / f"{name}.log", {**self.env, **(env or {})},
+                            cpus, die_with_parent)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -68,6 +110,7 @@ def run_trial(command: TrialCommand, watch: TrialWatch) -> TrialOutcome:
         process = subprocess.Popen(
             command.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **command.env},
             start_new_session=True,  # its own process group: Ctrl-C reaches the tuner, which stops it
+            preexec_fn=_term_with_parent() if command.die_with_parent else None,
         )  # fmt: skip
         if command.cpus:
             _pin(process.pid, command.cpus)
@@ -139,6 +182,18 @@ def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _term_with_parent() -> Callable[[], None] | None:
+    """What the child runs before exec so that Linux sends it SIGTERM when the thread that started it dies (a Ray
+    worker stopped by its scheduler): the run saves last.pt and stops instead of training on as an orphan.
+
+    prctl is looked up here, in the parent: the child of a threaded process should only call it. None off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _pin(pid: int, cpus: tuple[int, ...]) -> None:

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +21,6 @@ from typing import Any
 
 import optuna
 import torch
-import yaml
 
 from utils.config import ROOT
 from utils.distributed import DistContext
@@ -32,8 +30,18 @@ from utils.train.records import TrainingTask
 from utils.tune.config import TuneConfig
 from utils.tune.results import StudySummary, prune_weights, write_results
 from utils.tune.space import SearchSpace, load_space
-from utils.tune.study import HEARTBEAT_S, AskedTrial, ask_next, open_study, requeue
-from utils.tune.trial import COMPLETE, FAILED, INTERRUPTED, PRUNED, TrialCommand, TrialOutcome, TrialWatch, run_trial
+from utils.tune.study import HEARTBEAT_S, AskedTrial, ask_next, counted_trials, open_study, requeue
+from utils.tune.trial import (
+    COMPLETE,
+    FAILED,
+    INTERRUPTED,
+    PRUNED,
+    TrialCommand,
+    TrialOutcome,
+    TrialRecipe,
+    TrialWatch,
+    run_trial,
+)
 
 LOGGER = logging.getLogger(__name__)
 TRAIN_SCRIPTS = {"detect": ROOT / "train.py", "segment": ROOT / "segment" / "train.py"}
@@ -79,19 +87,29 @@ def tune(cfg: TuneConfig, training: TrainingTask) -> StudySummary:
     plan = plan_run(cfg.train, training, DistContext())
     space = load_space(cfg.space or plan.family.search_space, plan.cfg.hyp, plan.family.hyp_keys)
     run = StudyRun(cfg, plan, space, open_study(cfg, space, study_settings(cfg, plan, space)))
-    slots = trial_slots(cfg)
+    slots = [] if cfg.ray else trial_slots(cfg)
+    where = f"on Ray at {cfg.ray}" if cfg.ray else f"{len(slots)} at once"
     LOGGER.info(
         f"tune: study '{cfg.train.name}' in {cfg.study_dir}, {cfg.trials} trials of {cfg.train.epochs} epochs, "
         f"{len(space.keys)} keys searched ({space.path}), sampler {cfg.sampler}, pruner {cfg.pruner}, "
-        f"{len(slots)} at once; {len(run.study.trials)} trials already in it"
+        f"{where}; {len(run.study.trials)} trials already in it"
     )
-    workers = [threading.Thread(target=_work, args=(run, slot), name=f"tune-{i}") for i, slot in enumerate(slots)]
-    with _stop_on_signals(run.stop):
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            while worker.is_alive():
-                worker.join(0.5)  # the main thread wakes for signals
+    if cfg.ray:  # Ray Tune runs the trials on its cluster; Ctrl-C stops it (Ray's own handler)
+        from utils.tune.ray_tune import tune_on_ray
+
+        tune_on_ray(run, trial_recipe(run), POLL_S)
+        if counted_trials(run.study)[0] < cfg.trials:
+            run.stop.set()
+        if not cfg.keep_weights:
+            prune_weights(run.study, run.trials_dir)
+    else:
+        workers = [threading.Thread(target=_work, args=(run, slot), name=f"tune-{i}") for i, slot in enumerate(slots)]
+        with _stop_on_signals(run.stop):
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                while worker.is_alive():
+                    worker.join(0.5)  # the main thread wakes for signals
     summary = write_results(run.study, space, cfg.study_dir, run.fitness_key, plots=not cfg.train.noplots)
     LOGGER.info(summary.line(run.fitness_key))
     if run.stop.is_set():
@@ -141,24 +159,18 @@ def trial_slots(cfg: TuneConfig) -> list[Slot]:
     return slots
 
 
-def trial_command(run: StudyRun, asked: AskedTrial, slot: Slot) -> TrialCommand:
-    """The trial's train.py command (under torchrun for several ranks), with its hyp file written first."""
-    cfg, name = run.cfg, f"trial_{asked.number:04d}"
-    hyp_file = run.trials_dir / "hyps" / f"{name}.yaml"
-    hyp_file.parent.mkdir(parents=True, exist_ok=True)
-    hyp_file.write_text(yaml.safe_dump(run.space.hyp_for(asked.params).to_dict(), sort_keys=False), encoding="utf-8")
-    script = str(TRAIN_SCRIPTS[cfg.task])
-    launcher = [sys.executable, script]
-    if cfg.nproc_per_trial > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={cfg.nproc_per_trial}", script]  # fmt: skip
-    argv = [*launcher, *cfg.train_argv, "--hyp", str(hyp_file), "--optimizer", run.plan.cfg.optimizer,
-            "--project", str(run.trials_dir), "--name", name, "--exist-ok", "--device", slot.device,
-            "--callbacks", *cfg.callbacks]  # fmt: skip
-    env = dict(slot.env)
+def trial_recipe(run: StudyRun) -> TrialRecipe:
+    """What every trial of this study runs (the same for trials started here and on Ray's workers)."""
+    cfg, env = run.cfg, {}
     if cfg.train.mlflow or os.environ.get("MLFLOW_TRACKING_URI"):  # every trial a run of the study's experiment
-        env.setdefault("MLFLOW_EXPERIMENT_NAME", os.environ.get("MLFLOW_EXPERIMENT_NAME") or f"tune-{cfg.train.name}")
-    return TrialCommand(argv, run.trials_dir / name, run.trials_dir / f"{name}.log", env, slot.cpus)
+        env["MLFLOW_EXPERIMENT_NAME"] = os.environ.get("MLFLOW_EXPERIMENT_NAME") or f"tune-{cfg.train.name}"
+    return TrialRecipe(TRAIN_SCRIPTS[cfg.task], cfg.train_argv, run.plan.cfg.optimizer, cfg.callbacks, run.trials_dir,
+                       run.space, cfg.nproc_per_trial, env)  # fmt: skip
+
+
+def trial_command(run: StudyRun, asked: AskedTrial, slot: Slot) -> TrialCommand:
+    """The trial's train.py command on `slot`'s devices and cores."""
+    return trial_recipe(run).command(asked.number, asked.params, slot.device, slot.env, slot.cpus)
 
 
 def _work(run: StudyRun, slot: Slot) -> None:

@@ -1,0 +1,68 @@
+"""tune.py --ray: the study's trials through Ray Tune on a local Ray cluster (skipped without ray[tune])."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import tune
+from tests.test_tune import _flags, _study, fake_trainer, tiny_data  # noqa: F401  (fixtures used below)
+from utils.hyp import load_hyp
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.tune.search.optuna")
+optuna = pytest.importorskip("optuna")
+COMPLETE, PRUNED, FAIL = (optuna.trial.TrialState[name] for name in ("COMPLETE", "PRUNED", "FAIL"))
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def local_ray() -> Iterator[None]:
+    """A Ray instance started by the test's first --ray local study (after its environment is set), shut after."""
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+    ray.shutdown()
+
+
+def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
+    tiny_data: Path, tmp_path: Path, fake_trainer: None, local_ray: None, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    # Six epochs: ASHA's first rung is at epoch 3 (a third, plus one); epochs slow enough for Ray to stop a trial.
+    monkeypatch.setenv("FAKE_EPOCH_S", "0.2")
+    monkeypatch.setenv("FAKE_TRAINER", json.dumps({"trial_0002": "crash"}))  # Ray's workers inherit it at start
+    flags = _flags(tiny_data, tmp_path, trials=6, epochs=6, pruner="halving", ray="local")
+    summary = tune.run(**flags)
+    study = _study(tmp_path)
+    trials = study.get_trials()
+    states = [t.state for t in trials]
+    assert len(trials) == 6 and states[0] == COMPLETE and trials[0].user_attrs["baseline"]
+    assert states[2] == FAIL and trials[2].user_attrs["reason"] == "RuntimeError: the fake trainer crashed"
+    assert PRUNED in states, "ASHA stopped no trial"
+    for trial in trials:
+        rows = (Path(trial.user_attrs["run_dir"]) / "results.csv").read_text().splitlines() if trial.number != 2 else []
+        if trial.state == PRUNED:  # Ray stopped it at a rung, and its training process stopped with it
+            epochs = trial.user_attrs["epochs"]
+            assert trial.user_attrs["reason"] == f"pruned after epoch {epochs}" and epochs < 6
+            assert len(rows) - 1 == epochs and max(trial.intermediate_values) == epochs
+        elif trial.state == COMPLETE:  # the fitness is the run's final score, its epochs reported on the way
+            assert trial.user_attrs["epochs"] == 6 and len(trial.intermediate_values) == 6
+            assert trial.value == pytest.approx(json.loads((Path(trial.user_attrs["run_dir"]) / "trial.json")
+                                                           .read_text())["metrics"]["mAP50-95"])  # fmt: skip
+    argv = json.loads((tmp_path / "exp" / "trials" / "trial_0001" / "argv.json").read_text())
+    assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--name") + 1] == "trial_0001"
+    best = max((t for t in trials if t.state == COMPLETE), key=lambda t: t.value)
+    assert summary.best_number == best.number
+    assert load_hyp(tmp_path / "exp" / "best_hyp.yaml").lr0 == pytest.approx(best.params["lr0"])
+    assert len((tmp_path / "exp" / "trials.csv").read_text().splitlines()) == 7
+
+    # The same command with more trials continues the numbering and trains no point twice.
+    tune.run(**{**flags, "trials": 8})
+    trials = _study(tmp_path).get_trials()
+    assert [t.number for t in trials] == list(range(8))
+    assert len({t.params["lr0"] for t in trials}) == 8
+

@@ -1,0 +1,271 @@
+"""tune.py --ray ADDRESS: the study's trials on a Ray cluster through Ray Tune, with Optuna as its search algorithm.
+
+The study is the same Optuna study in the same storage as without Ray: Ray's OptunaSearch asks and
+tells it (our sampler, the base recipe queued first, interrupted trials queued again), so trials.csv,
+best_hyp.yaml, the plots, the summary and resuming by running the same command work as they do for
+local trials. Each Ray trial runs the same train.py command in a fresh process on the worker Ray
+places it on (`--nproc-per-trial` GPUs, or one CPU share), and reports each epoch's mAP50-95; Ray's
+scheduler prunes on it (median: MedianStoppingRule, halving: ASHA). A trial Ray stops is recorded as
+pruned, a crash / OOM / NaN as failed with its reason, as locally.
+
+Every node needs the project at the same path and the study folder (runs/tune/NAME) on a disk they
+all reach; the storage is written by this process only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import optuna
+
+from utils.config import ROOT
+from utils.errors import ConfigError
+from utils.tune.study import HEARTBEAT_S, WORKER, counted_trials, fail_lost_trials, make_sampler, open_storage, requeue
+from utils.tune.trial import COMPLETE, TrialRecipe, TrialWatch, run_trial
+
+if TYPE_CHECKING:
+    from utils.tune.tuner import StudyRun
+
+LOGGER = logging.getLogger(__name__)
+SCORE = "epoch_score"  # each epoch's val mAP, what Ray's scheduler prunes on
+FITNESS = "fitness"  # in the last result of a complete trial: the final COCO mAP of its best.pt; before, the score
+NUMBER = "trial_number"  # the Optuna trial number, in the trial's config: its folder is trials/trial_NNNN
+
+
+def require_ray() -> None:
+    """One line when Ray Tune is not installed (before any work)."""
+    try:
+        import ray.tune  # noqa: F401
+        from ray.tune.search.optuna import OptunaSearch  # noqa: F401
+    except ImportError:
+        raise ConfigError("--ray needs Ray Tune: pip install 'ray[tune]'") from None
+
+
+@dataclass(frozen=True)
+class RayTrialJob:
+    """What a Ray worker needs to run a trial: the recipe, the --device to give, and how to read the run."""
+
+    recipe: TrialRecipe
+    device: str  # "cpu", or "0,...,K-1" of the GPUs Ray gives the trial
+    score_column: str
+    fitness_key: str
+    poll_s: float
+
+
+def run_ray_trial(config: dict[str, Any], job: RayTrialJob) -> None:
+    """Ray Tune's function trainable: train trial config[NUMBER] on this worker and report each epoch, then the end.
+
+    The last report carries the outcome (state, fitness, reason, epochs, best.pt); a trial that Ray's
+    scheduler stops never sends it, and is recorded as pruned. If Ray kills this worker, the
+    training process gets SIGTERM (TrialCommand.die_with_parent) and saves last.pt.
+    """
+    from ray import tune
+
+    number = int(config[NUMBER])
+    params = {key: config[key] for key in job.recipe.space.keys}
+    command = job.recipe.command(number, params, job.device, die_with_parent=True)
+    last = {"epoch": 0, "score": 0.0}
+
+    def report(epoch: int, score: float) -> bool:
+        last.update(epoch=epoch, score=score)
+        tune.report({SCORE: score, FITNESS: score, "epoch": epoch})  # Ray wants FITNESS in every result
+        return False  # Ray's scheduler decides; it stops this function rather than answering here
+
+    watch = TrialWatch(report=report, heartbeat=lambda: None, stop=threading.Event(), score_column=job.score_column,
+                       fitness_key=job.fitness_key, poll_s=job.poll_s)  # fmt: skip
+    outcome = run_trial(command, watch)
+    fitness = outcome.fitness if outcome.state == COMPLETE else last["score"]  # StudySearch reads only `state`'s
+    tune.report({SCORE: last["score"], FITNESS: fitness, "epoch": max(outcome.epochs, last["epoch"]),
+                 "state": outcome.state, "reason": outcome.reason, "best": outcome.best,
+                 "run_dir": str(command.run_dir)})  # fmt: skip
+
+
+def _optuna_search_class() -> type:
+    """StudySearch, defined once Ray is importable (it subclasses Ray's OptunaSearch)."""
+    from ray.tune.search.optuna import OptunaSearch
+
+    class StudySearch(OptunaSearch):
+        """Ray's OptunaSearch on our study: trial numbers in the config, per-epoch scores as intermediate values,
+        and each end recorded as the local tuner records it (complete, pruned, failed with its reason)."""
+
+        def __init__(self, run: StudyRun, **kwargs: Any) -> None:
+            self.run = run
+            self.asked: dict[str, optuna.trial.Trial] = {}  # Ray trial id -> Optuna trial
+            self._just_asked: optuna.trial.Trial | None = None
+            self.lock = threading.Lock()
+            super().__init__(space=self._define, **kwargs)
+
+        def __getstate__(self) -> dict[str, Any]:
+            # Ray Tune pickles its searcher with the experiment's state; the study is resumed from its storage
+            # instead, so the live study, trials and lock stay behind.
+            state = dict(self.__dict__)
+            state.update(run=None, asked={}, _just_asked=None, lock=None)
+            return state
+
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            self.__dict__.update(state, lock=threading.Lock())
+
+        def save(self, checkpoint_path: str) -> None:
+            """Ray's experiment checkpoint of the searcher: nothing, as the study resumes from its own storage
+            (running tune.py again), never through Ray's Tuner.restore."""
+            with open(checkpoint_path, "wb") as file:
+                pickle.dump({}, file)
+
+        def restore(self, checkpoint_path: str) -> None:
+            raise NotImplementedError("resume a --ray study by running the same tune.py command again")
+
+        def _define(self, trial: optuna.trial.Trial) -> dict[str, Any]:
+            """Define-by-run space: the search space's distributions (queued values come back as queued)."""
+            for dim in self.run.space.dimensions:
+                if dim.scale == "int":
+                    trial.suggest_int(dim.key, int(dim.low), int(dim.high))
+                else:
+                    trial.suggest_float(dim.key, dim.low, dim.high, log=dim.scale == "log")
+            trial.set_user_attr("worker", WORKER)
+            trial.set_user_attr("heartbeat", time.time())
+            self._just_asked = trial
+            return {NUMBER: trial.number}
+
+        def suggest(self, trial_id: str) -> dict[str, Any] | None:
+            params = super().suggest(trial_id)
+            if params is not None:
+                with self.lock:
+                    self.asked[trial_id] = self._just_asked
+            return params
+
+        def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
+            trial = self.asked.get(trial_id)
+            if trial is None or "state" in result or not math.isfinite(result.get(SCORE, math.nan)):
+                return
+            trial.report(float(result[SCORE]), int(result["epoch"]))
+            trial.set_user_attr("heartbeat", time.time())
+
+        def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
+            if result and "state" not in result:  # the result Ray's scheduler stopped the trial on: not yet reported
+                self.on_trial_result(trial_id, result)
+            with self.lock:
+                trial = self.asked.pop(trial_id, None)
+            if trial is None:
+                return
+            result = result or {}
+            state = result.get("state")
+            epochs = int(result.get("epoch", 0))
+            run_dir = self.run.trials_dir / f"trial_{trial.number:04d}"
+            attrs = {"epochs": epochs, "study": self.run.cfg.train.name, "run_dir": str(run_dir)}
+            if result.get("best"):
+                attrs["best"] = result["best"]
+            if error:
+                attrs["reason"] = "ray: the trial's function raised (see its error.txt in the Ray run folder)"
+            elif state is None:
+                attrs["reason"] = f"pruned after epoch {epochs}"
+            elif result.get("reason"):
+                attrs["reason"] = result["reason"]
+            for key, value in attrs.items():
+                trial.set_user_attr(key, value)
+            if state == COMPLETE and not error:
+                super().on_trial_complete(trial_id, {FITNESS: float(result[FITNESS])})
+            elif state is None and not error:
+                super().on_trial_complete(trial_id, None)  # no value, no error: Ray's OptunaSearch records PRUNED
+            else:
+                super().on_trial_complete(trial_id, None, error=True)  # FAIL
+
+        def beat(self) -> None:
+            """Heartbeats for the running trials, so workers on other machines do not take them for lost."""
+            with self.lock:
+                running = list(self.asked.values())
+            for trial in running:
+                trial.set_user_attr("heartbeat", time.time())
+
+        def interrupted(self) -> list[optuna.trial.Trial]:
+            """The trials still open when Ray Tune returned (a stop signal): to be failed and queued again."""
+            with self.lock:
+                left, self.asked = list(self.asked.values()), {}
+            return left
+
+    return StudySearch
+
+
+def _scheduler(run: StudyRun) -> Any:
+    """--pruner through Ray: median -> MedianStoppingRule, halving -> ASHA, both after a third of the epochs."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
+
+    cfg = run.cfg
+    warmup = max(1, cfg.train.epochs // 3)
+    if cfg.pruner == "median":
+        return MedianStoppingRule(time_attr="epoch", metric=SCORE, mode="max", grace_period=warmup + 1,
+                                  min_samples_required=4)  # fmt: skip
+    if cfg.pruner == "halving":
+        # max_t one past the last epoch: ASHA stops a trial that reaches max_t, which would cut off its final report.
+        return ASHAScheduler(time_attr="epoch", metric=SCORE, mode="max", max_t=cfg.train.epochs + 1,
+                             grace_period=warmup + 1, reduction_factor=3)  # fmt: skip
+    return FIFOScheduler()
+
+
+def _connect(address: str) -> None:
+    """Join the cluster at `address` ("local" starts one here); workers import the project from ROOT."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}}
+    if address == "local":
+        ray.init(runtime_env=runtime_env, include_dashboard=False, logging_level=logging.WARNING)
+    else:
+        ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
+
+
+def tune_on_ray(run: StudyRun, recipe: TrialRecipe, poll_s: float) -> None:
+    """Run the study's remaining trials through Ray Tune on the cluster at --ray; returns when they are done or Ray
+    was stopped (Ctrl-C), with the trials left open failed as interrupted and queued again."""
+    import ray
+    from ray import tune
+
+    cfg = run.cfg
+    _connect(cfg.ray)
+    fail_lost_trials(run.study)
+    counted, _ = counted_trials(run.study)
+    remaining = cfg.trials - counted
+    if remaining <= 0:
+        return
+    on_gpu = cfg.train.device.strip().lower() not in ("cpu", "mps") and ray.cluster_resources().get("GPU", 0) > 0
+    device = ",".join(str(i) for i in range(cfg.nproc_per_trial)) if on_gpu else "cpu"
+    resources = {"cpu": 1, "gpu": cfg.nproc_per_trial if on_gpu else 0}
+    job = RayTrialJob(recipe, device, f"metrics/{run.fitness_key}", run.fitness_key, poll_s)
+    storage = open_storage(cfg)
+    storage = optuna.storages.RDBStorage(storage) if isinstance(storage, str) else storage  # Ray wants an object
+    search = _optuna_search_class()(
+        run, metric=FITNESS, mode="max", study_name=cfg.train.name, storage=storage,
+        sampler=make_sampler(cfg, cfg.train.seed + 1000 * counted),
+    )  # fmt: skip
+    tuner = tune.Tuner(
+        tune.with_resources(tune.with_parameters(run_ray_trial, job=job), resources),
+        tune_config=tune.TuneConfig(search_alg=search, scheduler=_scheduler(run), num_samples=remaining,
+                                    max_concurrent_trials=cfg.parallel or (None if on_gpu else 1)),  # fmt: skip
+        run_config=tune.RunConfig(name="ray", storage_path=str((cfg.study_dir).resolve()), verbose=0,
+                                  failure_config=tune.FailureConfig(max_failures=0, fail_fast=False)),  # fmt: skip
+    )
+    LOGGER.info(f"tune: {remaining} trials through Ray Tune at {cfg.ray} ({ray.cluster_resources()}), "
+                f"each on {resources}")  # fmt: skip
+    stop_beating = threading.Event()
+    beater = threading.Thread(target=_beat, args=(search, stop_beating), name="tune-ray-heartbeat", daemon=True)
+    beater.start()
+    try:
+        tuner.fit()
+    finally:
+        stop_beating.set()
+        for trial in search.interrupted():
+            trial.set_user_attr("reason", "interrupted: the study was stopped")
+            requeue(run.study, run.study.tell(trial.number, state=optuna.trial.TrialState.FAIL))
+            run.stop.set()
+
+
+def _beat(search: Any, stop: threading.Event) -> None:
+    while not stop.wait(HEARTBEAT_S):
+        search.beat()
