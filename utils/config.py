@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import Any
 
 from utils.distributed import DEFAULT_TIMEOUT_MINUTES
 from utils.errors import ConfigError
@@ -72,3 +73,27 @@ def check_dist_timeout(minutes: float) -> None:
     """Refuse a --dist-timeout that is not a positive, finite number of minutes (one-line ConfigError)."""
     if not (math.isfinite(minutes) and minutes > 0):
         raise ConfigError(f"--dist-timeout {minutes:g} must be a positive number of minutes (default 30)")
+
+
+def flag_words(option: str, action: argparse.Action, value: Any, where: str) -> list[str]:
+    """The command-line words that give flag `option` (of parser `action`) the Python `value`; [] for None.
+
+    The keyword APIs (utils/cli/entry.py) and tune.py's trial commands both turn values back into
+    flags with it; a switch given a non-bool is a one-line ConfigError naming `where`.
+    """
+    if value is None:
+        return []
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be True or False")
+        return [option if value else "--no-" + option[2:]]
+    if action.nargs == 0:  # store_true
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be True or False")
+        return [option] if value else []
+    if action.nargs in ("+", "*") or isinstance(value, list | tuple):
+        values = list(value) if isinstance(value, list | tuple) else [value]
+        return [option, *map(str, values)] if values else []
+    if action.nargs == "?" and isinstance(value, bool):  # --cache / --resume alone
+        return [option] if value else []
+    return [option, str(value)]

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from utils.config import flag_words
 from utils.distributed import DEFAULT_TIMEOUT, DistContext, cleanup, init_distributed
 from utils.errors import ConfigError
 from utils.logs import logging_for
@@ -71,7 +72,7 @@ def keyword_argv(parser: argparse.ArgumentParser, options: Mapping[str, Any], en
         if key not in actions or isinstance(actions[key][1], argparse._HelpAction):
             known = ", ".join(sorted(name for name, (_, action) in actions.items() if action.dest != "help"))
             raise ConfigError(f"{entry}: unknown option {key!r}; known: {known}")
-        argv += _flag_argv(*actions[key], value, f"{entry}: {key}={value!r}")
+        argv += flag_words(*actions[key], value, f"{entry}: {key}={value!r}")
     checker = copy.deepcopy(parser)
 
     def refuse(message: str) -> None:
@@ -80,23 +81,3 @@ def keyword_argv(parser: argparse.ArgumentParser, options: Mapping[str, Any], en
     checker.error = refuse  # type: ignore[method-assign]
     checker.parse_args(argv)
     return argv
-
-
-def _flag_argv(option: str, action: argparse.Action, value: Any, where: str) -> list[str]:
-    """The command-line words giving flag `option` (of `action`) the Python `value`."""
-    if value is None:
-        return []
-    if isinstance(action, argparse.BooleanOptionalAction):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be True or False")
-        return [option if value else "--no-" + option[2:]]
-    if action.nargs == 0:  # store_true
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be True or False")
-        return [option] if value else []
-    if action.nargs in ("+", "*"):
-        values = list(value) if isinstance(value, list | tuple) else [value]
-        return [option, *map(str, values)] if values else []
-    if action.nargs == "?" and isinstance(value, bool):  # --cache / --resume alone
-        return [option] if value else []
-    return [option, str(value)]

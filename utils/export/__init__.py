@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import datetime
 import importlib
+import itertools
 import logging
 import os
 import shutil
@@ -347,7 +349,7 @@ def _export_format(
             agreement = check_agreement(wrapper, runner, batches, metadata, path)
         elif runner is not None:
             inputs = [_random_images(batch, cfg.imgsz, example) for batch in batch_sizes]
-            parity = check_parity(wrapper, runner, inputs, tolerance, path)
+            parity = check_parity(_parity_reference(wrapper, file_format, cfg), runner, inputs, tolerance, path)
         _replace(tmp_path, path)
     recall = None if agreement is None else agreement.recall
     exported = ExportedFile(file_format, path, seconds, *_parity_fields(parity), agreement=recall)
@@ -389,6 +391,20 @@ def _temporary_sibling(path: Path) -> Iterator[Path]:
             shutil.rmtree(tmp_path, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.unlink(tmp_path)
+
+
+def _parity_reference(wrapper: ExportWrapper, file_format: str, cfg: ExportConfig) -> nn.Module:
+    """What the written file must match: the export graph, or for an FP16 OpenVINO IR (FP16 weights, FP32 compute
+    on CPUs) the graph with every weight rounded to FP16 as the IR stores it, so the check measures the runtime
+    and not the rounding (val.py measures what the rounding costs in mAP)."""
+    if file_format != "openvino" or not cfg.half:
+        return wrapper
+    rounded = copy.deepcopy(wrapper)
+    with torch.no_grad():
+        for tensor in itertools.chain(rounded.parameters(), rounded.buffers()):
+            if tensor.is_floating_point():
+                tensor.copy_(tensor.half().float())
+    return rounded
 
 
 def _random_images(batch: int, imgsz: tuple[int, int], like: torch.Tensor) -> torch.Tensor:

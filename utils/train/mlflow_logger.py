@@ -16,13 +16,12 @@ import math
 import os
 import re
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from utils.errors import Preempted
+from utils.train.trackers import import_tracker, server_answers
 
 if TYPE_CHECKING:
     from utils.callbacks import TrainEvent
@@ -31,7 +30,6 @@ LOGGER = logging.getLogger(__name__)
 STATE_KEY = "mlflow"  # its entry in the callbacks' checkpointed state: {"run_id": ..., "tracking_uri": ...}
 # Fail fast instead of MLflow's default of 7 retries with backoff (minutes on rank 0 while the others wait).
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
-PROBE_SECONDS = 5.0
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 FIGURE_SUFFIXES = (".png", ".jpg")
 
@@ -56,17 +54,15 @@ class MLflowLogger:
 
     def on_pretrain_routine_end(self, event: TrainEvent) -> None:
         """Connect, then start a new MLflow run (logging the options as params) or continue the checkpoint's."""
-        try:
-            from mlflow.tracking import MlflowClient
-        except ImportError:
-            log = LOGGER.warning if self.explicit else LOGGER.info
-            log("MLflow: not installed (`pip install mlflow` to log this run to MLflow)")
+        tracking = import_tracker("mlflow.tracking", "MLflow", "mlflow", self.explicit, LOGGER)
+        if tracking is None:
             return
         uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-        if uri.startswith(("http://", "https://")) and not _reachable(uri):
+        unreachable = "MLflow: no tracking server at {url} ({reason}); training goes on without MLflow"
+        if uri.startswith(("http://", "https://")) and not server_answers(uri, "/health", unreachable, LOGGER):
             return
         self._set_http_defaults()
-        self._call("start", lambda: self._start(MlflowClient(uri or None), event))
+        self._call("start", lambda: self._start(tracking.MlflowClient(uri or None), event))
 
     def on_fit_epoch_end(self, event: TrainEvent) -> None:
         """Every numeric, finite results.csv column of the epoch as a metric at step = epoch."""
@@ -177,19 +173,6 @@ def metric_name(column: str) -> str:
 def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
-
-
-def _reachable(uri: str) -> bool:
-    """Whether an MLflow server answers at `uri` within PROBE_SECONDS (any HTTP answer counts); else one warning."""
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PROBE_SECONDS):
-            return True
-    except urllib.error.HTTPError:
-        return True  # something answered (a proxy without /health): let MLflow's own calls decide
-    except (OSError, ValueError) as error:
-        reason = getattr(error, "reason", error)
-        LOGGER.warning(f"MLflow: no tracking server at {uri} ({reason}); training goes on without MLflow")
-        return False
 
 
 def _run_exists(client: Any, run_id: str) -> bool:

@@ -13,20 +13,18 @@ from __future__ import annotations
 import logging
 import math
 import os
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from utils.errors import Preempted
+from utils.train.trackers import import_tracker, server_answers
 
 if TYPE_CHECKING:
     from utils.callbacks import TrainEvent
 
 LOGGER = logging.getLogger(__name__)
 STATE_KEY = "wandb"  # its entry in the callbacks' checkpointed state: {"run_id": ..., "project": ...}
-PROBE_SECONDS = 5.0
 DEFAULT_BASE_URL = "https://api.wandb.ai"
 FIGURE_SUFFIXES = (".png", ".jpg")
 
@@ -50,15 +48,14 @@ class WandbLogger:
 
     def on_pretrain_routine_end(self, event: TrainEvent) -> None:
         """Connect, then start a W&B run with the options as its config, or continue the checkpoint's."""
-        try:
-            import wandb
-        except ImportError:
-            log = LOGGER.warning if self.explicit else LOGGER.info
-            log("W&B: not installed (`pip install wandb` to log this run to Weights & Biases)")
+        wandb = import_tracker("wandb", "W&B", "wandb", self.explicit, LOGGER)
+        if wandb is None:
             return
         mode = os.environ.get("WANDB_MODE", "online")
         server = os.environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL
-        if mode == "disabled" or (mode == "online" and not _reachable(server)):
+        unreachable = ("W&B: no server at {url} ({reason}); training goes on without W&B (WANDB_MODE=offline keeps "
+                       "the run locally)")  # fmt: skip
+        if mode == "disabled" or (mode == "online" and not server_answers(server, "/healthz", unreachable, LOGGER)):
             return
         self._call("start", lambda: self._start(wandb, event))
 
@@ -145,17 +142,3 @@ def _finite(value: Any) -> bool:
 
 def _first_line(error: BaseException) -> str:
     return str(error).splitlines()[0] if str(error) else ""
-
-
-def _reachable(url: str) -> bool:
-    """Whether a W&B server answers at `url` within PROBE_SECONDS (any HTTP answer counts); else one warning."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/healthz", timeout=PROBE_SECONDS):
-            return True
-    except urllib.error.HTTPError:
-        return True
-    except (OSError, ValueError) as error:
-        reason = getattr(error, "reason", error)
-        LOGGER.warning(f"W&B: no server at {url} ({reason}); training goes on without W&B (WANDB_MODE=offline "
-                       "keeps the run locally)")  # fmt: skip
-        return False

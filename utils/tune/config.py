@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.config import ROOT
+from utils.config import ROOT, flag_words
 from utils.errors import ConfigError
 from utils.train.config import TrainConfig, build_train_parser, config_from_args, explicit_options
 
@@ -101,17 +101,8 @@ def argv_of(parser: argparse.ArgumentParser, args: argparse.Namespace, dests: se
     """The command-line words that give `parser` the parsed values of `dests` (in the parser's order)."""
     words: list[str] = []
     for action in parser._actions:
-        if action.dest not in dests or not action.option_strings:
-            continue
-        value, option = getattr(args, action.dest), action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            words.append(option if value else "--no-" + option[2:])
-        elif action.nargs == 0:
-            words += [option] if value else []
-        elif isinstance(value, list | tuple):
-            words += [option, *map(str, value)] if value else []
-        elif value is not None:
-            words += [option, str(value)]
+        if action.dest in dests and action.option_strings:
+            words += flag_words(action.option_strings[0], action, getattr(args, action.dest), action.dest)
     return words
 
 
