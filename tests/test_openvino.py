@@ -16,7 +16,7 @@ import val
 from segment import val as segment_val
 from segment.task import SEGMENT
 from tests.conftest import make_tiny_dataset
-from tests.test_backends import _save_random_checkpoint
+from tests.test_backends import _one_line, _request, _save_random_checkpoint
 from utils.backends import BackendRequest, load_backend
 from utils.backends.metadata import read_metadata, write_engine_file
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
@@ -62,16 +62,6 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Pat
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_dataset(tmp_path_factory.mktemp("openvino-data"), TINY)
-
-
-def _request(task: str | None = "detect", **options: object) -> BackendRequest:
-    return BackendRequest(task=task, script="val", device=CPU, **options)
-
-
-def _one_line(error: pytest.ExceptionInfo[ConfigError]) -> str:
-    message = str(error.value)
-    assert "\n" not in message
-    return message
 
 
 @pytest.mark.parametrize("name", MODELS)
