@@ -27,7 +27,17 @@ import optuna
 
 from utils.config import ROOT
 from utils.errors import ConfigError
-from utils.tune.study import HEARTBEAT_S, WORKER, counted_trials, fail_lost_trials, make_sampler, open_storage, requeue
+from utils.tune.study import (
+    HEARTBEAT_S,
+    WORKER,
+    counted_trials,
+    fail_lost_trials,
+    first_prunable_epoch,
+    make_sampler,
+    open_storage,
+    requeue,
+    suggest,
+)
 from utils.tune.trial import COMPLETE, TrialRecipe, TrialWatch, run_trial
 
 if TYPE_CHECKING:
@@ -122,12 +132,8 @@ def _optuna_search_class() -> type:
             raise NotImplementedError("resume a --ray study by running the same tune.py command again")
 
         def _define(self, trial: optuna.trial.Trial) -> dict[str, Any]:
-            """Define-by-run space: the search space's distributions (queued values come back as queued)."""
-            for dim in self.run.space.dimensions:
-                if dim.scale == "int":
-                    trial.suggest_int(dim.key, int(dim.low), int(dim.high))
-                else:
-                    trial.suggest_float(dim.key, dim.low, dim.high, log=dim.scale == "log")
+            """Define-by-run space: the search space's distributions; the trial number goes in the config."""
+            suggest(trial, self.run.space)
             trial.set_user_attr("worker", WORKER)
             trial.set_user_attr("heartbeat", time.time())
             self._just_asked = trial
@@ -197,14 +203,14 @@ def _scheduler(run: StudyRun) -> Any:
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
 
     cfg = run.cfg
-    warmup = max(1, cfg.train.epochs // 3)
+    first = first_prunable_epoch(cfg)
     if cfg.pruner == "median":
-        return MedianStoppingRule(time_attr="epoch", metric=SCORE, mode="max", grace_period=warmup + 1,
+        return MedianStoppingRule(time_attr="epoch", metric=SCORE, mode="max", grace_period=first,
                                   min_samples_required=4)  # fmt: skip
     if cfg.pruner == "halving":
         # max_t one past the last epoch: ASHA stops a trial that reaches max_t, which would cut off its final report.
         return ASHAScheduler(time_attr="epoch", metric=SCORE, mode="max", max_t=cfg.train.epochs + 1,
-                             grace_period=warmup + 1, reduction_factor=3)  # fmt: skip
+                             grace_period=first, reduction_factor=3)  # fmt: skip
     return FIFOScheduler()
 
 

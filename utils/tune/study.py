@@ -64,14 +64,29 @@ def make_sampler(cfg: TuneConfig, seed: int) -> optuna.samplers.BaseSampler:
     return optuna.samplers.RandomSampler(seed=seed)
 
 
+def first_prunable_epoch(cfg: TuneConfig) -> int:
+    """The first epoch after which a pruner may stop a trial: epochs 1 .. a third of them are never pruned."""
+    return max(1, cfg.train.epochs // 3) + 1
+
+
 def make_pruner(cfg: TuneConfig) -> optuna.pruners.BasePruner:
     """The --pruner: a trial is compared on its per-epoch mAP50-95, never during the first third of its epochs."""
-    warmup = max(1, cfg.train.epochs // 3)  # epochs 1..warmup are never pruned
     if cfg.pruner == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=warmup + 1)
+        return optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=first_prunable_epoch(cfg))
     if cfg.pruner == "halving":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=warmup + 1, reduction_factor=3)
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=first_prunable_epoch(cfg), reduction_factor=3)
     return optuna.pruners.NopPruner()
+
+
+def suggest(trial: optuna.trial.Trial, space: SearchSpace) -> dict[str, float]:
+    """Ask `trial` (define-by-run) for every searched key with its distribution; queued values come back as queued."""
+    values: dict[str, float] = {}
+    for key, dist in distributions(space).items():
+        if isinstance(dist, optuna.distributions.IntDistribution):
+            values[key] = trial.suggest_int(key, dist.low, dist.high, log=dist.log)
+        else:
+            values[key] = trial.suggest_float(key, dist.low, dist.high, log=dist.log)
+    return values
 
 
 def distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDistribution]:
