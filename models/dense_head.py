@@ -198,16 +198,28 @@ class DenseHead(nn.Module):
         return torch.cat([level.flatten(2) for level in levels], dim=2).transpose(1, 2)
 
     def decode(self, levels: list[torch.Tensor]) -> torch.Tensor:
-        """Raw per-level outputs -> (B, N, 4 + nc + nm): xywh input pixels, class probabilities, mask coefficients."""
-        flat = self.flatten(levels)
+        """Raw per-level outputs -> (B, N, 4 + nc + nm): xywh input pixels, class probabilities, mask coefficients.
+
+        Computed channels first, (B, C, N), and returned as a transposed view: the softmax over bins and
+        every elementwise step then run along the contiguous points axis, and an exporter that wants
+        channels-first rows (Ultralytics' layout) transposes back for free (the two transposes cancel).
+        """
+        flat = torch.cat([level.flatten(2) for level in levels], dim=2)  # (B, no, N)
+        batch, points_count = flat.shape[0], flat.shape[2]
         sizes = [tuple(level.shape[2:]) for level in levels]
         points, point_strides = anchor_points(sizes, self.level_strides, flat.device, flat.dtype)
         box_end = 4 * self.reg_max
-        bins = self.bins.weight if self.bins is not None else None
-        distances = distribution_to_distances(flat[..., :box_end], self.reg_max, bins)
-        boxes = distances_to_xywh(distances, points) * point_strides
-        scores = flat[..., box_end : box_end + self.num_classes].sigmoid()
-        return torch.cat((boxes, scores, flat[..., box_end + self.num_classes :]), dim=-1)
+        distances = flat[:, :box_end]  # (B, 4 * reg_max, N)
+        if self.reg_max > 1:
+            bins = self.bins.weight.to(flat.dtype).view(1, 1, self.reg_max, 1)
+            probabilities = distances.reshape(batch, 4, self.reg_max, points_count).softmax(dim=2)
+            distances = (probabilities * bins).sum(dim=2)  # (B, 4, N): each side's expected bin
+        points, point_strides = points.T, point_strides.T  # (2, N), (1, N)
+        top_left = points - distances[:, :2]
+        bottom_right = points + distances[:, 2:]
+        boxes = torch.cat(((top_left + bottom_right) / 2, bottom_right - top_left), dim=1) * point_strides
+        scores = flat[:, box_end : box_end + self.num_classes].sigmoid()
+        return torch.cat((boxes, scores, flat[:, box_end + self.num_classes :]), dim=1).transpose(1, 2)
 
 
 class MultiScaleProto(Proto):
