@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from utils.backends.base import BackendInfo, BackendRequest
-from utils.backends.exported import ExportedBackend, check_request, exported_info
+from utils.backends.exported import HostRuntimeBackend, check_request, exported_info
 from utils.backends.metadata import parse_onnx_metadata
 from utils.errors import ConfigError
 
@@ -26,7 +26,7 @@ def onnx_providers(device: torch.device, available: list[str]) -> list[str | tup
     return ["CPUExecutionProvider"]
 
 
-class OnnxBackend(ExportedBackend):
+class OnnxBackend(HostRuntimeBackend):
     """An ONNX export in an onnxruntime session; a static file runs only its own size (and batch, in chunks)."""
 
     def __init__(self, info: BackendInfo, device: torch.device, session: Any) -> None:
@@ -52,8 +52,6 @@ class OnnxBackend(ExportedBackend):
         check_request(info, request)
         return cls(info, request.device, session)
 
-    def run_file(self, images: torch.Tensor) -> list[torch.Tensor]:
+    def run_array(self, array: np.ndarray) -> list[np.ndarray]:
         # Through host memory: simple and the same for both providers; IO binding could keep CUDA inputs on the GPU.
-        array = np.ascontiguousarray(images.detach().cpu().numpy())
-        outputs = self.session.run(None, {self.input_name: array})
-        return [torch.from_numpy(output).to(self.device) for output in outputs]
+        return self.session.run(None, {self.input_name: array})

@@ -10,19 +10,19 @@ import numpy as np
 import torch
 
 from utils.backends.base import BackendInfo, BackendRequest
-from utils.backends.exported import ExportedBackend, Runner, check_request, exported_info
+from utils.backends.exported import HostRuntimeBackend, Runner, check_request, exported_info
 from utils.backends.metadata import read_openvino_metadata
 from utils.errors import ConfigError
 
 LOGGER = logging.getLogger(__name__)
 
 
-class OpenVinoBackend(ExportedBackend):
+class OpenVinoBackend(HostRuntimeBackend):
     """An OpenVINO IR (FP32, FP16 or INT8) compiled for CPU; a static folder runs only its size (any batch)."""
 
-    def __init__(self, info: BackendInfo, device: torch.device, runner: Any) -> None:
+    def __init__(self, info: BackendInfo, device: torch.device, compiled: Any) -> None:
         super().__init__(info, device)
-        self.runner = runner  # images -> outputs as numpy arrays (openvino_runner)
+        self.compiled = compiled  # an openvino.CompiledModel (compile_for_cpu)
 
     @classmethod
     def load(cls, path: Path, request: BackendRequest) -> OpenVinoBackend:
@@ -47,10 +47,13 @@ class OpenVinoBackend(ExportedBackend):
             compiled = compile_for_cpu(openvino.Core(), models[0])
         except RuntimeError as error:  # OpenVINO reports a bad IR as RuntimeError; add the folder
             raise ConfigError(f"{path}: OpenVINO cannot read it ({str(error).splitlines()[0][:200]})") from error
-        return cls(info, request.device, openvino_runner(compiled))
+        return cls(info, request.device, compiled)
 
-    def run_file(self, images: torch.Tensor) -> list[torch.Tensor]:
-        return [torch.from_numpy(output).to(self.device) for output in self.runner(images)]
+    def input_array(self, images: torch.Tensor) -> np.ndarray:
+        return host_float_array(images)
+
+    def run_array(self, array: np.ndarray) -> list[np.ndarray]:
+        return run_compiled(self.compiled, array)
 
 
 def compile_for_cpu(core: object, xml_path: Path) -> object:
@@ -66,7 +69,17 @@ def openvino_runner(compiled: object) -> Runner:
     """A runner of a compiled OpenVINO model: images in, its outputs (output0 [, output1]) as numpy arrays."""
 
     def run(images: torch.Tensor) -> list[np.ndarray]:
-        result = compiled(np.ascontiguousarray(images.detach().cpu().float().numpy()))  # type: ignore[operator]
-        return [result[output] for output in compiled.outputs]  # type: ignore[attr-defined]
+        return run_compiled(compiled, host_float_array(images))
 
     return run
+
+
+def host_float_array(images: torch.Tensor) -> np.ndarray:
+    """`images` as a C-contiguous float32 host array: every IR we write takes FP32 input (FP16 and INT8 too)."""
+    return np.ascontiguousarray(images.detach().cpu().float().numpy())
+
+
+def run_compiled(compiled: Any, array: np.ndarray) -> list[np.ndarray]:
+    """The compiled model's outputs (output0 [, output1]) for the host array `array`."""
+    result = compiled(array)
+    return [result[output] for output in compiled.outputs]
