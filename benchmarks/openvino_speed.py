@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
                 request.infer({0: inputs[folder]})
                 calls.append((time.perf_counter() - start) * 1e3)
             times[folder].append(calls)
-    print(f"OpenVINO {ov.__version__}, CPU plugin, FP32 hint, {args.threads} threads, {args.rounds} rounds x {args.runs}")
+    print(
+        f"OpenVINO {ov.__version__}, CPU plugin, FP32 hint, {args.threads} threads, {args.rounds} rounds x {args.runs}"
+    )
     for folder, rounds in times.items():
         calls = [value for round_calls in rounds for value in round_calls]
         median = statistics.median(calls)

@@ -20,7 +20,7 @@ from segment import predict as segment_predict
 from segment import val as segment_val
 from segment.task import SEGMENT
 from tests.conftest import make_tiny_dataset
-from utils.backends import BackendRequest, load_backend, resolve_imgsz
+from utils.backends import BackendRequest, leave_cores_to_runtime, load_backend, resolve_imgsz
 from utils.backends.exported import rows_from_detections
 from utils.backends.metadata import read_metadata
 from utils.boxes import best_detections, top_detections
@@ -292,6 +292,22 @@ def test_a_static_onnx_file_runs_only_its_size_and_any_batch(files: dict[str, di
     wide = np.random.default_rng(0).integers(0, 255, (40, 100, 3), dtype=np.uint8)
     assert FramePredictor(backend, DETECT, cfg)(wide)[1] == (IMGSZ, IMGSZ)
     assert FramePredictor(checkpoint, DETECT, cfg)(wide)[1] == (32, IMGSZ)
+
+
+def test_torch_steps_back_to_one_thread_only_beside_a_runtime_with_its_own(files: dict[str, dict[str, Path]]) -> None:
+    onnx, torchscript, checkpoint = (
+        load_backend(files["yolov8n"][kind], _request()) for kind in ("onnx", "torchscript", "pt")
+    )
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for runs_in_torch in (checkpoint, torchscript):  # torch does the inference: it keeps its threads
+            leave_cores_to_runtime(runs_in_torch)
+            assert torch.get_num_threads() == 2
+        leave_cores_to_runtime(onnx)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.slow

@@ -15,13 +15,22 @@ from pathlib import Path
 
 from utils.backends.base import BackendInfo, BackendRequest, InferenceBackend, as_backend, resolve_imgsz
 from utils.backends.checkpoint import load_checkpoint_backend
+from utils.backends.exported import leave_cores_to_runtime
 from utils.backends.onnx_runtime import OnnxBackend
 from utils.backends.openvino_runtime import OpenVinoBackend
 from utils.backends.tensorrt_runtime import TensorRTBackend
 from utils.backends.torchscript import TorchScriptBackend
 from utils.errors import ConfigError
 
-__all__ = ["BackendInfo", "BackendRequest", "InferenceBackend", "as_backend", "load_backend", "resolve_imgsz"]
+__all__ = [
+    "BackendInfo",
+    "BackendRequest",
+    "InferenceBackend",
+    "as_backend",
+    "leave_cores_to_runtime",
+    "load_backend",
+    "resolve_imgsz",
+]
 
 # Exported files by suffix; any other file is read as a checkpoint, and a folder is an OpenVINO model
 # (`best_openvino_model/`, `loader_for`'s folder branch). Another runtime is one ExportedBackend subclass

@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from utils.backends import BackendInfo, BackendRequest, InferenceBackend, load_backend, resolve_imgsz
+from utils.backends import (
+    BackendInfo,
+    BackendRequest,
+    InferenceBackend,
+    leave_cores_to_runtime,
+    load_backend,
+    resolve_imgsz,
+)
 from utils.boxes import xyxy_to_xywhn
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
@@ -119,6 +126,7 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
         LOGGER.info(f"{cfg.weights} runs only {imgsz}x{imgsz}: square letterboxed batches instead of rectangles")
     dataset = LoadImagesAndLabels(data.split(cfg.split), options, ctx, data.coco_source(cfg.split))
     loader = build_val_loader(dataset, per_rank, cfg.workers, ctx)
+    leave_cores_to_runtime(model)
     return ValSetup(model, loader, data, names, save_dir, coco_target, imgsz)
 
 

@@ -22,7 +22,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from utils.backends import BackendRequest, InferenceBackend, as_backend, load_backend, resolve_imgsz
+from utils.backends import (
+    BackendRequest,
+    InferenceBackend,
+    as_backend,
+    leave_cores_to_runtime,
+    load_backend,
+    resolve_imgsz,
+)
 from utils.boxes import scale_boxes
 from utils.data.augment import bgr_to_rgb_chw, letterbox
 from utils.data.loader import ShapeInfo
@@ -265,7 +272,9 @@ def load_predictor_model(
         raise ConfigError(
             f"--classes {' '.join(map(str, cfg.classes))}: {cfg.weights} has {len(names)} classes (0-{len(names) - 1})"
         )
-    return backend, names, resolve_imgsz(backend.info, cfg.imgsz)
+    imgsz = resolve_imgsz(backend.info, cfg.imgsz)
+    leave_cores_to_runtime(backend)  # after the checks: a refusal stays the only line
+    return backend, names, imgsz
 
 
 def predict(cfg: PredictConfig, task: Task, ctx: DistContext) -> PredictResult:
