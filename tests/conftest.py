@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -24,6 +25,27 @@ def make_tiny_dataset(root: Path, spec: SyntheticSpec) -> Path:
         yaml.safe_dump({"path": "shapes", "train": "images/train", "val": "images/val", "names": list(SHAPE_NAMES)})
     )
     return yaml_file
+
+
+@contextlib.contextmanager
+def compile_without_codegen() -> Iterator[list[str | None]]:
+    """Within: torch.compile uses the aot_eager backend and records each call's mode in the yielded list.
+
+    Dynamo still captures the graph and AOTAutograd its backward, as for inductor, but no C++ is
+    generated: inductor takes about a minute on 2 cores even for yolov5n, which the suite cannot pay.
+    """
+    real_compile = torch.compile
+    modes: list[str | None] = []
+
+    def compile_(model: torch.nn.Module, **options: object) -> torch.nn.Module:
+        modes.append(options.get("mode"))  # type: ignore[arg-type]
+        return real_compile(model, backend="aot_eager", **options)  # type: ignore[arg-type]
+
+    torch.compile = compile_  # type: ignore[assignment]
+    try:
+        yield modes
+    finally:
+        torch.compile = real_compile
 
 
 @pytest.fixture(autouse=True)

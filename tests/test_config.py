@@ -91,6 +91,20 @@ def test_cache_flag_without_value_means_ram() -> None:
     assert config_from_args(build_train_parser().parse_args(["--cache"])).cache == "ram"
 
 
+def test_compile_flag_takes_a_torch_compile_mode_and_is_off_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = build_train_parser().parse_args
+    assert [
+        config_from_args(parse(argv)).compile_mode for argv in ([], ["--compile"], ["--compile", "max-autotune"])
+    ] == [
+        "",
+        "default",
+        "max-autotune",
+    ]
+    with pytest.raises(SystemExit) as stop:
+        parse(["--compile", "fast"])
+    assert stop.value.code == 2 and "--compile: invalid choice: 'fast'" in capsys.readouterr().err
+
+
 def test_config_dict_round_trip() -> None:
     cfg = config_from_args(build_train_parser().parse_args(["--freeze", "3", "--cos-lr", "--epochs", "7"]))
     again = config_from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))

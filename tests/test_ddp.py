@@ -24,7 +24,7 @@ from torch import nn
 
 from models.anchor_free import AnchorFreeSpec
 from models.yolo import spec_from_cfg
-from tests.conftest import make_tiny_dataset
+from tests.conftest import compile_without_codegen, make_tiny_dataset
 from tests.dist_helpers import PROCESS_TIMEOUT_S, free_port, run_distributed
 from utils.config import DEFAULT_HYP
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
@@ -164,24 +164,31 @@ def _gradients(ctx: DistContext, spec: Any = SPEC, hyp: Any = HYP) -> dict[str, 
     return result
 
 
-def _engine_steps(ctx: DistContext) -> dict[str, Any]:
+def _engine_steps(ctx: DistContext, compile_mode: str = "") -> dict[str, Any]:
     """Train MICRO_BATCHES per-rank batches with the real engine pieces, from per-rank initial weights.
 
-    build_train_state wraps with smart_ddp and builds the optimizer and EMA; train_one_epoch
-    accumulates with no_sync. BN statistics are averaged afterwards, as fit() does before saving.
+    build_train_state wraps with smart_ddp (and torch.compile with `compile_mode`) and builds the
+    optimizer and EMA; train_one_epoch accumulates with no_sync. BN statistics are averaged afterwards,
+    as fit() does before saving.
     """
     torch.manual_seed(10 + ctx.rank)  # different initial weights per rank: DDP must broadcast rank 0's
     model = build_family_model(SPEC)
     initial = _flat(model.parameters())
-    cfg = TrainConfig(model="yolov5n", hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1)
+    cfg = TrainConfig(
+        model="yolov5n", hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1,
+        compile_mode=compile_mode,
+    )  # fmt: skip
     bundle = ModelBundle(model, SPEC, tuple(SHAPE_NAMES[:NUM_CLASSES]))
-    state = build_train_state(bundle, cfg, DETECT_TRAINING, ctx, batches=MICRO_BATCHES)
+    with compile_without_codegen() as compile_modes:
+        state = build_train_state(bundle, cfg, DETECT_TRAINING, ctx, batches=MICRO_BATCHES)
     no_sync_calls = _count_no_sync(state.ddp)
     batches = []
     for step in range(MICRO_BATCHES):  # different data on each rank and step
         images, targets = _rank_slice(*_fixed_global_batch(seed=100 * ctx.rank + step), ctx)
         batches.append(_as_batch(images, targets))
+    torch._dynamo.reset()
     train_one_epoch(state, batches, 0, cfg, ctx)
+    graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     average_bn_stats(state.model, ctx)
     average_bn_stats(state.ema.ema, ctx)
     verify_identical_weights(state.model, ctx)  # must not raise
@@ -192,6 +199,8 @@ def _engine_steps(ctx: DistContext) -> dict[str, Any]:
         "ema": {k: v.clone() for k, v in state.ema.ema.state_dict().items()},
         "last_opt_step": state.last_opt_step,
         "no_sync_calls": len(no_sync_calls),
+        "compile_modes": compile_modes,
+        "compiled_graphs": graphs,
     }
 
 
@@ -318,6 +327,7 @@ def _rank_checks(ctx: DistContext, data_yaml: str, project: str) -> dict[str, An
         "gradients_yolo11": _captured(_gradients, ctx, ANCHOR_FREE_SPECS["yolo11"], ANCHOR_FREE_HYP),
         "gradients_yolo26": _captured(_gradients, ctx, ANCHOR_FREE_SPECS["yolo26"], ANCHOR_FREE_HYP),
         "engine": _captured(_engine_steps, ctx),
+        "engine_compiled": _captured(_engine_steps, ctx, "default"),
         "verify_reseed": _captured(_verify_with_rank1_changed, ctx, "reseed"),
         "verify_swap": _captured(_verify_with_rank1_changed, ctx, "swap"),
         "early_stop_epochs": _captured(_fit_with_patience, ctx, data_yaml, project),
@@ -380,6 +390,20 @@ def test_weights_stay_identical_across_ranks_through_accumulated_steps(rank_resu
         assert first[name].keys() == second[name].keys()
         for key, tensor in first[name].items():
             assert torch.equal(tensor, second[name][key]), f"{name}.{key} differs between ranks"
+
+
+def test_compile_trains_the_ddp_module_to_the_same_weights_on_every_rank(rank_results) -> None:
+    (eager, _), (first, second) = _parts(rank_results, "engine"), _parts(rank_results, "engine_compiled")
+    assert eager["compile_modes"] == [] and eager["compiled_graphs"] == 0, "no --compile: nothing compiled"
+    assert first["compile_modes"] == second["compile_modes"] == ["default"], "one torch.compile call per rank"
+    assert first["compiled_graphs"] >= 1, "the training forward must have run through dynamo"
+    assert first["last_opt_step"] == eager["last_opt_step"]
+    assert first["no_sync_calls"] == eager["no_sync_calls"] >= 1, "accumulation still skips the all-reduce"
+    for name in ("model", "ema"):
+        for key, tensor in first[name].items():
+            assert torch.equal(tensor, second[name][key]), f"compiled: {name}.{key} differs between ranks"
+    # The same starting weights and batches: the compiled forward trains to what eager DDP trains to.
+    torch.testing.assert_close(first["final"], eager["final"], rtol=1e-4, atol=1e-5)
 
 
 def test_verify_identical_weights_raises_when_a_rank_was_initialised_differently(rank_results) -> None:

@@ -15,7 +15,7 @@ import yaml
 
 import train
 import val
-from tests.conftest import make_tiny_dataset, tiny_val_argv
+from tests.conftest import compile_without_codegen, make_tiny_dataset, tiny_val_argv
 from utils.config import QUICKSTART_HYP
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext
@@ -203,6 +203,27 @@ def test_eval_model_layout_follows_flag(trained_run, channels_last: bool) -> Non
 
 def test_resume_continues_from_saved_epoch(trained_run, tmp_path: Path) -> None:
     # Resume epoch1.pt in a copy of the run folder: it must run exactly epoch 2 and end like the original.
+    copy = _copy_after_first_epoch(trained_run, tmp_path)
+    result = train.main(["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0"])
+    assert result.run_dir == copy and result.epochs_run == 1
+    assert [row["epoch"] for row in _read_rows(copy / "results.csv")] == ["1", "2"]
+    _assert_same_final_weights(copy / "weights" / "last.pt", trained_run.last)
+
+
+def test_compile_resumes_an_eager_run_to_the_same_weights_saved_unwrapped(trained_run, tmp_path: Path) -> None:
+    # --compile may be given with --resume (how this attempt runs); epoch 2 compiled ends like epoch 2 eager.
+    copy = _copy_after_first_epoch(trained_run, tmp_path)
+    argv = ["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0"]
+    with compile_without_codegen() as modes:
+        result = train.main([*argv, "--compile", "max-autotune"])
+    assert modes == ["max-autotune"] and result.epochs_run == 1
+    resumed = _assert_same_final_weights(copy / "weights" / "last.pt", trained_run.last)
+    assert resumed["train_config"]["compile_mode"] == "max-autotune"
+    assert not [key for key in resumed["model"] if "_orig_mod" in key], "checkpoints hold the bare model's keys"
+
+
+def _copy_after_first_epoch(trained_run, tmp_path: Path) -> Path:
+    """A copy of trained_run's folder whose results.csv stops after epoch 1, ready to resume epoch1.pt."""
     import shutil
 
     copy = tmp_path / "e2e"
@@ -212,14 +233,18 @@ def test_resume_continues_from_saved_epoch(trained_run, tmp_path: Path) -> None:
         writer = csv.DictWriter(file, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    result = train.main(["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0"])
-    assert result.run_dir == copy and result.epochs_run == 1
-    assert [row["epoch"] for row in _read_rows(copy / "results.csv")] == ["1", "2"]
-    resumed = torch.load(copy / "weights" / "last.pt", weights_only=True)
-    original = torch.load(trained_run.last, weights_only=True)
+    return copy
+
+
+def _assert_same_final_weights(resumed_last: Path, original_last: Path) -> dict:
+    """The resumed run's last.pt ends at the original's epoch with the original's weights; returns it."""
+    resumed = torch.load(resumed_last, weights_only=True)
+    original = torch.load(original_last, weights_only=True)
     assert resumed["epoch"] == original["epoch"] == 1
+    assert resumed["model"].keys() == original["model"].keys()
     for key, tensor in original["model"].items():
         torch.testing.assert_close(resumed["model"][key], tensor, rtol=1e-4, atol=1e-5, msg=key)
+    return resumed
 
 
 def test_resume_of_finished_run_is_one_line_error(trained_run) -> None:

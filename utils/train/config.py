@@ -74,6 +74,7 @@ class TrainConfig:
     close_mosaic: int = QUICKSTART_CLOSE_MOSAIC
     single_cls: bool = False
     sync_bn: bool = False
+    compile_mode: str = ""  # --compile: torch.compile mode of the training forward ("" = eager)
     task: str = "detect"
     overlap_mask: bool = False  # segmentation: one index mask per image instead of one mask per instance
     mask_ratio: int = 4  # segmentation: masks at image size / mask_ratio (the prototype resolution)
@@ -102,6 +103,9 @@ class TrainConfig:
             out[f.name] = value
         return out
 
+
+# torch.compile's modes (its `mode` argument), what --compile MODE takes; the bare flag means "default".
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # Option names a checkpoint may store -> the TrainConfig field they fill (`cfg` is `model`), so --resume reads them.
 RENAMED_OPTIONS = {"cfg": "model"}
@@ -216,6 +220,18 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
         help="train the last N epochs without mosaic and mixup (0: mosaic throughout, as YOLOv5)",
     )
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs (CUDA and DDP only)")
+    parser.add_argument(
+        "--compile",
+        dest="compile_mode",
+        nargs="?",
+        const="default",
+        default="",
+        choices=COMPILE_MODES,
+        metavar="MODE",
+        help="torch.compile the training forward (under DDP: the DDP module); MODE default, reduce-overhead, "
+        "max-autotune or max-autotune-no-cudagraphs. Off by default: the first step then compiles (about a "
+        "minute), paid back only on long runs (docs/training.md)",
+    )
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, task: str) -> None:

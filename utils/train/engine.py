@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from models.model_info import memory_format
@@ -243,7 +244,7 @@ def build_train_state(
     nominal = int(cfg.hyp.nbs)
     accumulate = accumulate_steps(cfg.batch_size, nominal)
     # Accumulation (also during warmup's ramp) uses no_sync(), which static_graph does not support.
-    ddp = smart_ddp(model, ctx, sync_bn=cfg.sync_bn, static_graph=cfg.batch_size >= nominal)
+    ddp = compiled_forward(smart_ddp(model, ctx, sync_bn=cfg.sync_bn, static_graph=cfg.batch_size >= nominal), cfg)
     weight_decay = scaled_weight_decay(cfg.hyp.weight_decay, cfg.batch_size, accumulate, nominal)
     optimizer = build_optimizer(model, cfg.optimizer, cfg.hyp.lr0, cfg.hyp.momentum, weight_decay)
     lr_fn = lr_lambda(cfg.epochs, cfg.hyp.lrf, cfg.cos_lr)
@@ -258,6 +259,21 @@ def build_train_state(
     return TrainState(
         model, ddp, optimizer, scheduler, scaler, ema, loss_fn, loss_inputs, accumulate, warmup, lr_fn, amp_dtype
     )
+
+
+def compiled_forward(forward: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """`forward` (the DDP module, or the model in one process) under torch.compile with --compile's mode.
+
+    Only the training forward is compiled: it is one graph for every family (no data-dependent Python).
+    The loss is not: its target assignment has data-dependent shapes (`nonzero`), which break a graph
+    and recompile as label counts change. Compiling the DDP module lets dynamo split the graph at DDP's
+    gradient buckets, so the all-reduce still overlaps backward. The bare model stays what the EMA,
+    validation and checkpoints use, so saved weights carry no `_orig_mod.` prefix and resume either way.
+    """
+    if not cfg.compile_mode:
+        return forward
+    LOGGER.info(f"torch.compile (mode {cfg.compile_mode}) of the training forward: the first steps compile")
+    return torch.compile(forward, mode=cfg.compile_mode)
 
 
 def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:

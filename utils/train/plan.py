@@ -94,7 +94,7 @@ def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunP
 # Options --resume takes from the new command line when given there; all others come from the checkpoint.
 # change the remaining schedule / the global batch (docs/distributed.md), or who follows the run
 RESUME_OVERRIDES = ("epochs", "batch_size", "callbacks", "mlflow", "wandb")
-MACHINE_OPTIONS = ("device", "workers", "resume", "dist_timeout", "amp")  # where and how this attempt runs
+MACHINE_OPTIONS = ("device", "workers", "resume", "dist_timeout", "amp", "compile_mode")  # how this attempt runs
 
 
 def _choose_resume_checkpoint(cfg: TrainConfig) -> str:
@@ -109,8 +109,8 @@ def _choose_resume_checkpoint(cfg: TrainConfig) -> str:
 def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any] | None]:
     """For --resume, decide and load the checkpoint on rank 0, give it to every rank, and return the run's options.
 
-    The run's options come from the checkpoint; `device`, `workers` and `dist_timeout` from the
-    new command line, and `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any
+    The run's options come from the checkpoint; `device`, `workers`, `dist_timeout`, `amp` and
+    `compile_mode` from the new command line, and `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any
     other option given with --resume with another value than the run's is a one-line error
     rather than silently ignored. The restored options are validated again for this world size.
     After a torchrun restart every rank takes the restart path, so they run the same collectives:
@@ -190,8 +190,8 @@ def _refuse_changed_options(cfg: TrainConfig, stored: TrainConfig) -> None:
         flag = "--" + {"model": "cfg"}.get(changed[0], changed[0]).replace("_", "-")
         raise ConfigError(
             f"--resume continues a run with its own options; {flag} cannot be changed "
-            "(allowed with --resume: --epochs, --batch-size, --device, --workers, --dist-timeout, --amp, --callbacks, "
-            "--mlflow)"
+            "(allowed with --resume: --epochs, --batch-size, --device, --workers, --dist-timeout, --amp, --compile, "
+            "--callbacks, --mlflow)"
         )
 
 
@@ -219,6 +219,7 @@ def _load_resumed(
         workers=cfg.workers,
         dist_timeout=cfg.dist_timeout,
         amp=cfg.amp,
+        compile_mode=cfg.compile_mode,
         project=run_dir.parent,
         name=run_dir.name,
         exist_ok=True,
