@@ -171,6 +171,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--step-batch", type=int, default=32)
     add("--step-imgsz", type=int, default=640)
     add("--steps", type=int, default=10, help="timed train steps per precision")
+    add(
+        "--step-compile",
+        default="",
+        metavar="MODE",
+        help="also time each step with the forward under torch.compile(MODE) (train.py --compile; minutes to compile)",
+    )
     add("--device", default="", help="cuda (default when available) or cpu")
     add("--data-root", type=Path, default=Path("/tmp/yolo-gpu-bench"), help="generated data and run folders")
     add("--deadline-s", type=float, default=1e9, help="start no new run after this many seconds; cut runs to it")
@@ -490,15 +496,22 @@ def val_part(bench: Bench) -> None:
 
 
 def parse_step_output(text: str) -> dict[str, dict[str, float]]:
-    """train_step.py's tables: dtype -> {phase: ms of the first layout column}."""
+    """train_step.py's tables: dtype -> {phase: ms of the first column}, and "<dtype>+compile" for a compiled column."""
     tables: dict[str, dict[str, float]] = {}
-    current: dict[str, float] | None = None
+    dtype, columns = "", []
     for line in text.splitlines():
+        words = line.split()
         if STEP_HEADER.search(line):
             named = re.search(r"dtype (\w+)", line)
-            current = tables.setdefault(named.group(1) if named else ("fp16" if " amp," in line else "fp32"), {})
-        elif current is not None and line.split() and line.split()[0] in ("step", "loss", "inference"):
-            current[line.split()[0]] = float(line.split()[1])
+            dtype, columns = (named.group(1) if named else ("fp16" if " amp," in line else "fp32")), []
+        elif dtype and words and words[0] == "phase":
+            columns = words[1:]
+        elif dtype and words and words[0] in ("step", "loss", "inference"):
+            for index, value in enumerate(words[1:]):
+                name = columns[index] if index < len(columns) else ""
+                if index == 0 or name.endswith("+compile"):
+                    key = dtype if index == 0 else f"{dtype}+compile"
+                    tables.setdefault(key, {})[words[0]] = float(value)
     return tables
 
 
@@ -542,6 +555,10 @@ def step_one(bench: Bench, checkout: Checkout, model: str, task: str) -> None:
         "--data",
         str(data),
     ]
+    if args.step_compile and "--compile" in known:
+        base += ["--compile", args.step_compile]
+    elif args.step_compile:
+        bench.report.say(f"step: {checkout.label}'s train_step.py has no --compile; timed without it")
     if "--dtypes" in known:
         runs = [(args.step_dtypes, [*base, "--dtypes", *args.step_dtypes, "--layouts", "nhwc"])]
     else:  # an older script: fp32, or fp16 with --amp; both layouts, the first column is NHWC
@@ -557,7 +574,8 @@ def step_one(bench: Bench, checkout: Checkout, model: str, task: str) -> None:
         log = bench.report.out / "logs" / f"step-{model}-{slug(bench, checkout)}-{'-'.join(dtypes)}.log"
         rc, _ = run_logged([sys.executable, *argv], checkout.path, log, bench)
         tables = parse_step_output(log.read_text(errors="replace")) if log.is_file() else {}
-        for dtype in dtypes:
+        rows = [row for plain in dtypes for row in (plain, f"{plain}+compile") if row == plain or row in tables]
+        for dtype in rows:  # a compiled column is its own row, e.g. "fp16+compile"
             phases = tables.get(dtype, {})
             step, loss = phases.get("step"), phases.get("loss")
             share = fmt(100 * loss / step, ".0f") + "%" if step and loss is not None else "-"

@@ -7,6 +7,7 @@ Usage (from the repository root):
     python benchmarks/train_step.py --device cuda --amp      # on a GPU: fp16 autocast as training uses it
     python benchmarks/train_step.py --device cuda --task detect --cfg yolov8s --imgsz 640 --batch-size 32 \
         --dtypes fp32 fp16 bf16 --layouts nhwc              # one table per precision (benchmarks/gpu.py)
+    python benchmarks/train_step.py --device cuda --task detect --cfg yolov8s --layouts nhwc --compile default
 
 Builds the quick start's model and loss (`--task`, `--cfg`; the hyp is the model family's short-run
 recipe file, so anchor-free models get their `dfl` gain) and a few real augmented batches of the
@@ -15,7 +16,9 @@ NHWC (`channels_last`, the default in training) and NCHW. The layouts take turns
 on identical starting weights, so a machine whose speed drifts affects both alike. Then times
 eval inference of the fused model, again in turns. Prints, per precision of `--dtypes` (fp32;
 fp16 autocast with the GradScaler; bf16 autocast without it), the median milliseconds of each
-phase per layout and, with both layouts, the NCHW / NHWC ratio.
+phase per layout and, with two columns, the second's time over the first's. `--compile MODE` adds
+a column per layout (`nhwc+compile`) whose training forward runs under torch.compile(MODE), as
+`train.py --compile` does; its warm-up steps compile (minutes), its inference is the eager fused model.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from utils.data.data_config import load_data_config  # noqa: E402
 from utils.data.loader import images_on_device  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.hyp import load_hyp  # noqa: E402
-from utils.train.config import TrainConfig  # noqa: E402
+from utils.train.config import COMPILE_MODES, TrainConfig  # noqa: E402
 from utils.train.plan import RunPlan, plan_model  # noqa: E402
 from utils.train.records import DETECT_TRAINING, TrainingTask, family_training  # noqa: E402
 from utils.train.setup import build_datasets, build_model_bundle  # noqa: E402
@@ -65,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--amp", action="store_true", help="fp16 autocast and GradScaler (CUDA only): --dtypes fp16")
     parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), help="precisions to time, one table each")
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS), help="memory layouts")
+    parser.add_argument(
+        "--compile", default="", choices=COMPILE_MODES, metavar="MODE", help="also time each layout compiled"
+    )
     args = parser.parse_args(argv)
     if args.dtypes is None:
         args.dtypes = ["fp16" if args.amp else "fp32"]
@@ -81,8 +87,11 @@ class Arm:
         training: TrainingTask,
         channels_last: bool,
         amp_dtype: torch.dtype | None,
+        compile_mode: str = "",
     ) -> None:
         self.model = copy.deepcopy(model).to(memory_format=memory_format(channels_last))
+        # The training forward, as train.py --compile runs it; the optimizer and EMA see the bare model.
+        self.forward = torch.compile(self.model, mode=compile_mode) if compile_mode else self.model
         self.channels_last = channels_last
         self.loss_fn = training.build_loss(self.model, cfg)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
@@ -104,7 +113,7 @@ class Arm:
         extra = {"masks": batch["masks"].to(self.device)} if "masks" in batch else {}
         marks = [self._clock()]
         with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-            preds = self.model(images)
+            preds = self.forward(images)
             marks.append(self._clock())
             loss, _ = self.loss_fn(preds, batch["targets"].to(self.device), None, **extra)
             marks.append(self._clock())
@@ -170,14 +179,15 @@ def time_arms(arms: dict[str, Arm], batches: list[dict], args: argparse.Namespac
 
 
 def print_table(arms: dict[str, Arm], cfg: TrainConfig, args: argparse.Namespace, dtype: str) -> None:
-    """Print one precision's medians per phase and layout (and NCHW / NHWC with both layouts)."""
+    """Print one precision's medians per phase and column (and the second column over the first with two)."""
     print(
         f"{cfg.model} {args.task}, {args.imgsz} px, batch {args.batch_size}, {args.device}"
         f"{' amp' if dtype == 'fp16' else ''}, dtype {dtype}, {torch.get_num_threads()} threads; "
         f"median ms over {args.steps} steps"
     )
     both = len(arms) == 2
-    print(f"{'phase':<12}" + "".join(f"{name:>10}" for name in arms) + (f"{'nchw/nhwc':>11}" if both else ""))
+    ratio_name = "/".join(reversed(list(arms)))
+    print(f"{'phase':<12}" + "".join(f"{name:>14}" for name in arms) + (f"{ratio_name:>26}" if both else ""))
     for phase in (*PHASES, "step", "inference"):
         if phase == "step":
             medians = [
@@ -185,8 +195,8 @@ def print_table(arms: dict[str, Arm], cfg: TrainConfig, args: argparse.Namespace
             ]
         else:
             medians = [statistics.median(arm.times[phase]) for arm in arms.values()]
-        ratio = f"{medians[1] / medians[0]:>11.2f}" if both else ""
-        print(f"{phase:<12}" + "".join(f"{1000 * m:>10.1f}" for m in medians) + ratio, flush=True)
+        ratio = f"{medians[1] / medians[0]:>26.2f}" if both else ""
+        print(f"{phase:<12}" + "".join(f"{1000 * m:>14.1f}" for m in medians) + ratio, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,7 +207,11 @@ def main(argv: list[str] | None = None) -> None:
         args.dtypes = ["fp32"]
     model, batches, cfg, training = build_batches(args)
     for dtype in args.dtypes:
-        arms = {name: Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype]) for name in args.layouts}
+        arms = {}
+        for name in args.layouts:
+            arms[name] = Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype])
+            if args.compile:
+                arms[f"{name}+compile"] = Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype], args.compile)
         time_arms(arms, batches, args)
         print_table(arms, cfg, args, dtype)
         del arms
