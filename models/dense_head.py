@@ -61,11 +61,14 @@ def distribution_to_distances(box_logits: torch.Tensor, reg_max: int, bins: torc
     return probabilities @ bins.to(probabilities.dtype)
 
 
-def distances_to_xywh(distances: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    """(..., 4) ltrb distances and (N, 2) points, both in the same units -> (..., 4) cx, cy, w, h."""
-    top_left = points - distances[..., :2]
-    bottom_right = points + distances[..., 2:]
-    return torch.cat(((top_left + bottom_right) / 2, bottom_right - top_left), dim=-1)
+def distances_to_xywh(distances: torch.Tensor, points: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Left, top, right, bottom distances from `points`, both in the same units -> cx, cy, w, h along `dim`.
+
+    Rows: (..., 4) distances and (N, 2) points. Channels first (`dim` 1): (B, 4, N) and (2, N).
+    """
+    left_top, right_bottom = distances.split(2, dim=dim)
+    top_left, bottom_right = points - left_top, points + right_bottom
+    return torch.cat(((top_left + bottom_right) / 2, bottom_right - top_left), dim=dim)
 
 
 class DFLBins(nn.Module):
@@ -214,10 +217,7 @@ class DenseHead(nn.Module):
             bins = self.bins.weight.to(flat.dtype).view(1, 1, self.reg_max, 1)
             probabilities = distances.reshape(batch, 4, self.reg_max, points_count).softmax(dim=2)
             distances = (probabilities * bins).sum(dim=2)  # (B, 4, N): each side's expected bin
-        points, point_strides = points.T, point_strides.T  # (2, N), (1, N)
-        top_left = points - distances[:, :2]
-        bottom_right = points + distances[:, 2:]
-        boxes = torch.cat(((top_left + bottom_right) / 2, bottom_right - top_left), dim=1) * point_strides
+        boxes = distances_to_xywh(distances, points.T, dim=1) * point_strides.T  # (B, 4, N) input pixels
         scores = flat[:, box_end : box_end + self.num_classes].sigmoid()
         return torch.cat((boxes, scores, flat[:, box_end + self.num_classes :]), dim=1).transpose(1, 2)
 

@@ -30,7 +30,11 @@ def local_ray() -> Iterator[None]:
 
 
 def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
-    tiny_data: Path, tmp_path: Path, fake_trainer: None, local_ray: None, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    tiny_data: Path,  # noqa: F811
+    tmp_path: Path,
+    fake_trainer: None,  # noqa: F811
+    local_ray: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Six epochs: ASHA's first rung is at epoch 3 (a third, plus one); epochs slow enough for Ray to stop a trial.
     monkeypatch.setenv("FAKE_EPOCH_S", "0.2")
@@ -65,4 +69,3 @@ def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
     trials = _study(tmp_path).get_trials()
     assert [t.number for t in trials] == list(range(8))
     assert len({t.params["lr0"] for t in trials}) == 8
-

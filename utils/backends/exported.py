@@ -25,7 +25,7 @@ from utils.families import family_named
 LOGGER = logging.getLogger(__name__)
 
 # A runner takes images and returns an exported file's outputs (output0 [, output1]) as numpy arrays: what
-# export's parity check compares and what the OpenVINO and TensorRT backends wrap.
+# export's parity check compares and what the TensorRT backend wraps.
 Runner = Callable[[torch.Tensor], list[np.ndarray]]
 
 

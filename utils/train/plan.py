@@ -110,9 +110,10 @@ def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dic
     """For --resume, decide and load the checkpoint on rank 0, give it to every rank, and return the run's options.
 
     The run's options come from the checkpoint; `device`, `workers`, `dist_timeout`, `amp` and
-    `compile_mode` from the new command line, and `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any
-    other option given with --resume with another value than the run's is a one-line error
-    rather than silently ignored. The restored options are validated again for this world size.
+    `compile_mode` from the new command line (MACHINE_OPTIONS), and `--epochs` / `--batch-size` too
+    when given there (RESUME_OVERRIDES). Any other option given with --resume with another value
+    than the run's is a one-line error rather than silently ignored. The restored options are
+    validated again for this world size.
     After a torchrun restart every rank takes the restart path, so they run the same collectives:
     the start's number within the job is the same on every rank, and a restart counted by any
     agent counts too (one whose workers did not fail does not count it; an agent store started

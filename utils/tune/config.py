@@ -67,12 +67,20 @@ def build_tune_parser(task: str = "detect") -> argparse.ArgumentParser:
     group.add_argument("--space", type=Path, default=None, help="search-space YAML (default: the model family's "
                        "data/hyps/space.yolov5.yaml or space.anchor-free.yaml)")  # fmt: skip
     group.add_argument("--sampler", default="tpe", choices=SAMPLERS, help="tpe (default), cmaes, ga (genetic), random")
-    group.add_argument("--pruner", default="median", choices=PRUNERS,
-                       help="stop hopeless trials early on their per-epoch mAP: median (default), halving, none")
+    group.add_argument(
+        "--pruner",
+        default="median",
+        choices=PRUNERS,
+        help="stop hopeless trials early on their per-epoch mAP: median (default), halving, none",
+    )
     group.add_argument("--storage", default="", help="where the study lives: default SQLite in the study folder; "
                        "a .journal file on a shared disk or a database URL for several machines")  # fmt: skip
-    group.add_argument("--parallel", type=int, default=0,
-                       help="trials at once on this machine (default: one per --nproc-per-trial GPUs; 1 on CPU)")
+    group.add_argument(
+        "--parallel",
+        type=int,
+        default=0,
+        help="trials at once on this machine (default: one per --nproc-per-trial GPUs; 1 on CPU)",
+    )
     group.add_argument("--nproc-per-trial", type=int, default=1, help="GPUs (torchrun ranks) per trial")
     group.add_argument("--keep-weights", action="store_true", help="keep every trial's weights (default: the best's)")
     group.add_argument("--ray", default="", metavar="ADDRESS", help="run the trials on a Ray cluster through Ray Tune "

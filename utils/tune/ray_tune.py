@@ -252,10 +252,18 @@ def tune_on_ray(run: StudyRun, recipe: TrialRecipe, poll_s: float) -> None:
     )  # fmt: skip
     tuner = tune.Tuner(
         tune.with_resources(tune.with_parameters(run_ray_trial, job=job), resources),
-        tune_config=tune.TuneConfig(search_alg=search, scheduler=_scheduler(run), num_samples=remaining,
-                                    max_concurrent_trials=cfg.parallel or (None if on_gpu else 1)),  # fmt: skip
-        run_config=tune.RunConfig(name="ray", storage_path=str((cfg.study_dir).resolve()), verbose=0,
-                                  failure_config=tune.FailureConfig(max_failures=0, fail_fast=False)),  # fmt: skip
+        tune_config=tune.TuneConfig(
+            search_alg=search,
+            scheduler=_scheduler(run),
+            num_samples=remaining,
+            max_concurrent_trials=cfg.parallel or (None if on_gpu else 1),
+        ),  # fmt: skip
+        run_config=tune.RunConfig(
+            name="ray",
+            storage_path=str((cfg.study_dir).resolve()),
+            verbose=0,
+            failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+        ),  # fmt: skip
     )
     LOGGER.info(f"tune: {remaining} trials through Ray Tune at {cfg.ray} ({ray.cluster_resources()}), "
                 f"each on {resources}")  # fmt: skip
