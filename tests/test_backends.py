@@ -21,7 +21,7 @@ from segment import val as segment_val
 from segment.task import SEGMENT
 from tests.conftest import make_tiny_dataset
 from utils.backends import BackendRequest, leave_cores_to_runtime, load_backend, resolve_imgsz
-from utils.backends.exported import rows_from_detections
+from utils.backends.exported import rows_from_detections, run_in_chunks
 from utils.backends.metadata import read_metadata
 from utils.boxes import best_detections, top_detections
 from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
@@ -292,6 +292,23 @@ def test_a_static_onnx_file_runs_only_its_size_and_any_batch(files: dict[str, di
     wide = np.random.default_rng(0).integers(0, 255, (40, 100, 3), dtype=np.uint8)
     assert FramePredictor(backend, DETECT, cfg)(wide)[1] == (IMGSZ, IMGSZ)
     assert FramePredictor(checkpoint, DETECT, cfg)(wide)[1] == (32, IMGSZ)
+
+
+def test_a_fixed_batch_runs_in_padded_chunks_for_tensors_and_arrays() -> None:
+    for items, concat, blank in (
+        (torch.arange(5.0).view(5, 1), torch.cat, lambda shape, like: like.new_zeros(shape)),
+        (np.arange(5.0).reshape(5, 1), np.concatenate, lambda shape, like: np.zeros(shape, like.dtype)),
+    ):
+        seen = []
+
+        def run(chunk, seen=seen):  # a two-output file that sees only batches of 2
+            seen.append([float(value) for value in chunk[:, 0]])
+            return [chunk * 10, chunk + 1]
+
+        doubled, shifted = run_in_chunks(run, items, 2, concat, blank)
+        assert seen == [[0.0, 1.0], [2.0, 3.0], [4.0, 0.0]], "the last chunk padded with a blank row"
+        assert [float(v) for v in doubled[:, 0]] == [0, 10, 20, 30, 40] and len(shifted) == 5
+        assert run_in_chunks(run, items, None, concat, blank)[0].shape == (5, 1)  # any batch: one call
 
 
 def test_torch_steps_back_to_one_thread_only_beside_a_runtime_with_its_own(files: dict[str, dict[str, Path]]) -> None:

@@ -120,14 +120,8 @@ class ExportedBackend(InferenceBackend):
 
     def _run_in_batches(self, images: torch.Tensor) -> list[torch.Tensor]:
         """run_file on `images`, in chunks of a fixed batch (the last padded) when the file has one."""
-        batch = self.info.batch
-        if batch is None or len(images) == batch:
-            return self.run_file(images)
-        pieces = []
-        for chunk in images.split(batch):
-            padded = torch.cat((chunk, chunk.new_zeros((batch - len(chunk), *chunk.shape[1:]))))
-            pieces.append([output[: len(chunk)] for output in self.run_file(padded)])
-        return [torch.cat(parts) for parts in zip(*pieces, strict=True)]
+        blank = lambda shape, like: like.new_zeros(shape)  # noqa: E731  (on the images' device)
+        return run_in_chunks(self.run_file, images, self.info.batch, torch.cat, blank)
 
 
 class HostRuntimeBackend(ExportedBackend):
@@ -148,20 +142,27 @@ class HostRuntimeBackend(ExportedBackend):
         return np.ascontiguousarray(images.detach().cpu().numpy())
 
     def _run_in_batches(self, images: torch.Tensor) -> list[torch.Tensor]:
-        array = self.input_array(images)
-        batch = self.info.batch
-        if batch is None or len(array) == batch:
-            outputs = self.run_array(array)
-        else:
-            pieces = []
-            for start in range(0, len(array), batch):
-                chunk = array[start : start + batch]
-                count = len(chunk)
-                if count < batch:
-                    chunk = np.concatenate((chunk, np.zeros((batch - count, *chunk.shape[1:]), chunk.dtype)))
-                pieces.append([output[:count] for output in self.run_array(chunk)])
-            outputs = [np.concatenate(parts) for parts in zip(*pieces, strict=True)]
+        blank = lambda shape, like: np.zeros(shape, like.dtype)  # noqa: E731
+        outputs = run_in_chunks(self.run_array, self.input_array(images), self.info.batch, np.concatenate, blank)
         return [torch.from_numpy(output).to(self.device) for output in outputs]
+
+
+def run_in_chunks(run: Callable, items: Any, batch: int | None, concat: Callable, blank: Callable) -> list[Any]:
+    """`run(items)`, or with a fixed `batch` run on chunks of it (the last padded with blanks) and joined.
+
+    One loop for tensors and numpy arrays: `concat` joins a sequence of them, `blank(shape, like)` makes
+    zeros of that shape with `like`'s dtype (and device). The padded rows' outputs are dropped.
+    """
+    if batch is None or len(items) == batch:
+        return run(items)
+    pieces = []
+    for start in range(0, len(items), batch):
+        chunk = items[start : start + batch]
+        count = len(chunk)
+        if count < batch:
+            chunk = concat((chunk, blank((batch - count, *chunk.shape[1:]), chunk)))
+        pieces.append([output[:count] for output in run(chunk)])
+    return [concat(parts) for parts in zip(*pieces, strict=True)]
 
 
 def leave_cores_to_runtime(backend: InferenceBackend) -> None:
