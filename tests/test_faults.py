@@ -26,9 +26,9 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_dataset(tmp_path_factory.mktemp("faults"), TINY)
 
 
-def _args(data: Path, project: Path, name: str, workers: int) -> list[str]:
+def _args(data: Path, project: Path, name: str, workers: int, batch: int = 4) -> list[str]:
     return [
-        "--cfg", "yolov5n", "--data", str(data), "--imgsz", "64", "--batch-size", "4", "--epochs", "2",
+        "--cfg", "yolov5n", "--data", str(data), "--imgsz", "64", "--batch-size", str(batch), "--epochs", "2",
         "--workers", str(workers),
         "--device", "cpu", "--project", str(project), "--name", name, "--seed", "5", "--deterministic",
         "--noplots", "--save-period", "1",
@@ -55,13 +55,21 @@ def _epochs(run_dir: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("workers", "signal_after", "batches_done"),
-    [(2, 2, 3), (0, 3, 4)],  # stop inside epoch 1; stop at its last batch (the resumed epoch has no batch left)
+    ("workers", "batch", "signal_after", "batches_done"),
+    # Stop inside epoch 1 (4 batches of 4); stop at its last batch, which is short (16 images in 6 batches
+    # of 3): the resumed epoch has no batch left, and its position is the epoch's end, not 6 x 3 samples.
+    [(2, 4, 2, 3), (0, 3, 5, 6)],
 )
 def test_sigterm_mid_epoch_then_resume_is_bit_identical(
-    tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, signal_after: int, batches_done: int
+    tiny_data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    workers: int,
+    batch: int,
+    signal_after: int,
+    batches_done: int,
 ) -> None:
-    uninterrupted = train.main(_args(tiny_data, tmp_path, "whole", workers))
+    uninterrupted = train.main(_args(tiny_data, tmp_path, "whole", workers, batch))
     # The second run gets a real SIGTERM from itself after an optimizer step (one step per batch in warmup);
     # every rank agrees on it at the next step, which is then saved.
     steps = {"count": 0}
@@ -75,10 +83,10 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(
 
     monkeypatch.setattr(engine, "_optimizer_step", step_then_signal)
     with pytest.raises(Preempted) as stopped:
-        train.main(_args(tiny_data, tmp_path, "cut", workers))
+        train.main(_args(tiny_data, tmp_path, "cut", workers, batch))
     monkeypatch.setattr(engine, "_optimizer_step", real_step)
     checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
-    assert (checkpoint["epoch"], checkpoint["batches_done"]) == (-1, batches_done)  # of epoch 1's 4 batches
+    assert (checkpoint["epoch"], checkpoint["batches_done"]) == (-1, batches_done)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the run
     resumed = train.main(["--resume", str(stopped.value.checkpoint), "--device", "cpu", "--workers", str(workers)])
     assert resumed.run_dir == stopped.value.checkpoint.parent.parent

@@ -346,7 +346,10 @@ class TrainLoader:
         Every rank calls it with the same values; `start_batch` > 0 continues an interrupted epoch
         with exactly the batches the uninterrupted run would have had next.
         """
-        self.sampler.set_epoch(epoch, start=start_batch * self.stream.batch_size)
+        # After the epoch's last batch (shorter than the others when the shard does not divide evenly)
+        # the position is its end, num_samples, not batches x batch size.
+        start = min(start_batch * self.stream.batch_size, self.sampler.num_samples)
+        self.sampler.set_epoch(epoch, start=start)
         self._wanted = self._position(epoch, start_batch)
 
     def start(self, epoch: int, start_batch: int = 0) -> None:
