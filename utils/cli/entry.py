@@ -22,8 +22,10 @@ T = TypeVar("T")
 def run_entry(device: str, body: Callable[[DistContext], T], timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> T:
     """Initialise the process group for `device`, run `body(ctx)`, and always destroy the group.
 
-    Raising inside `body` on any rank ends that rank; the others then fail at their next
-    collective within the process-group `timeout` (--dist-timeout) instead of hanging forever.
+    Raising inside `body` on any rank ends that rank, and its group is destroyed before the error
+    propagates: the others' current or next collective fails at once ("Connection closed by peer"),
+    not when this process has shut down. A rank that is stuck but alive ends theirs only at the
+    process-group `timeout` (--dist-timeout), never an endless hang.
     Called from Python (train.run, ...), it leaves the process as it found it: a process group
     that existed before is kept, and the logging set-up and torch's process-wide settings (thread
     count, deterministic algorithms, cuDNN flags) are restored.
@@ -48,9 +50,15 @@ def _torch_settings() -> tuple[int, bool, bool, bool, bool]:
 
 
 def _restore_torch_settings(settings: tuple[int, bool, bool, bool, bool]) -> None:
+    """Put back `_torch_settings()`'s values; deterministic algorithms only when the run changed them.
+
+    `torch.use_deterministic_algorithms` imports torch._inductor (about 1 s of CPU, several under
+    load) in a process that has not yet, and this runs on every exit, failed runs included.
+    """
     threads, deterministic, warn_only, benchmark, cudnn_deterministic = settings
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    if _torch_settings()[1:3] != (deterministic, warn_only):
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = benchmark, cudnn_deterministic
 
 
