@@ -5,6 +5,7 @@ Usage (from the repository root):
     python benchmarks/assign.py                        # batch 16, 640 px, 80 classes, 10/100/300/3000 boxes
     python benchmarks/assign.py --device cuda          # on a GPU (peak from torch.cuda.max_memory_allocated)
     python benchmarks/assign.py --boxes 3000 --max-elements 4194304   # a smaller chunk budget
+    python benchmarks/assign.py --static               # the fixed-shape candidate search (--static-loss-shapes)
 
 Each box count runs in its own subprocess, so one case's peak does not hide another's. On CPU the peak
 is the growth of the process's maximum resident set during the first call, above what the inputs
@@ -31,11 +32,11 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/assign.py`
 import torch  # noqa: E402
 
 from models.dense_head import anchor_points  # noqa: E402
-from utils.train.assign import DEFAULT_MAX_ELEMENTS, AlignOptions, assign  # noqa: E402
+from utils.train.assign import DEFAULT_MAX_ELEMENTS, AlignOptions, Labels, assign  # noqa: E402
 
 
 def make_inputs(batch: int, imgsz: int, num_classes: int, num_boxes: int, device: torch.device) -> tuple:
-    """Random scores, predicted boxes, points and padded labels of one training step's assignment."""
+    """Random scores, predicted boxes, points and `num_boxes` labels per image of one training step's assignment."""
     generator = torch.Generator().manual_seed(0)
     sizes = [(imgsz // stride, imgsz // stride) for stride in (8, 16, 32)]
     grid, strides = anchor_points(sizes, [8.0, 16.0, 32.0], torch.device("cpu"), torch.float32)
@@ -43,20 +44,20 @@ def make_inputs(batch: int, imgsz: int, num_classes: int, num_boxes: int, device
     wh = torch.rand(batch, len(points), 2, generator=generator) * 96 + 8
     pred_boxes = torch.cat((points - wh / 2, points + wh / 2), -1)
     scores = torch.rand(batch, len(points), num_classes, generator=generator)
-    centre = torch.rand(batch, num_boxes, 2, generator=generator) * imgsz
-    label_wh = torch.rand(batch, num_boxes, 2, generator=generator) * 96 + 4
+    centre = torch.rand(batch * num_boxes, 2, generator=generator) * imgsz
+    label_wh = torch.rand(batch * num_boxes, 2, generator=generator) * 96 + 4
     label_boxes = torch.cat((centre - label_wh / 2, centre + label_wh / 2), -1)
-    classes = torch.randint(0, num_classes, (batch, num_boxes), generator=generator)
-    valid = torch.ones(batch, num_boxes, dtype=torch.bool)
-    tensors = (scores, pred_boxes, points, classes, label_boxes, valid)
-    return tuple(t.to(device) for t in tensors)
+    classes = torch.randint(0, num_classes, (batch * num_boxes,), generator=generator)
+    image = torch.arange(batch).repeat_interleave(num_boxes)
+    labels = Labels(image.to(device), classes.to(device), label_boxes.to(device))
+    return scores.to(device), pred_boxes.to(device), points.to(device), labels
 
 
 def measure_one(args: argparse.Namespace) -> dict[str, float]:
     """Run one box count in this process; return its seconds per call and peak memory in MB."""
     device = torch.device(args.device)
     inputs = make_inputs(args.batch, args.imgsz, args.classes, args.one, device)
-    options = AlignOptions(max_elements=args.max_elements)
+    options = AlignOptions(max_elements=args.max_elements, static_shapes=args.static)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -90,13 +91,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls after the first (measured) one")
     parser.add_argument("--max-elements", type=int, default=DEFAULT_MAX_ELEMENTS, help="the chunk budget")
+    parser.add_argument("--static", action="store_true", help="the fixed-shape candidate search")
     parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)  # internal: one case, JSON out
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(measure_one(args)))
         return
     print(f"assign(): batch {args.batch}, {args.imgsz} px ({(args.imgsz // 8) ** 2 * 21 // 16:,} points), "
-          f"{args.classes} classes, device {args.device}, chunk budget {args.max_elements:,} elements, "
+          f"{args.classes} classes, device {args.device}, {'static' if args.static else 'sparse'} candidate search, "
+          f"chunk budget {args.max_elements:,} elements, "
           f"torch threads {torch.get_num_threads()}\n")  # fmt: skip
     print("| labels per image | ms per call | peak memory (MB) | foreground points |")
     print("|---|---|---|---|")

@@ -69,7 +69,10 @@ TRAIN_COLUMNS = (
     "wall s",
     "status",
 )
-STEP_COLUMNS = ("model", "task", "code", "dtype", "step ms", "loss ms", "loss share", "inference ms", "status")
+STEP_COLUMNS = (
+    "model", "task", "code", "dtype", "step ms", "pipelined ms", "loss ms", "loss share", "inference ms", "status"
+)  # fmt: skip
+STEP_ROWS = ("step", "pipelined", "loss", "inference")  # train_step.py's rows the table reports
 PARTS = ("train", "val", "step", "train-more")
 VAL_COLUMNS = ("code", "dtype", "inference ms/img", "pre ms/img", "NMS ms/img", "images/s", "mAP50-95", "status")
 
@@ -177,6 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="MODE",
         help="also time each step with the forward under torch.compile(MODE) (train.py --compile; minutes to compile)",
     )
+    add("--step-static", action="store_true", help="also time each step with train.py --static-loss-shapes")
     add("--device", default="", help="cuda (default when available) or cpu")
     add("--data-root", type=Path, default=Path("/tmp/yolo-gpu-bench"), help="generated data and run folders")
     add("--deadline-s", type=float, default=1e9, help="start no new run after this many seconds; cut runs to it")
@@ -496,7 +500,8 @@ def val_part(bench: Bench) -> None:
 
 
 def parse_step_output(text: str) -> dict[str, dict[str, float]]:
-    """train_step.py's tables: dtype -> {phase: ms of the first column}, and "<dtype>+compile" for a compiled column."""
+    """train_step.py's tables: dtype -> {row: ms of the first column}; "<dtype>+<variant>" for each
+    "<layout>+<variant>" column (compile, static)."""
     tables: dict[str, dict[str, float]] = {}
     dtype, columns = "", []
     for line in text.splitlines():
@@ -506,11 +511,11 @@ def parse_step_output(text: str) -> dict[str, dict[str, float]]:
             dtype, columns = (named.group(1) if named else ("fp16" if " amp," in line else "fp32")), []
         elif dtype and words and words[0] == "phase":
             columns = words[1:]
-        elif dtype and words and words[0] in ("step", "loss", "inference"):
+        elif dtype and words and words[0] in STEP_ROWS:
             for index, value in enumerate(words[1:]):
                 name = columns[index] if index < len(columns) else ""
-                if index == 0 or name.endswith("+compile"):
-                    key = dtype if index == 0 else f"{dtype}+compile"
+                if index == 0 or ("+" in name and "/" not in name):
+                    key = dtype if index == 0 else f"{dtype}+{name.split('+', 1)[1]}"
                     tables.setdefault(key, {})[words[0]] = float(value)
     return tables
 
@@ -559,6 +564,10 @@ def step_one(bench: Bench, checkout: Checkout, model: str, task: str) -> None:
         base += ["--compile", args.step_compile]
     elif args.step_compile:
         bench.report.say(f"step: {checkout.label}'s train_step.py has no --compile; timed without it")
+    if args.step_static and "--static-loss" in known:
+        base.append("--static-loss")
+    elif args.step_static:
+        bench.report.say(f"step: {checkout.label}'s train_step.py has no --static-loss; timed without it")
     if "--dtypes" in known:
         runs = [(args.step_dtypes, [*base, "--dtypes", *args.step_dtypes, "--layouts", "nhwc"])]
     else:  # an older script: fp32, or fp16 with --amp; both layouts, the first column is NHWC
@@ -568,14 +577,14 @@ def step_one(bench: Bench, checkout: Checkout, model: str, task: str) -> None:
             bench.report.add(
                 "train step",
                 STEP_COLUMNS,
-                [model, task, checkout.label, "bf16", "-", "-", "-", "-", "not in this train_step.py"],
+                [model, task, checkout.label, "bf16", "-", "-", "-", "-", "-", "not in this train_step.py"],
             )
             continue
         log = bench.report.out / "logs" / f"step-{model}-{slug(bench, checkout)}-{'-'.join(dtypes)}.log"
         rc, _ = run_logged([sys.executable, *argv], checkout.path, log, bench)
         tables = parse_step_output(log.read_text(errors="replace")) if log.is_file() else {}
-        rows = [row for plain in dtypes for row in (plain, f"{plain}+compile") if row == plain or row in tables]
-        for dtype in rows:  # a compiled column is its own row, e.g. "fp16+compile"
+        rows = [row for plain in dtypes for row in [plain, *(t for t in tables if t.startswith(f"{plain}+"))]]
+        for dtype in rows:  # a variant's column is its own row, e.g. "fp16+compile", "fp16+static"
             phases = tables.get(dtype, {})
             step, loss = phases.get("step"), phases.get("loss")
             share = fmt(100 * loss / step, ".0f") + "%" if step and loss is not None else "-"
@@ -589,6 +598,7 @@ def step_one(bench: Bench, checkout: Checkout, model: str, task: str) -> None:
                     checkout.label,
                     dtype,
                     fmt(step, ".1f"),
+                    fmt(phases.get("pipelined"), ".1f"),
                     fmt(loss, ".1f"),
                     share,
                     fmt(phases.get("inference"), ".1f"),

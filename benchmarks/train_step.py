@@ -8,6 +8,7 @@ Usage (from the repository root):
     python benchmarks/train_step.py --device cuda --task detect --cfg yolov8s --imgsz 640 --batch-size 32 \
         --dtypes fp32 fp16 bf16 --layouts nhwc              # one table per precision (benchmarks/gpu.py)
     python benchmarks/train_step.py --device cuda --task detect --cfg yolov8s --layouts nhwc --compile default
+    python benchmarks/train_step.py --device cuda --task detect --cfg yolov8s --layouts nhwc --static-loss
 
 Builds the quick start's model and loss (`--task`, `--cfg`; the hyp is the model family's short-run
 recipe file, so anchor-free models get their `dfl` gain) and a few real augmented batches of the
@@ -16,9 +17,13 @@ NHWC (`channels_last`, the default in training) and NCHW. The layouts take turns
 on identical starting weights, so a machine whose speed drifts affects both alike. Then times
 eval inference of the fused model, again in turns. Prints, per precision of `--dtypes` (fp32;
 fp16 autocast with the GradScaler; bf16 autocast without it), the median milliseconds of each
-phase per layout and, with two columns, the second's time over the first's. `--compile MODE` adds
-a column per layout (`nhwc+compile`) whose training forward runs under torch.compile(MODE), as
-`train.py --compile` does; its warm-up steps compile (minutes), its inference is the eager fused model.
+phase per layout and, with two columns, the second's time over the first's. Each phase is timed
+alone (the device is synchronised around it); the `pipelined` row is the step as training runs it,
+`--steps` steps back to back with no synchronisation until the last, so host reads inside the step
+(which stall the queue) show there. `--compile MODE` adds a column per layout (`nhwc+compile`) whose
+training forward runs under torch.compile(MODE), as `train.py --compile` does; its warm-up steps
+compile (minutes), its inference is the eager fused model. `--static-loss` adds one (`nhwc+static`)
+whose loss assigns targets in fixed shapes, as `train.py --static-loss-shapes` does.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,6 +57,7 @@ from utils.train.setup import build_datasets, build_model_bundle  # noqa: E402
 
 LAYOUTS = {"nhwc": True, "nchw": False}
 PHASES = ("forward", "loss", "backward", "optimizer")
+ROWS = (*PHASES, "step", "pipelined", "inference")
 DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -71,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--compile", default="", choices=COMPILE_MODES, metavar="MODE", help="also time each layout compiled"
     )
+    parser.add_argument(
+        "--static-loss", action="store_true", help="also time each layout with the loss's fixed-shape assignment"
+    )
     args = parser.parse_args(argv)
     if args.dtypes is None:
         args.dtypes = ["fp16" if args.amp else "fp32"]
@@ -88,18 +98,19 @@ class Arm:
         channels_last: bool,
         amp_dtype: torch.dtype | None,
         compile_mode: str = "",
+        static_loss: bool = False,
     ) -> None:
         self.model = copy.deepcopy(model).to(memory_format=memory_format(channels_last))
         # The training forward, as train.py --compile runs it; the optimizer and EMA see the bare model.
         self.forward = torch.compile(self.model, mode=compile_mode) if compile_mode else self.model
         self.channels_last = channels_last
-        self.loss_fn = training.build_loss(self.model, cfg)
+        self.loss_fn = training.build_loss(self.model, dataclasses.replace(cfg, static_loss_shapes=static_loss))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
         self.device = next(self.model.parameters()).device
         self.amp_dtype = amp_dtype
         # As training: bf16 has fp32's exponent range and needs no loss scaling.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp_dtype == torch.float16)
-        self.times: dict[str, list[float]] = {phase: [] for phase in (*PHASES, "inference")}
+        self.times: dict[str, list[float]] = {phase: [] for phase in (*PHASES, "pipelined", "inference")}
 
     def _clock(self) -> float:
         if self.device.type == "cuda":
@@ -107,25 +118,42 @@ class Arm:
         return time.perf_counter()
 
     def step(self, batch: dict, record: bool) -> None:
-        """One training step on `batch`; its phase times are kept when `record`."""
-        self.model.train()
-        images = images_on_device(batch, self.device)
-        extra = {"masks": batch["masks"].to(self.device)} if "masks" in batch else {}
-        marks = [self._clock()]
-        with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-            preds = self.forward(images)
-            marks.append(self._clock())
-            loss, _ = self.loss_fn(preds, batch["targets"].to(self.device), None, **extra)
-            marks.append(self._clock())
-        self.scaler.scale(loss).backward()
-        marks.append(self._clock())
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        marks.append(self._clock())
+        """One training step on `batch`, the device synchronised around each phase; times kept when `record`."""
+        marks = self._train(self._on_device(batch), self._clock)
         if record:
             for phase, start, end in zip(PHASES, marks[:-1], marks[1:], strict=True):
                 self.times[phase].append(end - start)
+
+    def pipelined(self, batches: list[dict], steps: int) -> None:
+        """Record the time per step of `steps` steps run back to back, synchronised only before and after."""
+        inputs = [self._on_device(batches[i % len(batches)]) for i in range(steps)]
+        start = self._clock()
+        for batch in inputs:
+            self._train(batch, lambda: 0.0)
+        self.times["pipelined"].append((self._clock() - start) / steps)
+
+    def _on_device(self, batch: dict) -> dict[str, torch.Tensor]:
+        """The step's inputs on the device: images as the model takes them, targets, and masks when present."""
+        moved = {"images": images_on_device(batch, self.device), "targets": batch["targets"].to(self.device)}
+        return moved | ({"masks": batch["masks"].to(self.device)} if "masks" in batch else {})
+
+    def _train(self, inputs: dict[str, torch.Tensor], clock: Callable[[], float]) -> list[float]:
+        """Forward, loss, backward and optimizer step; returns `clock()` before and after each phase."""
+        self.model.train()
+        extra = {"masks": inputs["masks"]} if "masks" in inputs else {}
+        marks = [clock()]
+        with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            preds = self.forward(inputs["images"])
+            marks.append(clock())
+            loss, _ = self.loss_fn(preds, inputs["targets"], None, **extra)
+            marks.append(clock())
+        self.scaler.scale(loss).backward()
+        marks.append(clock())
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        marks.append(clock())
+        return marks
 
     @torch.no_grad()
     def infer(self, batch: dict, record: bool) -> None:
@@ -170,6 +198,9 @@ def time_arms(arms: dict[str, Arm], batches: list[dict], args: argparse.Namespac
     for i in range(args.warmup + args.steps):
         for arm in arms.values():
             arm.step(batches[i % len(batches)], record=i >= args.warmup)
+    for _ in range(3):  # three rounds in turns; the median is reported
+        for arm in arms.values():
+            arm.pipelined(batches, args.steps)
     for arm in arms.values():
         arm.model.eval().fuse()
         arm.model.to(memory_format=memory_format(arm.channels_last))
@@ -188,7 +219,7 @@ def print_table(arms: dict[str, Arm], cfg: TrainConfig, args: argparse.Namespace
     both = len(arms) == 2
     ratio_name = "/".join(reversed(list(arms)))
     print(f"{'phase':<12}" + "".join(f"{name:>14}" for name in arms) + (f"{ratio_name:>26}" if both else ""))
-    for phase in (*PHASES, "step", "inference"):
+    for phase in ROWS:
         if phase == "step":
             medians = [
                 statistics.median(map(sum, zip(*(arm.times[p] for p in PHASES), strict=True))) for arm in arms.values()
@@ -212,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
             arms[name] = Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype])
             if args.compile:
                 arms[f"{name}+compile"] = Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype], args.compile)
+            if args.static_loss:
+                arms[f"{name}+static"] = Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype], static_loss=True)
         time_arms(arms, batches, args)
         print_table(arms, cfg, args, dtype)
         del arms

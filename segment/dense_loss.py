@@ -12,7 +12,7 @@ from torch import nn
 from models.dense_head import DenseRaw
 from segment.mask_loss import MaskTermLoss
 from segment.mask_targets import overlap_instance_ids
-from utils.train.dense_loss import BranchTerms, DenseGains, DenseLoss, PaddedLabels
+from utils.train.dense_loss import BranchTerms, DenseGains, DenseLoss
 
 
 class DenseSegmentationLoss(MaskTermLoss, DenseLoss):
@@ -34,25 +34,24 @@ class DenseSegmentationLoss(MaskTermLoss, DenseLoss):
 
     def _detection_items(
         self, raw: DenseRaw, targets: torch.Tensor, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None
-    ) -> tuple[dict[str, torch.Tensor], tuple[list[tuple[float, BranchTerms]], PaddedLabels]]:
-        """Box, cls and dfl|l1 as for detection, and each branch's assignment with the padded labels."""
-        branches, denominators, labels = self._branches(raw, targets, reduce_counts)
+    ) -> tuple[dict[str, torch.Tensor], list[tuple[float, BranchTerms]]]:
+        """Box, cls and dfl|l1 as for detection, and each branch with its assignment."""
+        branches, denominators = self._branches(raw, targets, reduce_counts)
         box, cls, dist = self._weighted_items(branches, denominators)
         dist_name = self.item_names[3]  # "dfl", or "l1" at reg_max 1, as DenseLoss names it
-        return {"box": box, "cls": cls, dist_name: dist}, (branches, labels)
+        return {"box": box, "cls": cls, dist_name: dist}, branches
 
     def _mask_items(
         self,
         raw: DenseRaw,
-        matches: tuple[list[tuple[float, BranchTerms]], PaddedLabels],
+        matches: list[tuple[float, BranchTerms]],
         protos: torch.Tensor,
         masks: torch.Tensor,
         targets: torch.Tensor,
         reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> dict[str, torch.Tensor]:
         """The mask term on each branch's foreground points and, for YOLO26-seg, the semantic term; box gain."""
-        branches, labels = matches
-        items = {"seg": self._mask_terms(branches, labels, protos, masks, targets, reduce_counts) * self.gains.box}
+        items = {"seg": self._mask_terms(matches, protos, masks, targets, reduce_counts) * self.gains.box}
         if "sem" in self.item_names:
             semantic = raw.semantic
             sem = protos.new_zeros(()) if semantic is None else self._semantic_term(semantic, masks, targets)
@@ -62,7 +61,6 @@ class DenseSegmentationLoss(MaskTermLoss, DenseLoss):
     def _mask_terms(
         self,
         branches: list[tuple[float, BranchTerms]],
-        labels: PaddedLabels,
         protos: torch.Tensor,
         masks: torch.Tensor,
         targets: torch.Tensor,
@@ -81,7 +79,7 @@ class DenseSegmentationLoss(MaskTermLoss, DenseLoss):
             image, point = terms.assignment.foreground.nonzero(as_tuple=True)  # row-major: grouped by image
             if not len(image):
                 continue
-            rows = labels.rows[image, terms.assignment.label_index[image, point]]
+            rows = terms.assignment.label_index[image, point]
             coeffs = terms.flat[image, point, coeff_start:]
             mean_bce, areas = self.box_mask_bce(coeffs, image, rows, protos, masks, targets)
             total = total + weight * (mean_bce / areas).sum() / count

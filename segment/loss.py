@@ -64,15 +64,17 @@ class SegmentationLoss(MaskTermLoss, DetectionLoss):
         """
         # The zero term keeps the prototype branch in the graph when nothing matched (DDP needs every parameter).
         total = protos.sum() * 0.0
-        matched = [(terms, count) for terms, count in zip(levels, denominators, strict=True) if terms.num_matches]
+        # The valid rows of each level (a host read: the mask term's shapes follow the match count).
+        kept = [(*terms.matches(), count) for terms, count in zip(levels, denominators, strict=True)]
+        matched = [(assigned, preds, count) for assigned, preds, count in kept if len(assigned.image_index)]
         if not matched:
             return total
-        image_index = torch.cat([terms.assigned.image_index for terms, _ in matched])
+        image_index = torch.cat([assigned.image_index for assigned, _, _ in matched])
         # Matches grouped by image (stable), so each image's prototypes meet all its rows in one matmul.
         order = torch.argsort(image_index, stable=True)
-        target_index = torch.cat([terms.assigned.target_index for terms, _ in matched])[order]
-        coeffs = torch.cat([terms.matched_preds[:, 5 + self.head.num_classes :] for terms, _ in matched])[order]
+        target_index = torch.cat([assigned.target_index for assigned, _, _ in matched])[order]
+        coeffs = torch.cat([preds[:, 5 + self.head.num_classes :] for _, preds, _ in matched])[order]
         # Each match is divided by its level's (rank-averaged) match count, as the box term is.
-        level_counts = torch.cat([count.expand(terms.num_matches) for terms, count in matched])[order]
+        level_counts = torch.cat([count.expand(len(preds)) for _, preds, count in matched])[order]
         mean_bce, areas = self.box_mask_bce(coeffs, image_index[order], target_index, protos, masks, targets)
         return total + (mean_bce / (areas * level_counts)).sum()

@@ -1,4 +1,4 @@
-"""Tests for utils/train/dense_loss.py: label padding, finiteness and gradient reach, rank split, branch weights."""
+"""Tests for utils/train/dense_loss.py: finiteness and gradient reach, rank split, branch weights."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from torch import nn
 from models.anchor_free import LAYOUTS, AnchorFreeSpec, build_model
 from models.dense_head import DenseRaw
 from utils.boxes import box_iou, top_detections, xywh_to_xyxy
-from utils.train.dense_loss import DenseGains, DenseLoss, distribution_loss, pad_labels
+from utils.train.assign import Labels
+from utils.train.dense_loss import DenseGains, DenseLoss, distribution_loss
 
 GAINS = DenseGains(box=7.5, cls=0.5, dfl=1.5)
 
@@ -30,18 +31,6 @@ def _targets() -> torch.Tensor:
             [3, 0, 0.4, 0.7, 0.3, 0.3],
         ]
     )
-
-
-def test_pad_labels_places_each_row_in_its_image_in_order() -> None:
-    labels = pad_labels(_targets(), 4, (64, 128))
-    assert labels.classes.shape == (4, 2)
-    assert labels.rows.tolist() == [[1, 3], [0, 2], [-1, -1], [4, -1]]
-    assert labels.valid.tolist() == [[True, True], [True, True], [False, False], [True, False]]
-    # Row 0: cx 0.5 cy 0.5 w 0.4 h 0.3 of a 128 x 64 input -> x 38.4..89.6, y 22.4..41.6.
-    assert labels.boxes[1, 0].tolist() == pytest.approx([38.4, 22.4, 89.6, 41.6])
-    assert labels.classes[1].tolist() == [0, 1]
-    empty = pad_labels(torch.zeros(0, 6), 2, (64, 64))
-    assert empty.classes.shape == (2, 0) and empty.boxes.shape == (2, 0, 4)
 
 
 def test_distribution_loss_is_smallest_at_the_target_distance() -> None:
@@ -142,19 +131,19 @@ def test_minimising_the_loss_over_free_outputs_finds_every_label(layout: str) ->
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    labels = pad_labels(targets, 4, (64, 64))
+    labels = Labels.from_targets(targets, (64, 64))
     for outputs in [levels] + ([one_to_one] if one_to_one is not None else []):
         with torch.no_grad():
             decoded = head.decode(outputs)
-        for image, slot in labels.valid.nonzero().tolist():
-            best = decoded[image, :, 4 + labels.classes[image, slot]].argmax()  # the label's class's top point
+        for row, image in enumerate(labels.image.tolist()):
+            best = decoded[image, :, 4 + labels.classes[row]].argmax()  # the label's class's top point
             predicted = xywh_to_xyxy(decoded[image, best, :4])
-            assert box_iou(predicted[None], labels.boxes[image, slot][None]).item() > 0.9
+            assert box_iou(predicted[None], labels.boxes[row][None]).item() > 0.9
     if one_to_one is not None:  # the NMS-free branch: one confident detection per object, and no other
         with torch.no_grad():
             detections = top_detections(head.decode(one_to_one), conf_thres=0.25)
         for image, found in enumerate(detections):
-            wanted = labels.boxes[image][labels.valid[image]]
+            wanted = labels.boxes[labels.image == image]
             assert len(found) == len(wanted)
             if len(wanted):
                 assert (box_iou(found[:, :4], wanted).amax(dim=1) > 0.9).all()

@@ -67,13 +67,13 @@ def test_mask_term_equals_the_per_point_reference() -> None:
         raw, protos = model(torch.rand(2, 3, 64, 64))
     masks = _masks()
     _, items = loss_fn((raw, protos), TARGETS, masks=masks)
-    branches, _, labels = loss_fn._branches(raw, TARGETS, None)
+    branches, _ = loss_fn._branches(raw, TARGETS, None)
     terms = branches[0][1]
     start = 4 * model.spec.reg_max + model.spec.num_classes
     image, point = terms.assignment.foreground.nonzero(as_tuple=True)
     total = 0.0
     for b, n in zip(image.tolist(), point.tolist(), strict=True):
-        row = int(labels.rows[b, terms.assignment.label_index[b, n]])
+        row = int(terms.assignment.label_index[b, n])
         logits = torch.einsum("c,chw->hw", terms.flat[b, n, start:], protos[b].float())
         bce = F.binary_cross_entropy_with_logits(logits, masks[row], reduction="none")
         box = xywhn_to_xyxy(TARGETS[row : row + 1, 2:6], 16, 16)

@@ -90,17 +90,50 @@ def test_zero_target_batch_gives_only_objectness_loss() -> None:
     assert model.head.convs[0].bias.grad.abs().sum() > 0
 
 
-def test_write_last_gives_each_repeated_index_its_last_value() -> None:
-    index = torch.tensor([3, 1, 3, 0, 1, 3])
-    values = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
-    target = torch.zeros(5)
-    write_last(target, index, values)
+def test_write_last_gives_each_repeated_index_its_last_valid_value() -> None:
+    index = torch.tensor([3, 1, 3, 0, 1, 3, 2, 0])
+    values = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
+    valid = torch.tensor([True, True, True, True, True, True, False, False])  # the last two are not matches
+    target = torch.zeros(6)  # 5 places and the spare one
+    write_last(target, index, values, valid)
     expected = torch.zeros(5)
-    for i, v in zip(index.tolist(), values.tolist(), strict=True):  # sequential writes: what YOLOv5's CPU loss does
+    for i, v in zip(index[:6].tolist(), values[:6].tolist(), strict=True):  # sequential writes, as YOLOv5's CPU loss
         expected[i] = v
-    torch.testing.assert_close(target, expected)  # [0.4, 0.5, 0, 0.6, 0]
-    assert target[2] == 0 and target[4] == 0  # untouched elsewhere
-    write_last(target, torch.zeros(0, dtype=torch.int64), torch.zeros(0))  # no matches: nothing to do
+    torch.testing.assert_close(target[:5], expected)  # [0.4, 0.5, 0, 0.6, 0]
+    assert target[2] == 0 and target[4] == 0  # untouched elsewhere, also by the invalid row for place 2
+    none = torch.zeros(0, dtype=torch.int64)
+    write_last(target, none, torch.zeros(0), none.bool())  # no matches: nothing to do
+    torch.testing.assert_close(target[:5], expected)
+
+
+@pytest.mark.parametrize("grid_hw", [(8, 8), (4, 6)])
+def test_static_assignment_holds_the_compact_rows_in_order_and_marks_them_valid(grid_hw: tuple[int, int]) -> None:
+    anchors = torch.tensor([[1.0, 1.0], [2.0, 3.0], [6.0, 5.0]])
+    generator = torch.Generator().manual_seed(3)
+    image_and_class = torch.randint(0, 3, (9, 2), generator=generator).float()
+    targets = torch.cat((image_and_class, torch.rand(9, 4, generator=generator)), 1)
+    compact = assign_targets(targets, anchors, grid_hw, anchor_t=4.0)
+    static = assign_targets(targets, anchors, grid_hw, anchor_t=4.0, static_shapes=True)
+    assert len(static.valid) == 5 * 3 * 9 and compact.valid.all() and 0 < int(static.valid.sum()) < len(static.valid)
+    rows = static.valid.nonzero().squeeze(1)
+    for name, value in vars(compact).items():
+        assert torch.equal(getattr(static, name)[rows], value), name
+
+
+@pytest.mark.parametrize("num_targets", [0, len(TARGETS)])
+def test_static_shapes_give_the_compact_loss_and_gradients(num_targets: int) -> None:
+    model = _model()
+    images = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(4))
+    results = []
+    for static in (False, True):
+        model.zero_grad()
+        loss, items = DetectionLoss(model, GAINS, static_shapes=static)(model(images), TARGETS[:num_targets])
+        loss.backward()
+        results.append((items, [p.grad.clone() for p in model.parameters()]))
+    (items, grads), (static_items, static_grads) = results
+    torch.testing.assert_close(static_items, items)
+    for grad, static_grad in zip(grads, static_grads, strict=True):
+        torch.testing.assert_close(static_grad, grad)
 
 
 def test_objectness_of_a_shared_cell_takes_the_last_listed_target() -> None:

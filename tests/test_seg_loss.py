@@ -189,9 +189,10 @@ def _reference_mask_term(loss_fn: SegmentationLoss, raw, protos, targets, masks)
     levels, denominators = loss_fn._match_levels(raw, targets, None)
     total = torch.zeros(())
     for terms, denominator in zip(levels, denominators, strict=True):
-        coeffs = terms.matched_preds[:, 5 + loss_fn.head.num_classes :]
-        for row in range(terms.num_matches):
-            image, target = int(terms.assigned.image_index[row]), int(terms.assigned.target_index[row])
+        assigned, preds = terms.matches()
+        coeffs = preds[:, 5 + loss_fn.head.num_classes :]
+        for row in range(len(preds)):
+            image, target = int(assigned.image_index[row]), int(assigned.target_index[row])
             logits = (coeffs[row] @ protos[image].flatten(1)).view(protos.shape[-2:])
             bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, masks[target].float(), reduction="none")
             box = xywhn_to_xyxy(targets[target : target + 1, 2:6], protos.shape[-1], protos.shape[-2])

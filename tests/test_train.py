@@ -222,6 +222,16 @@ def test_compile_resumes_an_eager_run_to_the_same_weights_saved_unwrapped(traine
     assert not [key for key in resumed["model"] if "_orig_mod" in key], "checkpoints hold the bare model's keys"
 
 
+def test_static_loss_shapes_resume_a_run_to_the_same_weights(trained_run, tmp_path: Path) -> None:
+    # How the loss is computed, not what: given with --resume, epoch 2 ends at the original's weights.
+    copy = _copy_after_first_epoch(trained_run, tmp_path)
+    argv = ["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0"]
+    result = train.main([*argv, "--static-loss-shapes"])
+    assert result.epochs_run == 1
+    resumed = _assert_same_final_weights(copy / "weights" / "last.pt", trained_run.last)
+    assert resumed["train_config"]["static_loss_shapes"] is True
+
+
 def _copy_after_first_epoch(trained_run, tmp_path: Path) -> Path:
     """A copy of trained_run's folder whose results.csv stops after epoch 1, ready to resume epoch1.pt."""
     import shutil

@@ -75,6 +75,7 @@ class TrainConfig:
     single_cls: bool = False
     sync_bn: bool = False
     compile_mode: str = ""  # --compile: torch.compile mode of the training forward ("" = eager)
+    static_loss_shapes: bool = False  # --static-loss-shapes: target assignment in fixed shapes (no host reads)
     task: str = "detect"
     overlap_mask: bool = False  # segmentation: one index mask per image instead of one mask per instance
     mask_ratio: int = 4  # segmentation: masks at image size / mask_ratio (the prototype resolution)
@@ -231,6 +232,13 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
         help="torch.compile the training forward (under DDP: the DDP module); MODE default, reduce-overhead, "
         "max-autotune or max-autotune-no-cudagraphs. Off by default: the first step then compiles (about a "
         "minute), paid back only on long runs (docs/training.md)",
+    )
+    parser.add_argument(
+        "--static-loss-shapes",
+        action="store_true",
+        help="assign targets in fixed shapes (every candidate pair, masked) instead of listing matches with "
+        "nonzero, so the detection loss never makes a GPU step wait for a host read: the same loss to float "
+        "rounding, more arithmetic. Off until measured faster on GPUs (benchmarks/gpu.py --step-static)",
     )
 
 

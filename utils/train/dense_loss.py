@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.dense_head import DenseRaw, anchor_points, distribution_to_distances
-from utils.boxes import bbox_iou, xywh_to_xyxy
+from utils.boxes import bbox_iou
 from utils.distributed import unwrap_model
-from utils.train.assign import AlignOptions, Assignment, assign
+from utils.train.assign import AlignOptions, Assignment, Labels, assign
 
 if TYPE_CHECKING:
     from utils.hyp import Hyp
@@ -33,43 +33,6 @@ class DenseGains:
     box: float
     cls: float
     dfl: float
-
-
-@dataclass(frozen=True)
-class PaddedLabels:
-    """A batch's labels padded per image: classes (B, M) long, boxes (B, M, 4) xyxy input pixels, valid (B, M)
-    bool, and `rows` (B, M) long, each label's row in the batch's `targets` (-1 on padding)."""
-
-    classes: torch.Tensor
-    boxes: torch.Tensor
-    valid: torch.Tensor
-    rows: torch.Tensor
-
-
-def pad_labels(targets: torch.Tensor, batch_size: int, input_hw: tuple[int, int]) -> PaddedLabels:
-    """targets (N, 6) [image, cls, cx, cy, w, h] normalised -> PaddedLabels, M = the most labels of one image.
-
-    Vectorised: each row's slot is its rank among its image's rows (rows of an image need not be contiguous).
-    """
-    device = targets.device
-    image = targets[:, 0].long()
-    counts = torch.bincount(image, minlength=batch_size)
-    width = int(counts.max()) if len(targets) else 0
-    order = torch.sort(image, stable=True).indices
-    starts = torch.cumsum(counts, 0) - counts
-    slot = torch.empty_like(image)
-    slot[order] = torch.arange(len(image), device=device) - starts[image[order]]
-    height, width_px = input_hw
-    scale = targets.new_tensor([width_px, height, width_px, height])
-    classes = torch.zeros(batch_size, width, dtype=torch.long, device=device)
-    boxes = torch.zeros(batch_size, width, 4, dtype=targets.dtype, device=device)
-    valid = torch.zeros(batch_size, width, dtype=torch.bool, device=device)
-    rows = torch.full((batch_size, width), -1, dtype=torch.long, device=device)
-    classes[image, slot] = targets[:, 1].long()
-    boxes[image, slot] = xywh_to_xyxy(targets[:, 2:6] * scale)
-    valid[image, slot] = True
-    rows[image, slot] = torch.arange(len(targets), device=device)
-    return PaddedLabels(classes, boxes, valid, rows)
 
 
 @dataclass
@@ -128,10 +91,16 @@ class DenseLoss:
         self.item_names = ("box", "cls", "dfl" if self.head.reg_max > 1 else "l1")
 
     @classmethod
-    def from_hyp(cls: type[LossT], model: nn.Module, hyp: Hyp, imgsz: int, **kwargs: Any) -> LossT:
-        """Build the loss with the hyp file's box, cls and dfl gains (no scaling by image size or classes)."""
+    def from_hyp(
+        cls: type[LossT], model: nn.Module, hyp: Hyp, imgsz: int, *, static_shapes: bool = False, **kwargs: Any
+    ) -> LossT:
+        """Build the loss with the hyp file's box, cls and dfl gains (no scaling by image size or classes).
+
+        `static_shapes`: the assignment's candidate search in fixed shapes (`AlignOptions.static_shapes`).
+        """
         gains = DenseGains(hyp.box, hyp.cls, float(hyp.dfl))
-        return cls(model, gains, label_smoothing=hyp.label_smoothing, **kwargs)
+        align = AlignOptions(static_shapes=static_shapes)
+        return cls(model, gains, label_smoothing=hyp.label_smoothing, align=align, **kwargs)
 
     def start_epoch(self, epoch: int, epochs: int) -> None:
         """Set the branch weights for `epoch` (0-based) of `epochs`: one-to-many 0.8 -> 0.1, one-to-one the rest."""
@@ -148,7 +117,7 @@ class DenseLoss:
         reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute the loss for one batch; see the class docstring."""
-        branches, denominators, _ = self._branches(preds, targets, reduce_counts)
+        branches, denominators = self._branches(preds, targets, reduce_counts)
         items = self._weighted_items(branches, denominators)
         return items.sum().view(1) * preds.levels[0].shape[0], items.detach()
 
@@ -157,17 +126,18 @@ class DenseLoss:
         preds: DenseRaw,
         targets: torch.Tensor,
         reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
-    ) -> tuple[list[tuple[float, BranchTerms]], torch.Tensor, PaddedLabels]:
-        """Every trained branch as (weight, terms), their normalisers (reduced over ranks when asked), the labels."""
+    ) -> tuple[list[tuple[float, BranchTerms]], torch.Tensor]:
+        """Every trained branch as (weight, terms) and their normalisers (reduced over ranks when asked)."""
         levels = preds.levels
-        batch = levels[0].shape[0]
         finest = int(self.head.level_strides[0])
         input_hw = (levels[0].shape[2] * finest, levels[0].shape[3] * finest)
-        labels = pad_labels(targets.to(device=levels[0].device, dtype=torch.float32), batch, input_hw)
+        labels = Labels.from_targets(targets.to(device=levels[0].device, dtype=torch.float32), input_hw)
         weighted = []
         if preds.one_to_one is not None:
             weighted.append((1 - self.one_to_one_weight, self._branch(levels, labels, input_hw, self.align)))
-            one_to_one = replace(ONE_TO_ONE, max_elements=self.align.max_elements)
+            one_to_one = replace(
+                ONE_TO_ONE, max_elements=self.align.max_elements, static_shapes=self.align.static_shapes
+            )
             weighted.append((self.one_to_one_weight, self._branch(preds.one_to_one, labels, input_hw, one_to_one)))
         else:
             weighted.append((1.0, self._branch(levels, labels, input_hw, self.align)))
@@ -175,7 +145,7 @@ class DenseLoss:
         if reduce_counts is not None:
             sums = reduce_counts(sums)
         # A floor of 1 on the global sum (few, poorly predicted labels early on), the same on any world size.
-        return weighted, sums.clamp(min=1.0 / getattr(reduce_counts, "world_size", 1)), labels
+        return weighted, sums.clamp(min=1.0 / getattr(reduce_counts, "world_size", 1))
 
     def _weighted_items(self, branches: list[tuple[float, BranchTerms]], denominators: torch.Tensor) -> torch.Tensor:
         """(3,) [box, cls, dist] gained, normalised and summed over branches by weight."""
@@ -183,13 +153,18 @@ class DenseLoss:
         for (weight, terms), denominator in zip(branches, denominators, strict=True):
             sums = torch.stack((terms.box_sum, terms.cls_sum, terms.dist_sum)) / denominator
             items.append(weight * sums)
-        gains = denominators.new_tensor([self.gains.box, self.gains.cls, self.gains.dfl])
-        return torch.stack(items).sum(0) * gains
+        box, cls, dist = torch.stack(items).sum(0).unbind()  # gains as Python numbers: no host-to-device copy
+        return torch.stack((box * self.gains.box, cls * self.gains.cls, dist * self.gains.dfl))
 
     def _branch(
-        self, levels: list[torch.Tensor], labels: PaddedLabels, input_hw: tuple[int, int], options: AlignOptions
+        self, levels: list[torch.Tensor], labels: Labels, input_hw: tuple[int, int], options: AlignOptions
     ) -> BranchTerms:
-        """Assign and compute one branch's sums; math in fp32 even under AMP."""
+        """Assign and compute one branch's sums; math in fp32 even under AMP.
+
+        The box and distribution terms run over the assignment's fixed-shape matches, (L, topk) pairs of
+        which those not kept weigh 0, rather than over a `nonzero` list of foreground points: no shape
+        depends on the device's values, so a GPU step need not wait for them.
+        """
         head, reg_max = self.head, self.head.reg_max
         flat = head.flatten([level.float() for level in levels])  # (B, N, no)
         sizes = [tuple(level.shape[2:]) for level in levels]
@@ -202,38 +177,27 @@ class DenseLoss:
             (pixel_points - distances[..., :2] * strides, pixel_points + distances[..., 2:] * strides), -1
         )
         logits = flat[..., box_end : box_end + head.num_classes]
-        assignment = assign(
-            logits.detach().sigmoid(),
-            boxes.detach(),
-            pixel_points,
-            labels.classes,
-            labels.boxes,
-            labels.valid,
-            options,
-        )
+        assignment = assign(logits.detach().sigmoid(), boxes.detach(), pixel_points, labels, options)
         target_scores = assignment.target_scores
         if self.label_smoothing:  # as YOLOv5's smoothing: positives towards 1 - eps/2, negatives eps/2
             target_scores = target_scores * (1 - self.label_smoothing) + 0.5 * self.label_smoothing
         cls_sum = F.binary_cross_entropy_with_logits(logits, target_scores, reduction="sum")
-        foreground = assignment.foreground
-        score_sum = assignment.target_scores.sum()
-        box_sum = dist_sum = flat.new_zeros(())
-        if bool(foreground.any()):
-            image, point = foreground.nonzero(as_tuple=True)
-            weight = assignment.target_scores[image, point].sum(-1)
-            target_boxes = labels.boxes[image, assignment.label_index[image, point]]
-            iou = bbox_iou(boxes[image, point], target_boxes, xywh=False, kind="ciou")
-            box_sum = ((1.0 - iou) * weight).sum()
-            stride = strides[point]
-            target_ltrb = torch.cat(
-                (pixel_points[point] - target_boxes[:, :2], target_boxes[:, 2:] - pixel_points[point]), -1
-            )
-            if reg_max > 1:
-                dist = distribution_loss(flat[image, point, :box_end], target_ltrb / stride, reg_max)
-            else:  # YOLO26: the distances themselves, in pixels over the image size
-                scale = target_ltrb.new_tensor([input_hw[1], input_hw[0], input_hw[1], input_hw[0]])
-                dist = ((distances[image, point] * stride - target_ltrb).abs() / scale).mean(-1)
-            dist_sum = (dist * weight).sum()
-        else:  # keep every output in the graph: DDP expects gradients for all parameters
-            box_sum = dist_sum = flat[..., :box_end].sum() * 0.0
-        return BranchTerms(box_sum, cls_sum, dist_sum, score_sum, assignment, flat, boxes)
+        matches = assignment.matches
+        point, weight = matches.point, matches.quality  # (L, k); weight 0 on pairs not kept
+        image = labels.image[:, None].expand_as(point)
+        target_boxes = labels.boxes[:, None, :].expand(*point.shape, 4)
+        iou = bbox_iou(boxes[image, point], target_boxes, xywh=False, kind="ciou")
+        box_sum = ((1.0 - iou) * weight).sum()
+        stride = strides[point]
+        target_ltrb = torch.cat(
+            (pixel_points[point] - target_boxes[..., :2], target_boxes[..., 2:] - pixel_points[point]), -1
+        )
+        if reg_max > 1:
+            logits_ltrb = flat[image, point, :box_end].reshape(-1, box_end)
+            dist = distribution_loss(logits_ltrb, (target_ltrb / stride).reshape(-1, 4), reg_max).view(point.shape)
+        else:  # YOLO26: the distances themselves, in pixels over the image size (left, top, right, bottom)
+            height, width = input_hw
+            error = (distances[image, point] * stride - target_ltrb).abs()
+            dist = ((error[..., 0] + error[..., 2]) / width + (error[..., 1] + error[..., 3]) / height) / 4
+        dist_sum = (dist * weight).sum()
+        return BranchTerms(box_sum, cls_sum, dist_sum, assignment.target_scores.sum(), assignment, flat, boxes)

@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 # Objectness weight per level (P3, P4, P5): fine grids have many more cells, mostly background.
 LEVEL_BALANCE = {3: (4.0, 1.0, 0.4)}
 FOCAL_ALPHA = 0.25
-# Cell shifts (dx, dy): own cell, then left, up, right, down neighbours.
-CELL_SHIFTS = ((0, 0), (-1, 0), (0, -1), (1, 0), (0, 1))
 
 
 @dataclass(frozen=True)
@@ -53,50 +51,56 @@ def smooth_bce_targets(label_smoothing: float) -> tuple[float, float]:
     return 1.0 - 0.5 * label_smoothing, 0.5 * label_smoothing
 
 
-def write_last(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-    """`target[index] = values` in place, where a repeated index takes the value listed last, on every device.
+def write_last(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
+    """`target[index] = values` in place for the `valid` rows, a repeated index taking its last value, on every device.
 
     Plain index assignment with repeated indices writes them sequentially on CPU (the last wins, as
     YOLOv5's loss relies on) but in no defined order on CUDA, where same-seed runs would then differ.
-    Only each index's last occurrence is written here. target: 1-D; index: (m,) int64; values: (m,).
+    Only each index's last valid occurrence is written to its place; every other row writes to the spare
+    last element of `target`, so no shape depends on the device's values. target: 1-D, one element longer
+    than the indices reach; index: (m,) int64; values: (m,); valid (m,) bool.
     """
+    spare = len(target) - 1
     position = torch.arange(len(index), device=index.device)
+    index = torch.where(valid, index, spare)
     last = torch.full_like(target, -1, dtype=torch.int64).scatter_reduce_(0, index, position, "amax")
-    keep = last[index] == position
-    target[index[keep]] = values[keep].to(target.dtype)
+    target[torch.where(last[index] == position, index, spare)] = values.to(target.dtype)
 
 
 def class_targets(classes: torch.Tensor, num_classes: int, label_smoothing: float = 0.0) -> torch.Tensor:
     """Return (n, num_classes) float BCE targets: the positive value at each `classes` id, negative elsewhere."""
     positive, negative = smooth_bce_targets(label_smoothing)
-    targets = torch.full((len(classes), num_classes), negative, device=classes.device)
-    targets[torch.arange(len(classes), device=classes.device), classes.long()] = positive
-    return targets
+    is_class = torch.arange(num_classes, device=classes.device) == classes.long()[:, None]
+    return torch.where(is_class, positive, negative)
 
 
 def bce_with_logits(
     logits: torch.Tensor, targets: torch.Tensor, pos_weight: float, fl_gamma: float, reduction: str = "mean"
 ) -> torch.Tensor:
-    """BCE on logits (mean or sum) with a positive-class weight; focal-modulated (alpha 0.25) when fl_gamma > 0.
+    """BCE on logits (mean, sum or none) with a positive-class weight; focal-modulated (alpha 0.25) when fl_gamma > 0.
 
     The focal factor (1 - p_t)^gamma down-weights easy examples (Lin et al. 2017).
     """
-    weight = logits.new_tensor(pos_weight)
+    weight = logits.new_full((), pos_weight)  # filled on the device: no host-to-device copy
     loss = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=weight, reduction="none")
     if fl_gamma > 0:
         prob = logits.sigmoid()
         p_t = targets * prob + (1 - targets) * (1 - prob)
         alpha = targets * FOCAL_ALPHA + (1 - targets) * (1 - FOCAL_ALPHA)
         loss = loss * alpha * (1 - p_t) ** fl_gamma
+    if reduction == "none":
+        return loss
     return loss.sum() if reduction == "sum" else loss.mean()
 
 
 @dataclass
 class LevelTargets:
-    """Targets assigned to one feature level; m rows, one per (target, anchor, cell) match.
+    """Targets assigned to one feature level; m rows, one per (target, anchor, cell) match candidate.
 
     `boxes_xywh` are in grid units, xy relative to the cell's top-left corner (so in [-0.5, 1.5]
     for neighbour cells), wh absolute; `anchors` are the matched anchors' (w, h) in grid units.
+    `valid` says which rows are matches: all of them in the compact form, those of the fixed-shape
+    form's every (cell shift, anchor, target) row that the rules keep (the others hold clamped cells).
     """
 
     image_index: torch.Tensor  # (m,) long
@@ -107,10 +111,15 @@ class LevelTargets:
     anchors: torch.Tensor  # (m, 2) float
     classes: torch.Tensor  # (m,) long
     target_index: torch.Tensor  # (m,) long, the matched row of `targets`
+    valid: torch.Tensor  # (m,) bool
 
 
 def assign_targets(
-    targets: torch.Tensor, anchors: torch.Tensor, grid_hw: tuple[int, int], anchor_t: float
+    targets: torch.Tensor,
+    anchors: torch.Tensor,
+    grid_hw: tuple[int, int],
+    anchor_t: float,
+    static_shapes: bool = False,
 ) -> LevelTargets:
     """Match targets to the anchors and cells of one level, YOLOv5 style.
 
@@ -118,25 +127,39 @@ def assign_targets(
     A target matches every anchor whose w and h ratios to it are all within `anchor_t`; each
     match goes to the cell holding the centre plus the two neighbour cells nearest the centre
     (one horizontal, one vertical, when they exist), tripling positives for faster training.
+    Rows are ordered by cell shift, then anchor, then target. Compact (`nonzero`, a host read on a
+    GPU) by default; `static_shapes` returns every (shift, anchor, target) row, 5 x na x N, with
+    `valid` marking the matches, so no shape depends on the device's values.
     """
     height, width = grid_hw
-    boxes = targets[:, 2:6] * targets.new_tensor([width, height, width, height])  # (N, 4) grid units
+    cx, cy, w, h = targets[:, 2:6].unbind(-1)
+    boxes = torch.stack((cx * width, cy * height, w * width, h * height), -1)  # (N, 4) grid units
     ratio = boxes[None, :, 2:4] / anchors[:, None, :]  # (na, N, 2)
-    anchor_index, target_index = (torch.max(ratio, 1 / ratio).amax(dim=2) < anchor_t).nonzero(as_tuple=True)
-    boxes = boxes[target_index]
+    fits = torch.max(ratio, 1 / ratio).amax(dim=2) < anchor_t  # (na, N)
     xy = boxes[:, :2]
-    xy_from_end = targets.new_tensor([width, height]) - xy
+    xy_from_end = torch.stack((width - xy[:, 0], height - xy[:, 1]), -1)
     near_low = (xy % 1 < 0.5) & (xy > 1)  # left / upper neighbour exists and is the nearer one
     near_high = (xy_from_end % 1 < 0.5) & (xy_from_end > 1)  # right / lower neighbour
     own_cell = torch.ones_like(near_low[:, 0])
-    use_shift = torch.stack((own_cell, near_low[:, 0], near_low[:, 1], near_high[:, 0], near_high[:, 1]))  # (5, m)
-    shift_index, match_index = use_shift.nonzero(as_tuple=True)
-    shifts = torch.tensor(CELL_SHIFTS, device=targets.device, dtype=torch.long)[shift_index]
-    cells = xy[match_index].floor().long() + shifts
+    use_shift = torch.stack((own_cell, near_low[:, 0], near_low[:, 1], near_high[:, 0], near_high[:, 1]))  # (5, N)
+    valid = use_shift[:, None, :] & fits[None]  # (5, na, N)
+    if static_shapes:
+        shift_index, anchor_index, target_index = (
+            torch.arange(size, device=targets.device).view(shape).expand_as(valid).reshape(-1)
+            for size, shape in ((5, (5, 1, 1)), (len(anchors), (1, -1, 1)), (len(targets), (1, 1, -1)))
+        )
+        valid = valid.reshape(-1)
+    else:
+        shift_index, anchor_index, target_index = valid.nonzero(as_tuple=True)
+        valid = torch.ones_like(shift_index, dtype=torch.bool)
+    # Shift index -> cell offset: 0 own cell, 1 left, 2 up, 3 right, 4 down (arithmetic, not a lookup in a
+    # table: a tensor made from Python data is a host-to-device copy, which waits on a GPU).
+    dx = (shift_index == 3).long() - (shift_index == 1).long()
+    dy = (shift_index == 4).long() - (shift_index == 2).long()
+    cells = xy[target_index].floor().long() + torch.stack((dx, dy), -1)
     cells[:, 0].clamp_(0, width - 1)
     cells[:, 1].clamp_(0, height - 1)
-    target_index, anchor_index = target_index[match_index], anchor_index[match_index]
-    boxes = boxes[match_index]
+    boxes = boxes[target_index]
     return LevelTargets(
         image_index=targets[target_index, 0].long(),
         anchor_index=anchor_index,
@@ -146,6 +169,7 @@ def assign_targets(
         anchors=anchors[anchor_index],
         classes=targets[target_index, 1].long(),
         target_index=target_index,
+        valid=valid,
     )
 
 
@@ -153,16 +177,22 @@ def assign_targets(
 class LevelTerms:
     """One level's loss pieces before normalisation: box and class sums over matches, objectness mean.
 
-    `assigned` and `matched_preds` (m, no) float32, the raw predictions at the matched cells, let a
-    subclass add terms over the same matches (segmentation's mask coefficients).
+    `num_matches` is a 0-d float on the device. `assigned` and `matched_preds` (m, no) float32, the raw
+    predictions at its rows' cells, let a subclass add terms over the same matches (segmentation's mask
+    coefficients); `matches()` keeps the valid rows of both.
     """
 
     box_sum: torch.Tensor
     cls_sum: torch.Tensor
     obj_mean: torch.Tensor
-    num_matches: int
+    num_matches: torch.Tensor
     assigned: LevelTargets
     matched_preds: torch.Tensor
+
+    def matches(self) -> tuple[LevelTargets, torch.Tensor]:
+        """(assigned, matched_preds) of the valid rows only; reads their count from the device."""
+        rows = self.assigned.valid.nonzero().squeeze(1)
+        return LevelTargets(*(value[rows] for value in vars(self.assigned).values())), self.matched_preds[rows]
 
 
 LossT = TypeVar("LossT", bound="DetectionLoss")
@@ -175,7 +205,8 @@ class DetectionLoss:
     so anchors refit by AutoAnchor after construction are used. `__call__(preds, targets)`:
     preds are the raw training outputs [(B, na, H_l, W_l, no)], targets (N, 6) [image, cls, cx, cy,
     w, h] normalised. Returns (loss (1,) multiplied by the batch size, items (3,) [box, obj, cls]
-    detached). With a single class the class term is skipped (always right).
+    detached). With a single class the class term is skipped (always right). `static_shapes`:
+    the assignment in fixed shapes (`assign_targets`), the same loss without host reads on a GPU.
     """
 
     item_names = ("box", "obj", "cls")
@@ -190,6 +221,7 @@ class DetectionLoss:
         fl_gamma: float = 0.0,
         cls_pw: float = 1.0,
         obj_pw: float = 1.0,
+        static_shapes: bool = False,
     ) -> None:
         self.head = unwrap_model(model).head
         if self.head.num_levels not in LEVEL_BALANCE:
@@ -200,6 +232,7 @@ class DetectionLoss:
         self.fl_gamma = fl_gamma
         self.cls_pw = cls_pw
         self.obj_pw = obj_pw
+        self.static_shapes = static_shapes
 
     @classmethod
     def from_hyp(cls: type[LossT], model: nn.Module, hyp: Hyp, imgsz: int, **kwargs: Any) -> LossT:
@@ -247,7 +280,7 @@ class DetectionLoss:
         """
         targets = targets.to(device=preds[0].device, dtype=torch.float32)
         levels = [self._level_losses(raw.float(), level, targets) for level, raw in enumerate(preds)]
-        counts = torch.tensor([float(level.num_matches) for level in levels], device=preds[0].device)
+        counts = torch.stack([level.num_matches for level in levels])
         if reduce_counts is not None:
             counts = reduce_counts(counts)
         return levels, counts.clamp(min=1.0)
@@ -270,23 +303,26 @@ class DetectionLoss:
         raw: (B, na, H, W, no) float32.
         """
         num_classes = self.head.num_classes
-        assigned = assign_targets(targets, self.head.anchors[level].float(), tuple(raw.shape[2:4]), self.anchor_t)
-        obj_target = torch.zeros(raw.shape[:4], device=raw.device)
-        box_sum = cls_sum = raw.new_zeros(())
-        num_matches = len(assigned.image_index)
+        anchors = self.head.anchors[level].float()
+        assigned = assign_targets(targets, anchors, tuple(raw.shape[2:4]), self.anchor_t, self.static_shapes)
+        valid = assigned.valid
         cells = (assigned.image_index, assigned.anchor_index, assigned.cell_y, assigned.cell_x)
         pred = raw[cells]  # (m, no)
-        if num_matches:
-            pred_xy = pred[:, 0:2].sigmoid() * 2 - 0.5
-            pred_wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * assigned.anchors
-            iou = bbox_iou(torch.cat((pred_xy, pred_wh), 1), assigned.boxes_xywh, xywh=True, kind="ciou")
-            box_sum = (1.0 - iou).sum()
-            # Objectness learns to predict the box quality; where matches share a cell the last one wins (YOLOv5).
-            _, anchors, height, width = obj_target.shape
-            flat = ((assigned.image_index * anchors + assigned.anchor_index) * height + assigned.cell_y) * width
-            write_last(obj_target.view(-1), flat + assigned.cell_x, iou.detach().clamp(min=0))
-            if num_classes > 1:
-                wanted = class_targets(assigned.classes, num_classes, self.label_smoothing)
-                cls_sum = bce_with_logits(pred[:, 5 : 5 + num_classes], wanted, self.cls_pw, self.fl_gamma, "sum")
+        # Every row is computed and the invalid ones (static shapes) are left out of the sums by `where`.
+        pred_xy = pred[:, 0:2].sigmoid() * 2 - 0.5
+        pred_wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * assigned.anchors
+        iou = bbox_iou(torch.cat((pred_xy, pred_wh), 1), assigned.boxes_xywh, xywh=True, kind="ciou")
+        box_sum = torch.where(valid, 1.0 - iou, 0.0).sum()
+        # Objectness learns to predict the box quality; where matches share a cell the last one wins (YOLOv5).
+        _, num_anchors, height, width = raw.shape[:4]
+        obj_target = raw.new_zeros(raw[..., 4].numel() + 1)  # one spare element for write_last
+        flat = ((assigned.image_index * num_anchors + assigned.anchor_index) * height + assigned.cell_y) * width
+        write_last(obj_target, flat + assigned.cell_x, iou.detach().clamp(min=0), valid)
+        obj_target = obj_target[:-1].view(raw.shape[:4])
+        cls_sum = raw.new_zeros(())
+        if num_classes > 1:
+            wanted = class_targets(assigned.classes, num_classes, self.label_smoothing)
+            bce = bce_with_logits(pred[:, 5 : 5 + num_classes], wanted, self.cls_pw, self.fl_gamma, "none")
+            cls_sum = torch.where(valid[:, None], bce, 0.0).sum()
         obj_mean = bce_with_logits(raw[..., 4], obj_target, self.obj_pw, self.fl_gamma)
-        return LevelTerms(box_sum, cls_sum, obj_mean, num_matches, assigned, pred)
+        return LevelTerms(box_sum, cls_sum, obj_mean, valid.sum().float(), assigned, pred)

@@ -94,7 +94,8 @@ def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunP
 # Options --resume takes from the new command line when given there; all others come from the checkpoint.
 # change the remaining schedule / the global batch (docs/distributed.md), or who follows the run
 RESUME_OVERRIDES = ("epochs", "batch_size", "callbacks", "mlflow", "wandb")
-MACHINE_OPTIONS = ("device", "workers", "resume", "dist_timeout", "amp", "compile_mode")  # how this attempt runs
+# How this attempt runs; none changes what is trained (static_loss_shapes: the same loss to float rounding).
+MACHINE_OPTIONS = ("device", "workers", "resume", "dist_timeout", "amp", "compile_mode", "static_loss_shapes")
 
 
 def _choose_resume_checkpoint(cfg: TrainConfig) -> str:
@@ -109,11 +110,11 @@ def _choose_resume_checkpoint(cfg: TrainConfig) -> str:
 def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any] | None]:
     """For --resume, decide and load the checkpoint on rank 0, give it to every rank, and return the run's options.
 
-    The run's options come from the checkpoint; `device`, `workers`, `dist_timeout`, `amp` and
-    `compile_mode` from the new command line (MACHINE_OPTIONS), and `--epochs` / `--batch-size` too
-    when given there (RESUME_OVERRIDES). Any other option given with --resume with another value
-    than the run's is a one-line error rather than silently ignored. The restored options are
-    validated again for this world size.
+    The run's options come from the checkpoint; `device`, `workers`, `dist_timeout`, `amp`,
+    `compile_mode` and `static_loss_shapes` from the new command line (MACHINE_OPTIONS), and
+    `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any other option given
+    with --resume with another value than the run's is a one-line error rather than silently
+    ignored. The restored options are validated again for this world size.
     After a torchrun restart every rank takes the restart path, so they run the same collectives:
     the start's number within the job is the same on every rank, and a restart counted by any
     agent counts too (one whose workers did not fail does not count it; an agent store started
@@ -221,6 +222,7 @@ def _load_resumed(
         dist_timeout=cfg.dist_timeout,
         amp=cfg.amp,
         compile_mode=cfg.compile_mode,
+        static_loss_shapes=cfg.static_loss_shapes,
         project=run_dir.parent,
         name=run_dir.name,
         exist_ok=True,

@@ -134,7 +134,8 @@ class TrainingTask:
     def build_loss(self, model: nn.Module, cfg: TrainConfig) -> Any:
         """The loss of the model's family for this task, gains from `cfg.hyp` scaled for the head and `cfg.imgsz`."""
         loss_type = self.losses[family_of(model).name]
-        return loss_type.from_hyp(model, cfg.hyp, cfg.imgsz, **self.loss_options(cfg))
+        options = {"static_shapes": cfg.static_loss_shapes, **self.loss_options(cfg)}
+        return loss_type.from_hyp(model, cfg.hyp, cfg.imgsz, **options)
 
 
 DETECT_TRAINING = TrainingTask(
