@@ -23,7 +23,8 @@ alone (the device is synchronised around it); the `pipelined` row is the step as
 (which stall the queue) show there. `--compile MODE` adds a column per layout (`nhwc+compile`) whose
 training forward runs under torch.compile(MODE), as `train.py --compile` does; its warm-up steps
 compile (minutes), its inference is the eager fused model. `--static-loss` adds one (`nhwc+static`)
-whose loss assigns targets in fixed shapes, as `train.py --static-loss-shapes` does.
+whose loss assigns targets in fixed shapes, as `train.py --static-loss-shapes` does; with both, a
+`nhwc+compile+static` column compiles the forward and the loss, as training does with both flags.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from utils.data.loader import images_on_device  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.hyp import load_hyp  # noqa: E402
 from utils.train.config import COMPILE_MODES, TrainConfig  # noqa: E402
+from utils.train.engine import compiled_loss  # noqa: E402
 from utils.train.plan import RunPlan, plan_model  # noqa: E402
 from utils.train.records import DETECT_TRAINING, TrainingTask, family_training  # noqa: E402
 from utils.train.setup import build_datasets, build_model_bundle  # noqa: E402
@@ -104,7 +106,9 @@ class Arm:
         # The training forward, as train.py --compile runs it; the optimizer and EMA see the bare model.
         self.forward = torch.compile(self.model, mode=compile_mode) if compile_mode else self.model
         self.channels_last = channels_last
-        self.loss_fn = training.build_loss(self.model, dataclasses.replace(cfg, static_loss_shapes=static_loss))
+        arm_cfg = dataclasses.replace(cfg, compile_mode=compile_mode, static_loss_shapes=static_loss)
+        self.loss_fn = training.build_loss(self.model, arm_cfg)
+        self.loss_call = compiled_loss(self.loss_fn, arm_cfg)  # compiled too with --compile and --static-loss
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
         self.device = next(self.model.parameters()).device
         self.amp_dtype = amp_dtype
@@ -145,7 +149,7 @@ class Arm:
         with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
             preds = self.forward(inputs["images"])
             marks.append(clock())
-            loss, _ = self.loss_fn(preds, inputs["targets"], None, **extra)
+            loss, _ = self.loss_call(preds, inputs["targets"], None, **extra)
             marks.append(clock())
         self.scaler.scale(loss).backward()
         marks.append(clock())
@@ -245,6 +249,10 @@ def main(argv: list[str] | None = None) -> None:
                 arms[f"{name}+compile"] = Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype], args.compile)
             if args.static_loss:
                 arms[f"{name}+static"] = Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype], static_loss=True)
+            if args.static_loss and args.compile:  # the forward and the (then one-graph) loss compiled
+                arms[f"{name}+compile+static"] = Arm(
+                    model, cfg, training, LAYOUTS[name], DTYPES[dtype], args.compile, static_loss=True
+                )
         time_arms(arms, batches, args)
         print_table(arms, cfg, args, dtype)
         del arms

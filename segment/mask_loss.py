@@ -34,6 +34,7 @@ class MaskTermLoss(MaskTargets):
     def __init__(self, model: nn.Module, gains: Any, *, overlap: bool = False, **kwargs: Any) -> None:
         super().__init__(model, gains, **kwargs)  # type: ignore[call-arg]  # the family's detection loss
         self.overlap = overlap
+        self.one_graph = False  # the mask term lists its matches (nonzero): torch.compile would break there
 
     def __call__(
         self,

@@ -167,16 +167,16 @@ def _gradients(ctx: DistContext, spec: Any = SPEC, hyp: Any = HYP) -> dict[str, 
 def _engine_steps(ctx: DistContext, compile_mode: str = "") -> dict[str, Any]:
     """Train MICRO_BATCHES per-rank batches with the real engine pieces, from per-rank initial weights.
 
-    build_train_state wraps with smart_ddp (and torch.compile with `compile_mode`) and builds the
-    optimizer and EMA; train_one_epoch accumulates with no_sync. BN statistics are averaged afterwards,
-    as fit() does before saving.
+    build_train_state wraps with smart_ddp (and, with `compile_mode`, compiles the forward and the loss,
+    whose assignment then runs in static shapes) and builds the optimizer and EMA; train_one_epoch
+    accumulates with no_sync. BN statistics are averaged afterwards, as fit() does before saving.
     """
     torch.manual_seed(10 + ctx.rank)  # different initial weights per rank: DDP must broadcast rank 0's
     model = build_family_model(SPEC)
     initial = _flat(model.parameters())
     cfg = TrainConfig(
         model="yolov5n", hyp=HYP, optimizer="AdamW", batch_size=GLOBAL_BATCH, imgsz=IMGSZ, epochs=1,
-        compile_mode=compile_mode,
+        compile_mode=compile_mode, static_loss_shapes=bool(compile_mode),
     )  # fmt: skip
     bundle = ModelBundle(model, SPEC, tuple(SHAPE_NAMES[:NUM_CLASSES]))
     with compile_without_codegen() as compile_modes:
@@ -392,17 +392,17 @@ def test_weights_stay_identical_across_ranks_through_accumulated_steps(rank_resu
             assert torch.equal(tensor, second[name][key]), f"{name}.{key} differs between ranks"
 
 
-def test_compile_trains_the_ddp_module_to_the_same_weights_on_every_rank(rank_results) -> None:
+def test_compile_trains_the_ddp_module_and_loss_to_the_same_weights_on_every_rank(rank_results) -> None:
     (eager, _), (first, second) = _parts(rank_results, "engine"), _parts(rank_results, "engine_compiled")
     assert eager["compile_modes"] == [] and eager["compiled_graphs"] == 0, "no --compile: nothing compiled"
-    assert first["compile_modes"] == second["compile_modes"] == ["default"], "one torch.compile call per rank"
-    assert first["compiled_graphs"] >= 1, "the training forward must have run through dynamo"
+    assert first["compile_modes"] == second["compile_modes"] == ["default"] * 2, "the forward and the loss, per rank"
+    assert first["compiled_graphs"] >= 2, "the training forward and the loss must have run through dynamo"
     assert first["last_opt_step"] == eager["last_opt_step"]
     assert first["no_sync_calls"] == eager["no_sync_calls"] >= 1, "accumulation still skips the all-reduce"
     for name in ("model", "ema"):
         for key, tensor in first[name].items():
             assert torch.equal(tensor, second[name][key]), f"compiled: {name}.{key} differs between ranks"
-    # The same starting weights and batches: the compiled forward trains to what eager DDP trains to.
+    # The same starting weights and batches: compiled, the step trains to what eager DDP trains to.
     torch.testing.assert_close(first["final"], eager["final"], rtol=1e-4, atol=1e-5)
 
 

@@ -105,11 +105,11 @@ def test_two_halves_with_averaged_normalisers_add_up_to_the_whole_batch(layout: 
 def test_end_to_end_branch_weights_move_from_one_to_many_to_one_to_one() -> None:
     loss_fn = DenseLoss(build_model(_tiny("yolo26")), GAINS)
     loss_fn.start_epoch(0, 11)
-    assert loss_fn.one_to_one_weight == pytest.approx(0.2)
+    assert float(loss_fn.one_to_one_weight) == pytest.approx(0.2)
     loss_fn.start_epoch(5, 11)
-    assert loss_fn.one_to_one_weight == pytest.approx(0.55)
+    assert float(loss_fn.one_to_one_weight) == pytest.approx(0.55)
     loss_fn.start_epoch(10, 11)
-    assert loss_fn.one_to_one_weight == pytest.approx(0.9)
+    assert float(loss_fn.one_to_one_weight) == pytest.approx(0.9)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -19,10 +19,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from segment.task import SEGMENT
 from segment.training import SEGMENT_TRAINING
+from tests.conftest import compile_without_codegen
 from utils.families import build_model
 from utils.hyp import load_hyp
 from utils.tasks import DETECT
 from utils.train.config import TrainConfig, train_config_from_argv
+from utils.train.engine import compiled_loss
 from utils.train.records import DETECT_TRAINING, family_training
 
 aten = torch.ops.aten
@@ -123,3 +125,39 @@ def test_segmentation_losses_are_the_same_with_static_shapes(cfg: str) -> None:
     # Float sums in another order, amplified through the backbone: compared relative to each gradient's size.
     for grad, static_grad in zip(grads, static_grads, strict=True):
         assert (static_grad - grad).norm() <= 1e-4 * grad.norm()
+
+
+def test_compiled_static_loss_compiles_twice_over_label_counts_and_epochs() -> None:
+    """--compile with --static-loss-shapes: the label count becomes dynamic, the end-to-end weight an input."""
+    model, loss_fn, images, _ = _loss_and_step("yolo26n", static=True)
+    cfg = TrainConfig(compile_mode="default", static_loss_shapes=True)
+    torch._dynamo.reset()
+    with compile_without_codegen() as modes:
+        compiled = compiled_loss(loss_fn, cfg)
+    generator = torch.Generator().manual_seed(3)
+    for epoch in range(3):
+        loss_fn.start_epoch(epoch, 3)
+        for count in (2, 5, 9):
+            targets = torch.cat(
+                (
+                    torch.randint(0, 2, (count, 2), generator=generator).float(),
+                    torch.rand(count, 4, generator=generator) * 0.4 + 0.1,
+                ),
+                1,
+            )
+            preds = model(images)
+            _, items = compiled(preds, targets)
+            torch.testing.assert_close(items, loss_fn(preds, targets)[1], rtol=1e-4, atol=1e-6)
+    assert modes == ["default"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_losses_that_are_not_one_graph_stay_eager() -> None:
+    cfg = TrainConfig(compile_mode="default", static_loss_shapes=True)
+    _, sparse, _, _ = _loss_and_step("yolov8n", static=False)
+    assert compiled_loss(sparse, cfg) is sparse
+    model = build_model(SEGMENT.spec_from_cfg("yolov8n-seg", 3))
+    segmentation = SEGMENT_TRAINING.build_loss(
+        model, TrainConfig(hyp=load_hyp(family_training(model).recipe_files.short), imgsz=64, static_loss_shapes=True)
+    )
+    assert compiled_loss(segmentation, cfg) is segmentation

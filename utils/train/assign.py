@@ -164,14 +164,14 @@ def _top_candidates(
     budget = options.max_elements // (STATIC_CHUNK_DIVISOR if options.static_shapes else 1)
     chunk = max(budget // max(num_points, 1), 1)
     k = min(options.topk, num_points)
+    if num_labels <= chunk:  # one pass; under torch.compile a guard on the count, not a graph per count
+        return _alignment(scores, pred_boxes, points, labels, options).topk(k, dim=-1)
     aligns, top_points = [], []
     for first in range(0, num_labels, chunk):
         part = Labels(*(field[first : first + chunk] for field in vars(labels).values()))
         align, point = _alignment(scores, pred_boxes, points, part, options).topk(k, dim=-1)
         aligns.append(align)
         top_points.append(point)
-    if not aligns:  # a batch without labels
-        return scores.new_zeros(0, k), torch.zeros(0, k, dtype=torch.long, device=scores.device)
     return torch.cat(aligns), torch.cat(top_points)
 
 

@@ -87,7 +87,11 @@ class DenseLoss:
         self.gains = gains
         self.label_smoothing = label_smoothing
         self.align = align or AlignOptions()
-        self.one_to_one_weight = 1 - ONE_TO_MANY_WEIGHT[0] if self.head.end_to_end else 0.0
+        self.one_graph = self.align.static_shapes  # torch.compile traces it whole (engine.compiled_loss)
+        # A 0-d CPU tensor, not a float: under torch.compile a float is a constant of the graph, and its
+        # change every epoch would compile the loss again; a tensor is an input. Multiplying a device
+        # tensor by a CPU scalar tensor reads nothing from the device.
+        self.one_to_one_weight = torch.tensor(1 - ONE_TO_MANY_WEIGHT[0] if self.head.end_to_end else 0.0)
         self.item_names = ("box", "cls", "dfl" if self.head.reg_max > 1 else "l1")
 
     @classmethod
@@ -108,7 +112,7 @@ class DenseLoss:
             return
         start, end = ONE_TO_MANY_WEIGHT
         progress = min(epoch / max(epochs - 1, 1), 1.0)
-        self.one_to_one_weight = 1 - (start + (end - start) * progress)
+        self.one_to_one_weight = torch.tensor(1 - (start + (end - start) * progress))
 
     def __call__(
         self,

@@ -168,7 +168,7 @@ def _forward_backward(
     with sync_context:
         with torch.autocast(ctx.device.type, dtype=state.amp_dtype, enabled=state.amp_dtype is not None):
             preds = state.ddp(images)
-            loss, items = state.loss_fn(preds, reduce_counts=reduce_counts, **inputs)
+            loss, items = state.train_loss(preds, reduce_counts=reduce_counts, **inputs)
         state.scaler.scale(loss * ctx.world_size).backward()
     state.nonfinite_losses = state.nonfinite_losses + (~torch.isfinite(loss.detach())).sum()
     return items.detach().to(torch.float64)
@@ -257,16 +257,27 @@ def build_train_state(
     warmup = Warmup.from_hyp(cfg.hyp, warmup_iterations(cfg.hyp.warmup_epochs, batches))
     loss_inputs = training.task.loss_inputs
     return TrainState(
-        model, ddp, optimizer, scheduler, scaler, ema, loss_fn, loss_inputs, accumulate, warmup, lr_fn, amp_dtype
+        model,
+        ddp,
+        optimizer,
+        scheduler,
+        scaler,
+        ema,
+        loss_fn,
+        loss_inputs,
+        accumulate,
+        warmup,
+        lr_fn,
+        amp_dtype,
+        train_loss=compiled_loss(loss_fn, cfg),
     )
 
 
 def compiled_forward(forward: nn.Module, cfg: TrainConfig) -> nn.Module:
     """`forward` (the DDP module, or the model in one process) under torch.compile with --compile's mode.
 
-    Only the training forward is compiled: it is one graph for every family (no data-dependent Python).
-    The loss is not: its target assignment has data-dependent shapes (`nonzero`), which break a graph
-    and recompile as label counts change. Compiling the DDP module lets dynamo split the graph at DDP's
+    The training forward is one graph for every family (no data-dependent Python); the loss is compiled
+    apart (`compiled_loss`). Compiling the DDP module lets dynamo split the graph at DDP's
     gradient buckets, so the all-reduce still overlaps backward. The bare model stays what the EMA,
     validation and checkpoints use, so saved weights carry no `_orig_mod.` prefix and resume either way.
     """
@@ -274,6 +285,20 @@ def compiled_forward(forward: nn.Module, cfg: TrainConfig) -> nn.Module:
         return forward
     LOGGER.info(f"torch.compile (mode {cfg.compile_mode}) of the training forward: the first steps compile")
     return torch.compile(forward, mode=cfg.compile_mode)
+
+
+def compiled_loss(loss_fn: Any, cfg: TrainConfig) -> Any:
+    """The training step's loss call: `loss_fn`, under torch.compile with --compile's mode when it is one graph.
+
+    A loss is one graph (`loss_fn.one_graph`) with --static-loss-shapes and no mask term: the default
+    candidate search's `nonzero` has data-dependent shapes, which break the graph and recompile as label
+    counts change. The label count is a dynamic size after its second value, so the loss compiles twice.
+    Evaluation and the engine's bookkeeping (item names, start_epoch) use `loss_fn` itself.
+    """
+    if not cfg.compile_mode or not getattr(loss_fn, "one_graph", False):
+        return loss_fn
+    LOGGER.info(f"torch.compile (mode {cfg.compile_mode}) of the training loss (--static-loss-shapes)")
+    return torch.compile(loss_fn, mode=cfg.compile_mode)
 
 
 def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:

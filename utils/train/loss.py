@@ -233,6 +233,7 @@ class DetectionLoss:
         self.cls_pw = cls_pw
         self.obj_pw = obj_pw
         self.static_shapes = static_shapes
+        self.one_graph = static_shapes  # torch.compile traces it whole (engine.compiled_loss)
 
     @classmethod
     def from_hyp(cls: type[LossT], model: nn.Module, hyp: Hyp, imgsz: int, **kwargs: Any) -> LossT:

@@ -74,6 +74,7 @@ class TrainState:
     warmup: Warmup
     lr_fn: Callable[[int], float]
     amp_dtype: torch.dtype | None  # autocast dtype (fp16 with a GradScaler, bf16 without), None: fp32
+    train_loss: Callable[..., Any]  # the step's loss call: loss_fn, or it compiled (engine.compiled_loss)
     last_opt_step: int = -1
     best_fitness: float = 0.0
     start_epoch: int = 0
