@@ -239,7 +239,7 @@ def _nonfinite_on_rank1(ctx: DistContext, num_batches: int = MICRO_BATCHES) -> d
         ModelBundle(model, SPEC, SHAPE_NAMES[:NUM_CLASSES]), cfg, DETECT_TRAINING, ctx, num_batches
     )
     stepped_with = _record_step_gradients(state.optimizer, model)
-    real_loss, calls = state.loss_fn, []
+    real_loss, calls = state.train_loss, []
 
     def poisoned(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         loss, items = real_loss(*args, **kwargs)
@@ -248,8 +248,7 @@ def _nonfinite_on_rank1(ctx: DistContext, num_batches: int = MICRO_BATCHES) -> d
             loss = loss * float("nan")
         return loss, items
 
-    poisoned.item_names = real_loss.item_names
-    state.loss_fn = poisoned
+    state.train_loss = poisoned  # the training step's loss call
     batches = [_as_batch(*_rank_slice(*_fixed_global_batch(seed=step), ctx)) for step in range(num_batches)]
     try:
         train_one_epoch(state, batches, 0, cfg, ctx)
