@@ -326,6 +326,7 @@ def fit(cfg: TrainConfig, training: TrainingTask, ctx: DistContext, callbacks: C
         error = raised
         raise
     finally:
+        run.datasets.train_loader.close()  # after a stop too: its workers would otherwise run on
         run.fire("teardown", error=error)
 
 
@@ -363,6 +364,7 @@ def _start_run(
         log_startup(cfg, bundle, datasets, state.accumulate, ctx)
         run.fire("on_pretrain_routine_end", epoch=state.start_epoch)
     except BaseException as error:
+        datasets.train_loader.close()
         run.fire("teardown", error=error)
         raise
     return run, state
