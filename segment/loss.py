@@ -64,8 +64,12 @@ class SegmentationLoss(MaskTermLoss, DetectionLoss):
         """
         # The zero term keeps the prototype branch in the graph when nothing matched (DDP needs every parameter).
         total = protos.sum() * 0.0
-        # The valid rows of each level (a host read: the mask term's shapes follow the match count).
-        kept = [(*terms.matches(), count) for terms, count in zip(levels, denominators, strict=True)]
+        # Each level's matches; with static shapes their valid rows (a host read: the mask term's shapes
+        # follow the match count), while the default's compact rows are all matches already.
+        kept = [
+            (*(terms.matches() if self.static_shapes else (terms.assigned, terms.matched_preds)), count)
+            for terms, count in zip(levels, denominators, strict=True)
+        ]
         matched = [(assigned, preds, count) for assigned, preds, count in kept if len(assigned.image_index)]
         if not matched:
             return total
