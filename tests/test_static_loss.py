@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,7 +25,9 @@ from utils.families import build_model
 from utils.hyp import load_hyp
 from utils.tasks import DETECT
 from utils.train.config import TrainConfig, train_config_from_argv
-from utils.train.engine import compiled_loss
+from utils.train.ema import ModelEMA
+from utils.train.engine import _optimizer_step, compiled_loss
+from utils.train.optim import build_optimizer
 from utils.train.records import DETECT_TRAINING, family_training
 
 aten = torch.ops.aten
@@ -161,3 +164,17 @@ def test_losses_that_are_not_one_graph_stay_eager() -> None:
         model, TrainConfig(hyp=load_hyp(family_training(model).recipe_files.short), imgsz=64, static_loss_shapes=True)
     )
     assert compiled_loss(segmentation, cfg) is segmentation
+
+
+@pytest.mark.parametrize("cfg", ["yolov5n", "yolov8n", "yolo26n"])
+def test_with_static_shapes_a_whole_training_step_never_reads_the_device(cfg: str) -> None:
+    """Forward, loss, backward, clipping, the optimizer step and the EMA: what test_cuda runs under sync debug."""
+    model, loss_fn, images, targets = _loss_and_step(cfg, static=True)
+    optimizer = build_optimizer(model, "AdamW", 1e-3, 0.9, 5e-4)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)  # on CPU; the fused step takes CUDA's found-inf on the device
+    parts = SimpleNamespace(model=model, optimizer=optimizer, scaler=scaler, ema=ModelEMA(model))
+    with recorded() as reads:
+        loss, _ = loss_fn(model(images), targets)
+        scaler.scale(loss).backward()
+        _optimizer_step(parts)
+    assert reads.found == []
