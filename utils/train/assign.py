@@ -10,8 +10,9 @@ from utils.boxes import bbox_iou
 
 # Elements of the (labels x points) tensors one pass builds; more labels are taken in chunks. The sparse
 # candidate search keeps about 6 bytes per element live (a bool mask, a float alignment): 16M elements stay
-# near 100 MB, 1,900 labels at 640 px (8,400 points), most real batches in one pass. The static search
-# computes every pair's CIoU, about 100 bytes per element, so it takes STATIC_CHUNK_DIVISOR times fewer.
+# near 100 MB, about 2,000 labels at 640 px (8,400 points), most real batches in one pass. The static search
+# computes every pair's CIoU, about 180 bytes per element at its peak (benchmarks/assign.py --static), so it
+# takes STATIC_CHUNK_DIVISOR times fewer.
 DEFAULT_MAX_ELEMENTS = 16 * 2**20
 STATIC_CHUNK_DIVISOR = 16
 EPS = 1e-9

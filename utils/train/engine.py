@@ -277,9 +277,10 @@ def compiled_forward(forward: nn.Module, cfg: TrainConfig) -> nn.Module:
     """`forward` (the DDP module, or the model in one process) under torch.compile with --compile's mode.
 
     The training forward is one graph for every family (no data-dependent Python); the loss is compiled
-    apart (`compiled_loss`). Compiling the DDP module lets dynamo split the graph at DDP's
-    gradient buckets, so the all-reduce still overlaps backward. The bare model stays what the EMA,
-    validation and checkpoints use, so saved weights carry no `_orig_mod.` prefix and resume either way.
+    apart, and only when it is one graph too (`compiled_loss`). Compiling the DDP module lets dynamo
+    split the graph at DDP's gradient buckets, so the all-reduce still overlaps backward. The bare model
+    stays what the EMA, validation and checkpoints use, so saved weights carry no `_orig_mod.` prefix
+    and resume either way.
     """
     if not cfg.compile_mode:
         return forward
