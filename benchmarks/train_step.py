@@ -111,6 +111,7 @@ class Arm:
         arm_cfg = dataclasses.replace(cfg, compile_mode=compile_mode, static_loss_shapes=static_loss)
         self.loss_fn = training.build_loss(self.model, arm_cfg)
         self.loss_call = compiled_loss(self.loss_fn, arm_cfg)  # compiled too with --compile and --static-loss
+        self.loss_inputs = training.task.loss_inputs  # targets (and masks) on the device, as training moves them
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
         self.device = next(self.model.parameters()).device
         self.amp_dtype = amp_dtype
@@ -139,19 +140,18 @@ class Arm:
         self.times["pipelined"].append((self._clock() - start) / steps)
 
     def _on_device(self, batch: dict) -> dict[str, torch.Tensor]:
-        """The step's inputs on the device: images as the model takes them, targets, and masks when present."""
-        moved = {"images": images_on_device(batch, self.device), "targets": batch["targets"].to(self.device)}
-        return moved | ({"masks": batch["masks"].to(self.device)} if "masks" in batch else {})
+        """The step's inputs on the device, as train_one_epoch builds them: images, then the task's loss inputs."""
+        return {"images": images_on_device(batch, self.device), **self.loss_inputs(batch, self.device)}
 
     def _train(self, inputs: dict[str, torch.Tensor], clock: Callable[[], float]) -> list[float]:
         """Forward, loss, backward and optimizer step; returns `clock()` before and after each phase."""
         self.model.train()
-        extra = {"masks": inputs["masks"]} if "masks" in inputs else {}
+        loss_inputs = {name: value for name, value in inputs.items() if name != "images"}
         marks = [clock()]
         with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
             preds = self.forward(inputs["images"])
             marks.append(clock())
-            loss, _ = self.loss_call(preds, inputs["targets"], None, **extra)
+            loss, _ = self.loss_call(preds, reduce_counts=None, **loss_inputs)
             marks.append(clock())
         self.scaler.scale(loss).backward()
         marks.append(clock())

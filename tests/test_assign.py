@@ -13,7 +13,7 @@ import torch
 
 from models.dense_head import anchor_points
 from utils.boxes import bbox_iou
-from utils.train.assign import AlignOptions, Assignment, Labels, assign
+from utils.train.assign import STATIC_CHUNK_DIVISOR, AlignOptions, Assignment, Labels, assign
 
 SEARCHES = [pytest.param(False, id="sparse"), pytest.param(True, id="static")]
 
@@ -137,7 +137,7 @@ def test_chunks_over_labels_give_the_same_assignment(static: bool) -> None:
     scene = _scene(60, 8, batch=3)
     one_pass = assign(*scene, AlignOptions(static_shapes=static))
     points = len(scene[2])
-    divisor = 16 if static else 1  # the static search's budget is a 16th of max_elements
+    divisor = STATIC_CHUNK_DIVISOR if static else 1  # the static search's budget is a fraction of max_elements
     chunked = assign(*scene, AlignOptions(max_elements=divisor * points * 7, static_shapes=static))  # 7 per chunk
     assert torch.equal(one_pass.foreground, chunked.foreground)
     assert torch.equal(one_pass.label_index, chunked.label_index)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from utils.boxes import bbox_iou
+from utils.boxes import bbox_iou, xywh_to_xyxy
 
 # Elements of the (labels x points) tensors one pass builds; more labels are taken in chunks. The sparse
 # candidate search keeps about 6 bytes per element live (a bool mask, a float alignment): 16M elements stay
@@ -63,9 +63,8 @@ class Labels:
         """
         height, width = input_hw
         cx, cy, w, h = targets[:, 2:6].unbind(-1)
-        cx, w, cy, h = cx * width, w * width, cy * height, h * height
-        boxes = torch.stack((cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2), -1)
-        return cls(targets[:, 0].long(), targets[:, 1].long(), boxes)
+        boxes_xywh = torch.stack((cx * width, cy * height, w * width, h * height), -1)
+        return cls(targets[:, 0].long(), targets[:, 1].long(), xywh_to_xyxy(boxes_xywh))
 
 
 @dataclass(frozen=True)
