@@ -78,6 +78,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also time each step with the forward under torch.compile(MODE) (train.py --compile; minutes to compile)",
     )
     add("--step-static", action="store_true", help="also time each step with train.py --static-loss-shapes")
+    add("--step-graph", action="store_true", help="also time each step with train.py --cuda-graph")
+    add(
+        "--train-variant",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="also train the first checkout with these train.py flags, a row each (--train-variant=--cuda-graph)",
+    )
+    add("--profile-steps", default="", metavar="START:COUNT",
+        help="profile each training run's batches after backward START: COUNT with torch.profiler, COUNT with "
+        "cProfile; summaries in logs/train-*.profile.txt")  # fmt: skip
     add("--device", default="", help="cuda (default when available) or cpu")
     add("--data-root", type=Path, default=Path("/tmp/yolo-gpu-bench"), help="generated data and run folders")
     add("--deadline-s", type=float, default=1e9, help="start no new run after this many seconds; cut runs to it")

@@ -17,8 +17,11 @@ benchmarks/gpu.py turns them into epoch times, images/s and the data-wait share.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import runpy
 import sys
 import time
@@ -50,6 +53,88 @@ def _count_images(data: Any) -> int:
     return 0
 
 
+class WindowProfiler:
+    """Profile the batches between backward calls: torch.profiler for `count`, then cProfile for `count` more."""
+
+    def __init__(self, start: int, count: int, out: Path) -> None:
+        self.start, self.count, self.out = start, count, out
+        self.torch_profile: Any = None
+        self.python_profile: cProfile.Profile | None = None
+        self.opened = 0.0
+        self.sections: list[str] = []
+
+    def after_backward(self, number: int) -> None:
+        """Called after backward call `number` (1-based): opens and closes the windows."""
+        if number == self.start:
+            self._sync()
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.torch_profile = torch.profiler.profile(activities=activities)
+            self.torch_profile.__enter__()
+            self.opened = time.perf_counter()
+        elif number == self.start + self.count and self.torch_profile is not None:
+            self._sync()
+            wall = time.perf_counter() - self.opened
+            self.torch_profile.__exit__(None, None, None)
+            self.sections.append(self._torch_summary(self.torch_profile, wall))
+            self.torch_profile = None
+            self.python_profile = cProfile.Profile()
+            self.opened = time.perf_counter()
+            self.python_profile.enable()
+        elif number == self.start + 2 * self.count and self.python_profile is not None:
+            self.python_profile.disable()
+            self._sync()
+            wall = time.perf_counter() - self.opened
+            text = io.StringIO()
+            stats = pstats.Stats(self.python_profile, stream=text)
+            stats.sort_stats("cumulative").print_stats(45)
+            stats.sort_stats("tottime").print_stats(30)
+            self.sections.append(f"== cProfile, {self.count} batches, {1000 * wall / self.count:.1f} ms per batch\n")
+            self.sections.append(text.getvalue())
+            self.python_profile = None
+            self.write()
+
+    def write(self) -> None:
+        if self.sections:
+            self.out.write_text("\n".join(self.sections))
+
+    @staticmethod
+    def _sync() -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def _torch_summary(self, profile: Any, wall: float) -> str:
+        """Per batch: wall ms, device-busy ms (kernels and copies), kernel launches, host waits; top operators."""
+        spans, waits, wait_us, ops = [], 0, 0.0, 0
+        for event in profile.events():
+            if event.device_type != torch.autograd.DeviceType.CPU:
+                spans.append((event.time_range.start, event.time_range.end))
+                continue
+            if event.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
+                waits += 1
+                wait_us += event.cpu_time_total
+            elif event.name.startswith("aten::") and event.cpu_parent is None:
+                ops += 1
+        device_us, reached = 0.0, float("-inf")  # the union of the device's busy intervals (streams overlap)
+        for begin, end in sorted(spans):
+            device_us += max(0.0, end - max(begin, reached))
+            reached = max(reached, end)
+        kernels, n = len(spans), self.count
+        head = (
+            f"== torch.profiler, {n} batches: per batch {1000 * wall / n:.1f} ms wall, "
+            f"{device_us / 1000 / n:.1f} ms device busy (kernels and copies), {kernels / n:.0f} device launches, "
+            f"{ops / n:.0f} top-level aten ops, {waits / n:.1f} host waits taking {wait_us / 1000 / n:.1f} ms\n"
+        )
+        averages = profile.key_averages()
+        by_cpu = averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+        by_device = averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+        return head + "\n-- by self CPU time\n" + by_cpu + "\n-- by self device time\n" + by_device
+
+
+PROFILER: WindowProfiler | None = None
+
+
 def install_hooks() -> None:
     """Wrap backward, the DataLoader iterator and the optimizer step so they record into EVENTS."""
     original_backward = torch.Tensor.backward
@@ -57,6 +142,8 @@ def install_hooks() -> None:
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         original_backward(self, *args, **kwargs)
         EVENTS["backward"].append(time.time())
+        if PROFILER is not None:
+            PROFILER.after_backward(len(EVENTS["backward"]))
 
     torch.Tensor.backward = backward  # type: ignore[method-assign]
     original_next = dataloader._BaseDataLoaderIter.__next__
@@ -80,6 +167,8 @@ def install_hooks() -> None:
 
 def write_trace(path: Path, status: int, error: str) -> None:
     """Write EVENTS, the peak CUDA memory (GiB) and the exit status to `path` (atomically)."""
+    if PROFILER is not None:
+        PROFILER.write()
     peak = 0.0
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak = torch.cuda.max_memory_allocated() / 2**30
@@ -146,8 +235,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, required=True, help="JSON file the events are written to")
     parser.add_argument("--ultralytics", nargs="+", metavar="KEY=VALUE", help="train with Ultralytics' trainer")
+    parser.add_argument("--profile", metavar="START:COUNT", help="profile COUNT batches after backward START")
     parser.add_argument("script", nargs="*", help="after --: the script of the checkout (cwd) and its flags")
     args = parser.parse_args()
+    if args.profile:
+        global PROFILER
+        start, count = (int(part) for part in args.profile.split(":"))
+        PROFILER = WindowProfiler(start, count, args.trace.with_suffix(".profile.txt"))
     install_hooks()
     status, error = 0, ""
     try:

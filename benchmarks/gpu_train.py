@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -47,13 +48,18 @@ def traced_run(bench: Bench, command: list[str], cwd: Path, name: str) -> tuple[
     trace_file = bench.work / "traces" / f"{name}.json"
     trace_file.parent.mkdir(parents=True, exist_ok=True)
     trace_file.unlink(missing_ok=True)
+    profile_file = trace_file.with_suffix(".profile.txt")
+    profile_file.unlink(missing_ok=True)
+    profile = ["--profile", bench.args.profile_steps] if bench.args.profile_steps else []
     launched = time.time()
     rc, seconds = run_logged(
-        [sys.executable, str(RUNNER), "--trace", str(trace_file), *command],
+        [sys.executable, str(RUNNER), "--trace", str(trace_file), *profile, *command],
         cwd,
         bench.report.out / "logs" / f"{name}.log",
         bench,
     )
+    if profile_file.is_file():
+        shutil.copy(profile_file, bench.report.out / "logs" / f"{name}.profile.txt")
     if not trace_file.is_file():
         return rc, seconds, None
     return rc, seconds, run_figures(json.loads(trace_file.read_text()), launched)
@@ -80,11 +86,11 @@ def train_row(size: int, trainer: str, code: str, figures: RunFigures | None, sc
     ]
 
 
-def train_ours(bench: Bench, checkout: Checkout, size: int, epochs: int) -> None:
-    """Train `--cfg` with the checkout's train.py on the size's set; add its row."""
+def train_ours(bench: Bench, checkout: Checkout, size: int, epochs: int, variant: str = "") -> None:
+    """Train `--cfg` with the checkout's train.py on the size's set (plus a --train-variant's flags); add its row."""
     args = bench.args
     view = data_view(bench, size, slug(bench, checkout))
-    name = f"n{size}-{slug(bench, checkout)}"
+    name = f"n{size}-{slug(bench, checkout)}" + (f"-v{args.train_variant.index(variant)}" if variant else "")
     project = bench.work / "runs"
     wanted = [
         ("--data", str(our_yaml(view))),
@@ -106,13 +112,13 @@ def train_ours(bench: Bench, checkout: Checkout, size: int, epochs: int) -> None
     argv, dropped = argv_from(wanted, common_flags(bench, "train.py"))
     if dropped:
         bench.report.say(f"  train.py flags not in every checkout, left out: {' '.join(dropped)}")
+    argv += variant.split()
     rc, wall, figures = traced_run(bench, ["--", "train.py", *argv], checkout.path, f"train-{name}")
     run_dir = project / name
-    bench.report.add(
-        "training", TRAIN_COLUMNS, train_row(size, "ours", checkout.label, figures, coco_scores(run_dir), wall, rc)
-    )
+    label = f"{checkout.label} {variant}".strip()
+    bench.report.add("training", TRAIN_COLUMNS, train_row(size, "ours", label, figures, coco_scores(run_dir), wall, rc))
     best = run_dir / "weights" / "best.pt"
-    if bench.first_weights is None and best.is_file():
+    if bench.first_weights is None and best.is_file() and not variant:
         bench.first_weights, bench.first_data = best, our_yaml(view)
 
 
@@ -193,12 +199,15 @@ def train_part(bench: Bench, sizes: list[int]) -> None:
         )
     for size in sizes:
         epochs = args.epochs[min(args.sizes.index(size), len(args.epochs) - 1)]
-        trainers: list[Checkout | None] = [*bench.checkouts, *([None] if with_ultralytics else [])]
-        for checkout in trainers:  # None: Ultralytics
+        first = bench.checkouts[0]
+        trainers: list[tuple[Checkout | None, str]] = [(checkout, "") for checkout in bench.checkouts]
+        trainers += [(first, variant) for variant in args.train_variant]
+        trainers += [(None, "")] if with_ultralytics else []
+        for checkout, variant in trainers:  # None: Ultralytics
             if bench.seconds_left() <= 0:
                 bench.report.say(f"train: deadline reached, the rest of the {size}-image runs skipped")
                 return
             if checkout is None:
                 train_ultralytics(bench, size, epochs)
             else:
-                train_ours(bench, checkout, size, epochs)
+                train_ours(bench, checkout, size, epochs, variant)

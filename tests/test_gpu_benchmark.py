@@ -50,8 +50,6 @@ def test_a_trace_without_training_gives_no_epochs() -> None:
     assert run_figures({"backward": [], "batches": []}, launched=0.0).epoch_s is None
 
 
-@pytest.mark.slow  # train.py, val.py and train_step.py end to end
-@pytest.mark.distributed  # in subprocesses
 def test_step_tables_give_the_first_column_and_each_variant_per_precision() -> None:
     text = (
         "yolov8s detect, 640 px, batch 32, cuda, dtype fp16, 16 threads; median ms over 10 steps\n"
@@ -72,12 +70,27 @@ def test_step_tables_give_the_first_column_and_each_variant_per_precision() -> N
     }
 
 
+@pytest.mark.slow  # train.py, val.py and train_step.py end to end
+@pytest.mark.distributed  # in subprocesses
 def test_quick_cpu_run_fills_every_table(tmp_path: Path) -> None:
-    gpu.main(["--quick", "--out", str(tmp_path / "out"), "--data-root", str(tmp_path / "work"), "--no-ultralytics"])
-    tables = (tmp_path / "out" / "gpu.md").read_text()
+    out = tmp_path / "out"
+    gpu.main(
+        ["--quick", "--out", str(out), "--data-root", str(tmp_path / "work"), "--no-ultralytics",
+         "--train-variant=--static-loss-shapes", "--profile-steps", "1:1"]
+    )  # fmt: skip
+    tables = (out / "gpu.md").read_text()
     assert "## training" in tables and "## val.py" in tables and "## train step" in tables
     rows = [line for line in tables.splitlines() if line.startswith("| ") and "---" not in line]
     training = next(line for line in rows if "| ours |" in line).split(" | ")
     assert training[-1].startswith("ok, 2 epochs") and float(training[4]) > 0  # epoch s
+    variant = next(line for line in rows if "--static-loss-shapes |" in line).split(" | ")
+    assert variant[1] == "ours" and variant[-1].startswith("ok, 2 epochs")
+    # Each training run profiled alike: torch.profiler's batch, then cProfile's.
+    profiles = sorted((out / "logs").glob("train-*.profile.txt"))
+    assert len(profiles) == 2
+    for profile in profiles:
+        text = profile.read_text()
+        assert text.startswith("== torch.profiler, 1 batches: per batch ") and "top-level aten ops" in text
+        assert "== cProfile, 1 batches" in text and "train_one_epoch" in text
     assert all(" ok |" in line or "ok, " in line for line in rows if line.count("|") > 8 and "status" not in line)
     assert (tmp_path / "out" / "gpu.csv").is_file() and (tmp_path / "out" / "gpu.log").read_text()
