@@ -78,7 +78,7 @@ def val_part(bench: Bench) -> None:
 
 def parse_step_output(text: str) -> dict[str, dict[str, float]]:
     """train_step.py's tables: dtype -> {row: ms of the first column}; "<dtype>+<variant>" for each
-    "<layout>+<variant>" column (compile, static)."""
+    "<layout>+<variant>" column (compile, static, graph)."""
     tables: dict[str, dict[str, float]] = {}
     dtype, columns = "", []
     for line in text.splitlines():
@@ -145,6 +145,10 @@ def step_one(bench: Bench, checkout: Checkout, model: str, task: str) -> None:
         base.append("--static-loss")
     elif args.step_static:
         bench.report.say(f"step: {checkout.label}'s train_step.py has no --static-loss; timed without it")
+    if args.step_graph and "--cuda-graph" in known and bench.cuda:
+        base.append("--cuda-graph")
+    elif args.step_graph:
+        bench.report.say(f"step: {checkout.label}'s train_step.py cannot time --cuda-graph here; timed without it")
     if "--dtypes" in known:
         runs = [(args.step_dtypes, [*base, "--dtypes", *args.step_dtypes, "--layouts", "nhwc"])]
     else:  # an older script: fp32, or fp16 with --amp; both layouts, the first column is NHWC

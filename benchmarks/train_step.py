@@ -9,6 +9,7 @@ Usage (from the repository root):
         --dtypes fp32 fp16 bf16 --layouts nhwc              # one table per precision (benchmarks/gpu.py)
     python benchmarks/train_step.py --device cuda --task detect --cfg yolov8s --layouts nhwc --compile default
     python benchmarks/train_step.py --device cuda --task detect --cfg yolov8s --layouts nhwc --static-loss
+    python benchmarks/train_step.py --device cuda --task detect --cfg yolov8n --layouts nhwc --cuda-graph
 
 Builds the quick start's model and loss (`--task`, `--cfg`; the hyp is the model family's short-run
 recipe file, so anchor-free models get their `dfl` gain) and a few real augmented batches of the
@@ -25,6 +26,8 @@ training forward runs under torch.compile(MODE), as `train.py --compile` does; i
 compile (minutes), its inference is the eager fused model. `--static-loss` adds one (`nhwc+static`)
 whose loss assigns targets in fixed shapes, as `train.py --static-loss-shapes` does; with both, a
 `nhwc+compile+static` column compiles the forward and the loss, as training does with both flags.
+`--cuda-graph` adds one (`nhwc+graph`) whose forward and backward replay CUDA graphs, as
+`train.py --cuda-graph` runs them (captured in its first warm-up step).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from utils.data.loader import images_on_device  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.hyp import load_hyp  # noqa: E402
 from utils.train.config import COMPILE_MODES, TrainConfig  # noqa: E402
+from utils.train.cuda_graph import graphed_forward  # noqa: E402
 from utils.train.engine import compiled_loss  # noqa: E402
 from utils.train.plan import RunPlan, plan_model  # noqa: E402
 from utils.train.records import DETECT_TRAINING, TrainingTask, family_training  # noqa: E402
@@ -83,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--static-loss", action="store_true", help="also time each layout with the loss's fixed-shape assignment"
     )
+    parser.add_argument(
+        "--cuda-graph", action="store_true", help="also time each layout with forward and backward as CUDA graphs"
+    )
     args = parser.parse_args(argv)
     if args.dtypes is None:
         args.dtypes = ["fp16" if args.amp else "fp32"]
@@ -103,10 +110,13 @@ class Arm:
         amp_dtype: torch.dtype | None,
         compile_mode: str = "",
         static_loss: bool = False,
+        cuda_graph: bool = False,
     ) -> None:
         self.model = copy.deepcopy(model).to(memory_format=memory_format(channels_last))
-        # The training forward, as train.py --compile runs it; the optimizer and EMA see the bare model.
+        # The training forward, as train.py --compile / --cuda-graph run it; the optimizer and EMA see the bare model.
         self.forward = torch.compile(self.model, mode=compile_mode) if compile_mode else self.model
+        self.forward = graphed_forward(self.forward, cuda_graph, amp_dtype)
+        self.keep_grads = cuda_graph  # as TrainState.keep_grads: graph replays need gradient tensors of their own
         self.channels_last = channels_last
         arm_cfg = dataclasses.replace(cfg, compile_mode=compile_mode, static_loss_shapes=static_loss)
         self.loss_fn = training.build_loss(self.model, arm_cfg)
@@ -157,7 +167,7 @@ class Arm:
         marks.append(clock())
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         marks.append(clock())
         return marks
 
@@ -245,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cpu" and set(args.dtypes) - {"fp32"}:
         print("fp16 / bf16 need --device cuda; timing fp32")
         args.dtypes = ["fp32"]
+    if args.device == "cpu" and args.cuda_graph:
+        print("--cuda-graph needs --device cuda; timing without it")
+        args.cuda_graph = False
     model, batches, cfg, training = build_batches(args)
     for dtype in args.dtypes:
         arms = {}
@@ -254,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
                 arms[f"{name}+compile"] = Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype], args.compile)
             if args.static_loss:
                 arms[f"{name}+static"] = Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype], static_loss=True)
+            if args.cuda_graph:
+                arms[f"{name}+graph"] = Arm(model, cfg, training, LAYOUTS[name], DTYPES[dtype], cuda_graph=True)
             if args.static_loss and args.compile:  # the forward and the (then one-graph) loss compiled
                 arms[f"{name}+compile+static"] = Arm(
                     model, cfg, training, LAYOUTS[name], DTYPES[dtype], args.compile, static_loss=True

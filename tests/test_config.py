@@ -87,6 +87,22 @@ def test_validate_rejects_bad_flags(flags: list[str], needle: str) -> None:
         validate(cfg, DistContext())
 
 
+def test_cuda_graph_needs_one_cuda_process_without_compile() -> None:
+    import torch
+
+    cfg = config_from_args(build_train_parser().parse_args(["--cuda-graph"]))
+    assert cfg.cuda_graph and not config_from_args(build_train_parser().parse_args([])).cuda_graph
+    with pytest.raises(ConfigError, match="--cuda-graph needs a CUDA device; this run trains on cpu"):
+        validate(cfg, DistContext())
+    cuda = torch.device("cuda", 0)  # only compared, never used: no GPU is needed
+    validate(cfg, DistContext(device=cuda))
+    with pytest.raises(ConfigError, match="--cuda-graph runs in one process; this run has 2"):
+        validate(cfg, DistContext(world_size=2, device=cuda))
+    compiled = config_from_args(build_train_parser().parse_args(["--cuda-graph", "--compile"]))
+    with pytest.raises(ConfigError, match="--cuda-graph and --compile exclude each other"):
+        validate(compiled, DistContext(device=cuda))
+
+
 def test_cache_flag_without_value_means_ram() -> None:
     assert config_from_args(build_train_parser().parse_args(["--cache"])).cache == "ram"
 

@@ -6,9 +6,11 @@ Skipped without CUDA; `pytest -m cuda` runs every GPU check (benchmarks/gpu_devi
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from utils.families import build_model
 from utils.hyp import load_hyp
 from utils.tasks import DETECT
 from utils.train.config import TrainConfig
+from utils.train.cuda_graph import GraphedForward
 from utils.train.ema import ModelEMA
 from utils.train.engine import _optimizer_step
 from utils.train.optim import build_optimizer
@@ -51,7 +54,9 @@ def _step_parts(cfg: str, static_loss_shapes: bool = False) -> SimpleNamespace:
     loss_fn = DETECT_TRAINING.build_loss(model, train_cfg)
     optimizer = build_optimizer(model, "AdamW", 1e-3, 0.9, 5e-4)
     scaler = torch.amp.GradScaler("cuda")
-    return SimpleNamespace(model=model, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler, ema=ModelEMA(model))
+    return SimpleNamespace(
+        model=model, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler, ema=ModelEMA(model), keep_grads=False
+    )
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +115,57 @@ def test_with_static_loss_shapes_the_whole_step_never_waits_for_the_gpu(cfg: str
     assert all(torch.isfinite(p).all() for p in parts.ema.ema.parameters())
 
 
+@contextlib.contextmanager
+def exact_cudnn() -> Iterator[None]:
+    """cuDNN's deterministic kernels and no TF32 inside the block, so two ways of running a step can agree closely."""
+    cudnn = torch.backends.cudnn
+    previous = (cudnn.deterministic, cudnn.benchmark, cudnn.allow_tf32)
+    cudnn.deterministic, cudnn.benchmark, cudnn.allow_tf32 = True, False, False
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark, cudnn.allow_tf32 = previous
+
+
+def _train_micro_batches(parts: SimpleNamespace, forward: Any, batches: list, accumulate: int = 2) -> None:
+    """fp32 micro-batches through `forward`, an optimizer step (clip, step, EMA) every `accumulate` of them."""
+    for index, (images, targets) in enumerate(batches):
+        loss, _ = parts.loss_fn(forward(images), targets=targets)
+        parts.scaler.scale(loss).backward()
+        if index % accumulate == accumulate - 1:
+            _optimizer_step(parts)
+
+
+@pytest.mark.parametrize("cfg", ["yolov5n", "yolov8n"])
+def test_cuda_graph_steps_train_the_weights_the_eager_steps_train(cfg: str) -> None:
+    """Replayed graphs, accumulation over two micro-batches and a batch of another shape (run eagerly) in between.
+
+    Fails if the graph's gradient buffer became a parameter's .grad (accumulation then doubles the second
+    micro-batch) or if the capture's warm-up passes were left in BatchNorm's running statistics.
+    """
+    images, targets = _batch()
+    half = (images[:2], targets[targets[:, 0] < 2])  # another shape: the graphed model runs it eagerly
+    batches = [(images, targets), (images.flip(-1), targets), half, (images, targets), (images.flip(-2), targets)]
+    batches.append((images, targets))
+    with exact_cudnn():
+        eager = _step_parts(cfg)
+        _train_micro_batches(eager, eager.model, batches)
+        graphed = _step_parts(cfg)
+        graphed.keep_grads = True
+        forward = GraphedForward(graphed.model, amp_dtype=None)
+        _train_micro_batches(graphed, forward, batches)
+    torch.cuda.synchronize()
+    assert forward.replays and forward.key[0] == images.shape
+    assert "forward" not in vars(graphed.model)  # the model stays a plain module
+    for (name, want), got in zip(eager.model.state_dict().items(), graphed.model.state_dict().values(), strict=True):
+        if want.dtype.is_floating_point:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        else:  # num_batches_tracked: every micro-batch once, none of the capture's warm-up passes
+            assert torch.equal(got, want), name
+    for want, got in zip(eager.ema.ema.parameters(), graphed.ema.ema.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_dataset(tmp_path_factory.mktemp("tiny-cuda"), TINY)
@@ -130,6 +186,15 @@ def test_train_then_val_in_fp16_on_cuda(tiny_data: Path, tmp_path: Path) -> None
     for extra in ([], ["--half"]):
         scored = val.main([*argv, "--name", f"val{len(extra)}", *extra])
         assert scored.num_images == TINY.num_val and 0.0 <= scored.as_dict()["mAP50-95"] <= 1.0
+
+
+@pytest.mark.slow
+def test_train_with_cuda_graph_replays_the_captured_step(tiny_data: Path, tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    result = train.main([*_train_argv(tiny_data, tmp_path, "graph", "yolov8n"), "--cuda-graph"])
+    assert result.epochs_run == 1 and result.best.is_file()
+    assert "--cuda-graph: forward and backward captured at 4x3x64x64" in caplog.text
+    assert "capturing the training step failed" not in caplog.text
 
 
 @pytest.mark.slow

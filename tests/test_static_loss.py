@@ -172,7 +172,7 @@ def test_with_static_shapes_a_whole_training_step_never_reads_the_device(cfg: st
     model, loss_fn, images, targets = _loss_and_step(cfg, static=True)
     optimizer = build_optimizer(model, "AdamW", 1e-3, 0.9, 5e-4)
     scaler = torch.amp.GradScaler("cpu", enabled=False)  # on CPU; the fused step takes CUDA's found-inf on the device
-    parts = SimpleNamespace(model=model, optimizer=optimizer, scaler=scaler, ema=ModelEMA(model))
+    parts = SimpleNamespace(model=model, optimizer=optimizer, scaler=scaler, ema=ModelEMA(model), keep_grads=False)
     with recorded() as reads:
         loss, _ = loss_fn(model(images), targets)
         scaler.scale(loss).backward()

@@ -76,6 +76,7 @@ class TrainConfig:
     sync_bn: bool = False
     compile_mode: str = ""  # --compile: torch.compile mode of the training forward ("" = eager)
     static_loss_shapes: bool = False  # --static-loss-shapes: target assignment in fixed shapes (no host reads)
+    cuda_graph: bool = False  # --cuda-graph: replay the training forward and backward from CUDA graphs
     task: str = "detect"
     overlap_mask: bool = False  # segmentation: one index mask per image instead of one mask per instance
     mask_ratio: int = 4  # segmentation: masks at image size / mask_ratio (the prototype resolution)
@@ -240,6 +241,13 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
         "nonzero, so the detection loss never makes a GPU step wait for a host read: the same loss to float "
         "rounding, more arithmetic. Off until measured faster on GPUs (benchmarks/gpu.py --step-static)",
     )
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="replay the model's training forward and backward from CUDA graphs captured at the first batch, so "
+        "the host launches two graphs instead of each kernel (one GPU; batches of other shapes run eagerly). "
+        "Costs the graphs' own activation memory (docs/training.md)",
+    )
 
 
 def _add_run_flags(parser: argparse.ArgumentParser, task: str) -> None:
@@ -351,10 +359,25 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
     smoothing = cfg.hyp.label_smoothing if cfg.hyp is not None else cfg.label_smoothing
     if smoothing is not None and not 0.0 <= smoothing < 1.0:
         raise ConfigError(f"--label-smoothing {smoothing} must be in [0, 1)")
+    if cfg.cuda_graph:
+        _check_cuda_graph(cfg, ctx)
     if cfg.weights and not Path(cfg.weights).is_file():
         raise ConfigError(f"--weights {cfg.weights}: file not found")
     if not cfg.resume and not Path(cfg.data).is_file():
         raise ConfigError(f"--data {cfg.data}: file not found")
+
+
+def _check_cuda_graph(cfg: TrainConfig, ctx: DistContext) -> None:
+    """--cuda-graph runs on one CUDA device in one process, without --compile."""
+    if ctx.device.type != "cuda":
+        raise ConfigError(f"--cuda-graph needs a CUDA device; this run trains on {ctx.device.type}")
+    if ctx.is_distributed:
+        raise ConfigError(
+            f"--cuda-graph runs in one process; this run has {ctx.world_size} (DDP's collectives inside graphs are "
+            "not supported here)"
+        )
+    if cfg.compile_mode:
+        raise ConfigError("--cuda-graph and --compile exclude each other (--compile reduce-overhead has its own)")
 
 
 def save_run_config(cfg: TrainConfig, run_dir: Path, ctx: DistContext) -> None:

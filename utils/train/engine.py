@@ -39,6 +39,7 @@ from utils.logs import tqdm_disabled
 from utils.plots import batch_drawer, plot_run, plot_start, val_batch_drawer
 from utils.runs import create_run_dir
 from utils.train.config import TrainConfig
+from utils.train.cuda_graph import graphed_forward
 from utils.train.ema import ModelEMA
 from utils.train.mlflow_logger import MLflowLogger, mlflow_wanted
 from utils.train.optim import (
@@ -223,12 +224,16 @@ def _accumulate_now(state: TrainState, iteration: int, cfg: TrainConfig) -> int:
 
 
 def _optimizer_step(state: TrainState) -> None:
-    """Clip, step (through the GradScaler), zero the gradients and update the EMA."""
+    """Clip, step (through the GradScaler), zero the gradients and update the EMA.
+
+    The gradients are dropped (set to None), or zeroed in place when `state.keep_grads` (--cuda-graph:
+    a parameter without a gradient tensor would adopt the graph's own buffer, see GraphedForward).
+    """
     state.scaler.unscale_(state.optimizer)
     torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm=10.0, foreach=True)
     state.scaler.step(state.optimizer)
     state.scaler.update()
-    state.optimizer.zero_grad(set_to_none=True)
+    state.optimizer.zero_grad(set_to_none=not state.keep_grads)
     state.ema.update(state.model)
 
 
@@ -245,11 +250,12 @@ def build_train_state(
     accumulate = accumulate_steps(cfg.batch_size, nominal)
     # Accumulation (also during warmup's ramp) uses no_sync(), which static_graph does not support.
     ddp = compiled_forward(smart_ddp(model, ctx, sync_bn=cfg.sync_bn, static_graph=cfg.batch_size >= nominal), cfg)
+    amp_dtype = autocast_dtype(cfg.amp, ctx.device)
+    ddp = graphed_forward(ddp, cfg.cuda_graph, amp_dtype)  # one process only (validate)
     weight_decay = scaled_weight_decay(cfg.hyp.weight_decay, cfg.batch_size, accumulate, nominal)
     optimizer = build_optimizer(model, cfg.optimizer, cfg.hyp.lr0, cfg.hyp.momentum, weight_decay)
     lr_fn = lr_lambda(cfg.epochs, cfg.hyp.lrf, cfg.cos_lr)
     scheduler = build_scheduler(optimizer, lr_fn)
-    amp_dtype = autocast_dtype(cfg.amp, ctx.device)
     # bf16 has fp32's exponent range: no loss scaling needed. fp16 needs the GradScaler.
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
     ema = ModelEMA(model)
@@ -270,6 +276,7 @@ def build_train_state(
         lr_fn,
         amp_dtype,
         train_loss=compiled_loss(loss_fn, cfg),
+        keep_grads=cfg.cuda_graph,
     )
 
 

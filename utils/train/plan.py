@@ -95,7 +95,9 @@ def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunP
 # change the remaining schedule / the global batch (docs/distributed.md), or who follows the run
 RESUME_OVERRIDES = ("epochs", "batch_size", "callbacks", "mlflow", "wandb")
 # How this attempt runs; none changes what is trained (static_loss_shapes: the same loss to float rounding).
-MACHINE_OPTIONS = ("device", "workers", "resume", "dist_timeout", "amp", "compile_mode", "static_loss_shapes")
+MACHINE_OPTIONS = (
+    "device", "workers", "resume", "dist_timeout", "amp", "compile_mode", "static_loss_shapes", "cuda_graph"
+)  # fmt: skip
 
 
 def _choose_resume_checkpoint(cfg: TrainConfig) -> str:
@@ -111,7 +113,7 @@ def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dic
     """For --resume, decide and load the checkpoint on rank 0, give it to every rank, and return the run's options.
 
     The run's options come from the checkpoint; `device`, `workers`, `dist_timeout`, `amp`,
-    `compile_mode` and `static_loss_shapes` from the new command line (MACHINE_OPTIONS), and
+    `compile_mode`, `static_loss_shapes` and `cuda_graph` from the new command line (MACHINE_OPTIONS), and
     `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any other option given
     with --resume with another value than the run's is a one-line error rather than silently
     ignored. The restored options are validated again for this world size.
@@ -223,6 +225,7 @@ def _load_resumed(
         amp=cfg.amp,
         compile_mode=cfg.compile_mode,
         static_loss_shapes=cfg.static_loss_shapes,
+        cuda_graph=cfg.cuda_graph,
         project=run_dir.parent,
         name=run_dir.name,
         exist_ok=True,

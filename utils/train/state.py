@@ -63,7 +63,7 @@ class TrainState:
     """Everything one epoch mutates; built once by fit()."""
 
     model: nn.Module  # unwrapped
-    ddp: nn.Module  # DDP wrapper, or the model itself in one process
+    ddp: Callable[..., Any]  # DDP wrapper, or the model itself in one process (GraphedForward with --cuda-graph)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler
@@ -75,6 +75,7 @@ class TrainState:
     lr_fn: Callable[[int], float]
     amp_dtype: torch.dtype | None  # autocast dtype (fp16 with a GradScaler, bf16 without), None: fp32
     train_loss: Callable[..., Any]  # the step's loss call: loss_fn, or it compiled (engine.compiled_loss)
+    keep_grads: bool = False  # zero gradients in place instead of dropping them (--cuda-graph: GraphedForward)
     last_opt_step: int = -1
     best_fitness: float = 0.0
     start_epoch: int = 0
