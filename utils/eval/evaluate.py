@@ -68,7 +68,7 @@ class EvalResult:
     num_images: int
     num_instances: int
     loss_items: np.ndarray | None  # mean validation losses (the loss's item_names), None without a loss function
-    speed_ms: dict[str, float]  # per image on this rank: preprocess, inference, nms
+    speed_ms: dict[str, float]  # per image on this rank: preprocess, inference, nms (CUDA: each shape warmed untimed)
     class_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # labels per class, all ranks
     predictions: list[ImagePredictions] = field(default_factory=list)  # this rank's only
     mask_metrics: DetectionMetrics | None = None  # segmentation: the same metrics on masks
@@ -230,17 +230,21 @@ def evaluate(
     loss_sum = torch.zeros(len(getattr(loss_fn, "item_names", ())) or 3, device=device)
     seen = torch.zeros(2, device=device)  # images, batches with loss
     timings = np.zeros(3)
+    warmed: set[torch.Size] = set()
     progress = tqdm(batches, desc=options.description, disable=tqdm_disabled(ctx), leave=False)
     for batch_index, batch in enumerate(progress):
         start = time.perf_counter()
         images = images_on_device(batch, device, dtype)
         targets = batch["targets"].to(device, copy=True)  # scaled in place below; never touch the batch
-        if batch_index == 0 and device.type == "cuda":
-            # Untimed: CUDA's first call in a precision loads and picks its kernels, seconds once that the
-            # per-image times would otherwise carry (fp16 read slower than fp32 on 200 images for it).
-            model(images)
         _sync(device)
         after_pre = time.perf_counter()
+        if device.type == "cuda" and images.shape not in warmed:
+            # Untimed: CUDA's first call at a shape loads and picks its kernels (about 100 ms per --rect shape on
+            # an H200), a one-off cost that made fp16 read slower than fp32 on 200 images.
+            warmed.add(images.shape)
+            model(images)
+            _sync(device)
+        before_inference = time.perf_counter()
         decoded, loss_input = scorer.split_output(model(images))
         _sync(device)
         after_inference = time.perf_counter()
@@ -251,7 +255,7 @@ def evaluate(
         nms = functools.partial(select, decoded.float(), iou_thres=options.iou_thres, max_det=options.max_det)
         outputs = nms(options.conf_thres, num_masks=scorer.num_masks, multi_label=options.multi_label)
         after_nms = time.perf_counter()
-        timings += (after_pre - start, after_inference - after_pre, after_nms - after_inference)
+        timings += (after_pre - start, after_inference - before_inference, after_nms - after_inference)
         if confusion is not None:  # in input pixels: letterboxing scales both axes alike, so IoU is the same
             # The deployment picture: one class per box, whatever the mAP used.
             single = outputs if not options.multi_label else nms(confusion.conf, num_masks=scorer.num_masks)
