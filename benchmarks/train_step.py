@@ -122,7 +122,8 @@ class Arm:
         self.loss_fn = training.build_loss(self.model, arm_cfg)
         self.loss_call = compiled_loss(self.loss_fn, arm_cfg)  # compiled too with --compile and --static-loss
         self.loss_inputs = training.task.loss_inputs  # targets (and masks) on the device, as training moves them
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
+        # Multi-tensor like training's fused optimizers, so zero_grad(set_to_none=False) zeroes in one op too.
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9, foreach=True)
         self.device = next(self.model.parameters()).device
         self.amp_dtype = amp_dtype
         # As training: bf16 has fp32's exponent range and needs no loss scaling.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -14,8 +15,11 @@ LOGGER = logging.getLogger(__name__)
 
 
 class _TensorOutputs(nn.Module):
-    """`model` with its output flattened to the tensors in it: graph capture takes tensors only (the anchor-free
-    heads' `DenseRaw` holds None fields). `rebuild` puts the replayed tensors back in the model's output structure."""
+    """`model` with its output flattened to the tensors in it, what graph capture takes.
+
+    The anchor-free heads' `DenseRaw` holds None fields; `rebuild` puts the replayed tensors back in
+    the model's output structure.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -40,11 +44,12 @@ class GraphedForward:
     """Call `model` as the training step does; batches of the captured shape replay CUDA graphs.
 
     A small detector's GPU step is bound by the host: yolov8n at batch 32 and 640 px launches
-    about 1,800 kernels per batch, and the GPU was busy for 20 ms of each 65 ms step. A CUDA graph
+    about 1,800 kernels per batch, and on an H200 the GPU was busy for about 20 ms of each batch
+    while a batch took 65 ms (`benchmarks/gpu.py --profile-steps`). A CUDA graph
     replays the model's forward, and then its backward, with one launch each; the loss, the
     optimizer and the EMA stay eager. The graphs are captured at the first training batch
     (`torch.cuda.make_graphed_callables`: three warm-up passes on a side stream, then the
-    capture) and replayed for every batch of that shape and dtype. Other batches (the epoch's
+    capture) and replayed for every batch of that shape, dtype and strides. Other batches (the epoch's
     short last batch, --rect shapes) and eval mode or no-grad calls run the model eagerly, on the
     same parameters.
 
@@ -100,7 +105,14 @@ class GraphedForward:
         dtype = self.amp_dtype or torch.float16
         try:
             # The casts autocast makes are captured too; its weight cache would hold tensors of the capture.
-            with torch.autocast("cuda", dtype=dtype, enabled=self.amp_dtype is not None, cache_enabled=False):
+            with (
+                torch.autocast("cuda", dtype=dtype, enabled=self.amp_dtype is not None, cache_enabled=False),
+                warnings.catch_warnings(),
+            ):
+                # make_graphed_callables warms up and captures on a side stream; during that, torch warned once
+                # (H200, torch 2.11) that a gradient accumulator's stream differs from the incoming gradient's.
+                # The replays that followed trained at 797 images/s against 509 eager, the same mAP.
+                warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
                 self.graphed = torch.cuda.make_graphed_callables(self.outputs, (sample,), **options).forward
         except Exception as error:  # noqa: BLE001  (the flag is an optimisation: any failure trains eagerly, said once)
             self.failed, self.graphed = True, None
