@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--profile-steps", default="", metavar="START:COUNT",
         help="profile each training run's batches after backward START: COUNT with torch.profiler, COUNT with "
         "cProfile; summaries in logs/train-*.profile.txt")  # fmt: skip
+    add("--profile-startup", action="store_true",
+        help="cProfile each trainer from its start to its first optimizer step: logs/train-*.startup.txt")  # fmt: skip
     add("--device", default="", help="cuda (default when available) or cpu")
     add("--data-root", type=Path, default=Path("/tmp/yolo-gpu-bench"), help="generated data and run folders")
     add("--deadline-s", type=float, default=1e9, help="start no new run after this many seconds; cut runs to it")

@@ -12,6 +12,12 @@ dataset and number of images of every batch taken, train and val alike) and a gl
 step hook (the time of the first step, after a device synchronisation so the step has run). At exit,
 error or not, it writes those events, the peak CUDA memory and the exit status to `--trace` as JSON;
 benchmarks/gpu.py turns them into epoch times, images/s and the data-wait share.
+
+`--profile START:COUNT` also profiles the training batches after backward number START: COUNT
+batches under torch.profiler (per batch: wall, device busy, kernels, host waits; the top operators),
+then the next COUNT under cProfile (the Python functions); the summary goes to `<trace>.profile.txt`.
+`--profile-startup` runs cProfile from the trainer's start to its first optimizer step (imports,
+set-up, data, the first step) into `<trace>.startup.txt`.
 """
 
 from __future__ import annotations
@@ -133,6 +139,22 @@ class WindowProfiler:
 
 
 PROFILER: WindowProfiler | None = None
+STARTUP: dict[str, Any] = {}  # --profile-startup: "profile" (cProfile.Profile), "out" (Path), "start" (perf_counter)
+
+
+def _end_startup_profile() -> None:
+    """Stop the start-up profile at the first optimizer step and write its summary (once)."""
+    profile = STARTUP.pop("profile", None)
+    if profile is None:
+        return
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(30)
+    seconds = time.perf_counter() - STARTUP["start"]
+    head = f"== cProfile, trainer start to its first optimizer step: {seconds:.2f} s\n"
+    STARTUP["out"].write_text(head + text.getvalue())
 
 
 def install_hooks() -> None:
@@ -161,6 +183,7 @@ def install_hooks() -> None:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # once: the step has run, not only been queued
             EVENTS["first_step"] = time.time()
+            _end_startup_profile()
 
     register_optimizer_step_post_hook(first_step)
 
@@ -169,6 +192,7 @@ def write_trace(path: Path, status: int, error: str) -> None:
     """Write EVENTS, the peak CUDA memory (GiB) and the exit status to `path` (atomically)."""
     if PROFILER is not None:
         PROFILER.write()
+    _end_startup_profile()  # a run that never stepped: its whole life
     peak = 0.0
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak = torch.cuda.max_memory_allocated() / 2**30
@@ -236,6 +260,7 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, required=True, help="JSON file the events are written to")
     parser.add_argument("--ultralytics", nargs="+", metavar="KEY=VALUE", help="train with Ultralytics' trainer")
     parser.add_argument("--profile", metavar="START:COUNT", help="profile COUNT batches after backward START")
+    parser.add_argument("--profile-startup", action="store_true", help="cProfile up to the first optimizer step")
     parser.add_argument("script", nargs="*", help="after --: the script of the checkout (cwd) and its flags")
     args = parser.parse_args()
     if args.profile:
@@ -243,6 +268,10 @@ def main() -> None:
         start, count = (int(part) for part in args.profile.split(":"))
         PROFILER = WindowProfiler(start, count, args.trace.with_suffix(".profile.txt"))
     install_hooks()
+    if args.profile_startup:
+        STARTUP.update(profile=cProfile.Profile(), out=args.trace.with_suffix(".startup.txt"))
+        STARTUP["start"] = time.perf_counter()
+        STARTUP["profile"].enable()
     status, error = 0, ""
     try:
         if args.ultralytics:

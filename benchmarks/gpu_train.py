@@ -48,9 +48,11 @@ def traced_run(bench: Bench, command: list[str], cwd: Path, name: str) -> tuple[
     trace_file = bench.work / "traces" / f"{name}.json"
     trace_file.parent.mkdir(parents=True, exist_ok=True)
     trace_file.unlink(missing_ok=True)
-    profile_file = trace_file.with_suffix(".profile.txt")
-    profile_file.unlink(missing_ok=True)
+    summaries = [trace_file.with_suffix(".profile.txt"), trace_file.with_suffix(".startup.txt")]
+    for summary in summaries:
+        summary.unlink(missing_ok=True)
     profile = ["--profile", bench.args.profile_steps] if bench.args.profile_steps else []
+    profile += ["--profile-startup"] if bench.args.profile_startup else []
     launched = time.time()
     rc, seconds = run_logged(
         [sys.executable, str(RUNNER), "--trace", str(trace_file), *profile, *command],
@@ -58,8 +60,9 @@ def traced_run(bench: Bench, command: list[str], cwd: Path, name: str) -> tuple[
         bench.report.out / "logs" / f"{name}.log",
         bench,
     )
-    if profile_file.is_file():
-        shutil.copy(profile_file, bench.report.out / "logs" / f"{name}.profile.txt")
+    for summary in summaries:
+        if summary.is_file():
+            shutil.copy(summary, bench.report.out / "logs" / f"{name}{summary.suffixes[-2]}.txt")
     if not trace_file.is_file():
         return rc, seconds, None
     return rc, seconds, run_figures(json.loads(trace_file.read_text()), launched)

@@ -76,7 +76,7 @@ def test_quick_cpu_run_fills_every_table(tmp_path: Path) -> None:
     out = tmp_path / "out"
     gpu.main(
         ["--quick", "--out", str(out), "--data-root", str(tmp_path / "work"), "--no-ultralytics",
-         "--train-variant=--static-loss-shapes", "--profile-steps", "1:1"]
+         "--train-variant=--static-loss-shapes", "--profile-steps", "1:1", "--profile-startup"]
     )  # fmt: skip
     tables = (out / "gpu.md").read_text()
     assert "## training" in tables and "## val.py" in tables and "## train step" in tables
@@ -92,5 +92,10 @@ def test_quick_cpu_run_fills_every_table(tmp_path: Path) -> None:
         text = profile.read_text()
         assert text.startswith("== torch.profiler, 1 batches: per batch ") and "top-level aten ops" in text
         assert "== cProfile, 1 batches" in text and "train_one_epoch" in text
+    startups = sorted((out / "logs").glob("train-*.startup.txt"))
+    assert len(startups) == 2
+    for startup in startups:
+        text = startup.read_text()
+        assert text.startswith("== cProfile, trainer start to its first optimizer step: ") and "_start_run" in text
     assert all(" ok |" in line or "ok, " in line for line in rows if line.count("|") > 8 and "status" not in line)
     assert (tmp_path / "out" / "gpu.csv").is_file() and (tmp_path / "out" / "gpu.log").read_text()
