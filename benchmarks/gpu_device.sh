@@ -27,5 +27,5 @@ code=(.)
 left=$((BUDGET_S - ($(date +%s) - start)))
 python3 benchmarks/gpu.py --code "${code[@]}" --out "$OUT" --deadline-s "$left" \
     --parts train train-more val step --sizes 300 3000 --epochs 4 2 --steps 6 --step-static --step-graph \
-    --train-variant=--cuda-graph --profile-startup "$@" 2>&1 | tee "$OUT/gpu-stdout.log"
+    --train-variant=--cuda-graph "$@" 2>&1 | tee "$OUT/gpu-stdout.log"
 echo "gpu_device.sh: $(($(date +%s) - start)) s in all; tables in $OUT/gpu.md"
