@@ -9,6 +9,7 @@
 # Everything it prints is also written under $OUT: install.log, cuda-tests.log, gpu.log, gpu.md, gpu.csv,
 # logs/ (one file per run). BUDGET_S (default 390) bounds the whole script: the benchmark gets what the
 # install and the tests leave, starts no run after it and cuts the one running, so its tables are printed.
+# PACK=1 leaves one file, $OUT/results.tgz, for machines that hand back only a few files.
 set -u
 OUT=${OUT:-/tmp/gpu-bench-out}
 BUDGET_S=${BUDGET_S:-390}
@@ -29,3 +30,6 @@ python3 benchmarks/gpu.py --code "${code[@]}" --out "$OUT" --deadline-s "$left" 
     --parts train train-more val step --sizes 300 3000 --epochs 4 2 --steps 6 --step-static --step-graph \
     --train-variant=--cuda-graph "$@" 2>&1 | tee "$OUT/gpu-stdout.log"
 echo "gpu_device.sh: $(($(date +%s) - start)) s in all; tables in $OUT/gpu.md"
+if [ -n "${PACK:-}" ]; then
+    tar czf /tmp/gpu-device-results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-device-results.tgz "$OUT/results.tgz"
+fi
