@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
+from segment.task import SEGMENT
 from utils.families import build_model
 from utils.tasks import DETECT
 from utils.train import cuda_graph
@@ -117,6 +119,34 @@ def test_a_failed_capture_warns_once_and_trains_eagerly(monkeypatch, caplog) -> 
     eager(images)
     for got, want in zip(model.buffers(), eager.buffers(), strict=True):  # no warm-up pass left in the statistics
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    ("task", "cfg"),
+    [
+        (DETECT, "yolov5n"),
+        (DETECT, "yolo26n"),
+        (SEGMENT, "yolov5n-seg"),
+        (SEGMENT, "yolov8n-seg"),
+        (SEGMENT, "yolo26n-seg"),
+    ],
+)
+def test_every_family_comes_back_in_its_own_output_structure(monkeypatch, task: Any, cfg: str) -> None:
+    """Lists, tuples and DenseRaw with None fields (no one-to-one branch, no semantic head) through the capture."""
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", FakeCapture())
+    torch.manual_seed(0)
+    model = build_model(task.spec_from_cfg(cfg, 3)).train()
+    eager = copy.deepcopy(model)
+    images = torch.rand(2, 3, 64, 64)
+    got, want = GraphedForward(model, amp_dtype=None)(images), eager(images)
+    assert type(got) is type(want)
+    got_leaves, want_leaves = (
+        tree_leaves(got, is_leaf=lambda x: x is None),
+        tree_leaves(want, is_leaf=lambda x: x is None),
+    )
+    assert len(got_leaves) == len(want_leaves)
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert (g is None and w is None) or torch.equal(g, w)
 
 
 @pytest.mark.parametrize("enabled", [False, True])
