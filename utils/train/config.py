@@ -239,7 +239,7 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="assign targets in fixed shapes (every candidate pair, masked) instead of listing matches with "
         "nonzero, so the detection loss never makes a GPU step wait for a host read: the same loss to float "
-        "rounding, more arithmetic. Off until measured faster on GPUs (benchmarks/gpu.py --step-static)",
+        "rounding, more arithmetic: slower on an H200 too (docs/training.md), so off by default",
     )
     parser.add_argument(
         "--cuda-graph",
