@@ -92,12 +92,8 @@ class WindowProfiler:
             self.python_profile.disable()
             self._sync()
             wall = time.perf_counter() - self.opened
-            text = io.StringIO()
-            stats = pstats.Stats(self.python_profile, stream=text)
-            stats.sort_stats("cumulative").print_stats(45)
-            stats.sort_stats("tottime").print_stats(30)
             self.sections.append(f"== cProfile, {self.count} batches, {1000 * wall / self.count:.1f} ms per batch\n")
-            self.sections.append(text.getvalue())
+            self.sections.append(_cprofile_text(self.python_profile, cumulative=45))
             self.python_profile = None
             self.write()
 
@@ -148,13 +144,18 @@ def _end_startup_profile() -> None:
     if profile is None:
         return
     profile.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(profile, stream=text)
-    stats.sort_stats("cumulative").print_stats(60)
-    stats.sort_stats("tottime").print_stats(30)
     seconds = time.perf_counter() - STARTUP["start"]
     head = f"== cProfile, trainer start to its first optimizer step: {seconds:.2f} s\n"
-    STARTUP["out"].write_text(head + text.getvalue())
+    STARTUP["out"].write_text(head + _cprofile_text(profile, cumulative=60))
+
+
+def _cprofile_text(profile: cProfile.Profile, cumulative: int) -> str:
+    """The `cumulative` functions with the most time inside them, then the 30 with the most time of their own."""
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(cumulative)
+    stats.sort_stats("tottime").print_stats(30)
+    return text.getvalue()
 
 
 def install_hooks() -> None:
