@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from segment.mask_loss import MaskTermLoss
-from utils.train.loss import DetectionLoss, LevelTerms
+from utils.train.loss import DetectionLoss, LevelMatches
 
 
 class SegmentationLoss(MaskTermLoss, DetectionLoss):
@@ -30,55 +30,44 @@ class SegmentationLoss(MaskTermLoss, DetectionLoss):
         raw: list[torch.Tensor],
         targets: torch.Tensor,
         reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
-    ) -> tuple[dict[str, torch.Tensor], tuple[list[LevelTerms], torch.Tensor]]:
-        """Box, obj and cls as for detection, and the per-level matches with their count denominators."""
-        levels, denominators = self._match_levels(raw, targets, reduce_counts)
-        box, obj, cls = self._detection_terms(levels, denominators)
-        return {"box": box, "obj": obj, "cls": cls}, (levels, denominators)
+    ) -> tuple[dict[str, torch.Tensor], LevelMatches]:
+        """Box, obj and cls as for detection, and the matches with their levels' count denominators."""
+        matched = self._match(raw, targets, reduce_counts)
+        box, obj, cls = self._detection_terms(matched)
+        return {"box": box, "obj": obj, "cls": cls}, matched
 
     def _mask_items(
         self,
         raw: list[torch.Tensor],
-        matches: tuple[list[LevelTerms], torch.Tensor],
+        matches: LevelMatches,
         protos: torch.Tensor,
         masks: torch.Tensor,
         targets: torch.Tensor,
         reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> dict[str, torch.Tensor]:
         """The mask term on the box term's matches, with the box gain."""
-        levels, denominators = matches
-        return {"seg": self._mask_term(levels, denominators, protos, masks, targets) * self.gains.box}
+        return {"seg": self._mask_term(matches, protos, masks, targets) * self.gains.box}
 
     def _mask_term(
-        self,
-        levels: list[LevelTerms],
-        denominators: torch.Tensor,
-        protos: torch.Tensor,
-        masks: torch.Tensor,
-        targets: torch.Tensor,
+        self, matched: LevelMatches, protos: torch.Tensor, masks: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor:
-        """Sum over every level's matches of the box-cropped mask BCE / normalised box area / level count (0-d).
+        """Sum over all matches of the box-cropped mask BCE / normalised box area / their level's count (0-d).
 
         All levels' matches are computed together: one matmul per image, then one BCE and one crop
         over every match (looping over levels and images cost three times the small ops each way).
         """
         # The zero term keeps the prototype branch in the graph when nothing matched (DDP needs every parameter).
         total = protos.sum() * 0.0
-        # Each level's matches; with static shapes their valid rows (a host read: the mask term's shapes
-        # follow the match count), while the default's compact rows are all matches already.
-        kept = [
-            (*(terms.matches() if self.static_shapes else (terms.assigned, terms.matched_preds)), count)
-            for terms, count in zip(levels, denominators, strict=True)
-        ]
-        matched = [(assigned, preds, count) for assigned, preds, count in kept if len(assigned.image_index)]
-        if not matched:
+        # With static shapes the valid rows (a host read: the mask term's shapes follow the match count);
+        # the default's compact rows are all matches already.
+        assigned, preds = matched.kept() if self.static_shapes else (matched.assigned, matched.preds)
+        if not len(assigned.image_index):
             return total
-        image_index = torch.cat([assigned.image_index for assigned, _, _ in matched])
         # Matches grouped by image (stable), so each image's prototypes meet all its rows in one matmul.
-        order = torch.argsort(image_index, stable=True)
-        target_index = torch.cat([assigned.target_index for assigned, _, _ in matched])[order]
-        coeffs = torch.cat([preds[:, 5 + self.head.num_classes :] for _, preds, _ in matched])[order]
+        order = torch.argsort(assigned.image_index, stable=True)
+        coeffs = preds[order, 5 + self.head.num_classes :]
         # Each match is divided by its level's (rank-averaged) match count, as the box term is.
-        level_counts = torch.cat([count.expand(len(preds)) for _, preds, count in matched])[order]
-        mean_bce, areas = self.box_mask_bce(coeffs, image_index[order], target_index, protos, masks, targets)
+        level_counts = matched.denominators[assigned.level[order]]
+        image_index, target_index = assigned.image_index[order], assigned.target_index[order]
+        mean_bce, areas = self.box_mask_bce(coeffs, image_index, target_index, protos, masks, targets)
         return total + (mean_bce / (areas * level_counts)).sum()

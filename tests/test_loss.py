@@ -6,12 +6,16 @@ import pytest
 import torch
 
 from models.yolo import DetectionModel, build_model, spec_from_cfg
+from utils.boxes import bbox_iou
 from utils.train.loss import (
+    LEVEL_BALANCE,
+    AnchorMatches,
     DetectionLoss,
     LossGains,
     assign_targets,
     bce_with_logits,
     class_targets,
+    grid_tables,
     scale_loss_gains,
     smooth_bce_targets,
     write_last,
@@ -23,6 +27,11 @@ TARGETS = torch.tensor([[0, 1, 0.50, 0.50, 0.30, 0.40], [1, 0, 0.20, 0.70, 0.20,
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _assign(targets: torch.Tensor, anchors: torch.Tensor, grid_hw: tuple[int, int], **kwargs: bool) -> AnchorMatches:
+    """One level's matches: anchors (na, 2) in grid units on a grid of `grid_hw`."""
+    return assign_targets(targets, anchors[None], grid_tables([grid_hw], anchors.device), 4.0, **kwargs).matches
 
 
 def _model(num_classes: int = 3) -> DetectionModel:
@@ -50,7 +59,7 @@ def test_assign_targets_uses_two_nearest_neighbour_cells() -> None:
     anchors = torch.tensor([[1.0, 1.0], [4.0, 4.0], [20.0, 20.0]])  # grid units
     # centre (3.3, 4.7) on an 8x8 grid, size 2x2: within 4x of anchors 0 and 1 only.
     targets = torch.tensor([[1, 2, 3.3 / 8, 4.7 / 8, 2 / 8, 2 / 8]])
-    assigned = assign_targets(targets, anchors, (8, 8), anchor_t=4.0)
+    assigned = _assign(targets, anchors, (8, 8))
     rows = sorted(zip(assigned.anchor_index.tolist(), assigned.cell_x.tolist(), assigned.cell_y.tolist(), strict=True))
     # own cell (3, 4), left neighbour (x frac 0.3 < 0.5), lower neighbour (y frac 0.7 > 0.5); per anchor.
     assert rows == sorted((a, x, y) for a in (0, 1) for x, y in [(3, 4), (2, 4), (3, 5)])
@@ -65,9 +74,9 @@ def test_assign_targets_uses_two_nearest_neighbour_cells() -> None:
 def test_assign_targets_skips_neighbours_outside_grid() -> None:
     anchors = torch.tensor([[1.0, 1.0]])
     targets = torch.tensor([[0, 0, 0.4 / 8, 7.8 / 8, 1 / 8, 1 / 8]])  # near the left and bottom edges
-    assigned = assign_targets(targets, anchors, (8, 8), anchor_t=4.0)
+    assigned = _assign(targets, anchors, (8, 8))
     assert list(zip(assigned.cell_x.tolist(), assigned.cell_y.tolist(), strict=True)) == [(0, 7)]
-    assert len(assign_targets(torch.zeros(0, 6), anchors, (8, 8), 4.0).image_index) == 0
+    assert len(_assign(torch.zeros(0, 6), anchors, (8, 8)).image_index) == 0
 
 
 def test_loss_is_finite_and_scaled_by_batch() -> None:
@@ -112,8 +121,8 @@ def test_static_assignment_holds_the_compact_rows_in_order_and_marks_them_valid(
     generator = torch.Generator().manual_seed(3)
     image_and_class = torch.randint(0, 3, (9, 2), generator=generator).float()
     targets = torch.cat((image_and_class, torch.rand(9, 4, generator=generator)), 1)
-    compact = assign_targets(targets, anchors, grid_hw, anchor_t=4.0)
-    static = assign_targets(targets, anchors, grid_hw, anchor_t=4.0, static_shapes=True)
+    compact = _assign(targets, anchors, grid_hw)
+    static = _assign(targets, anchors, grid_hw, static_shapes=True)
     assert len(static.valid) == 5 * 3 * 9 and compact.valid.all() and 0 < int(static.valid.sum()) < len(static.valid)
     rows = static.valid.nonzero().squeeze(1)
     for name, value in vars(compact).items():
@@ -134,6 +143,56 @@ def test_static_shapes_give_the_compact_loss_and_gradients(num_targets: int) -> 
     torch.testing.assert_close(static_items, items)
     for grad, static_grad in zip(grads, static_grads, strict=True):
         torch.testing.assert_close(static_grad, grad)
+
+
+def _level_by_level(model: DetectionModel, preds: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """YOLOv5's loss items [box, obj, cls] computed one level at a time, as its definition reads."""
+    head = model.head
+    box = obj = cls = torch.zeros(())
+    for level, (raw, weight) in enumerate(zip(preds, LEVEL_BALANCE[3], strict=True)):
+        matches = _assign(targets, head.anchors[level], tuple(raw.shape[2:4]))
+        pred = raw[matches.image_index, matches.anchor_index, matches.cell_y, matches.cell_x]
+        box_xywh = torch.cat((pred[:, :2].sigmoid() * 2 - 0.5, (pred[:, 2:4].sigmoid() * 2) ** 2 * matches.anchors), 1)
+        iou = bbox_iou(box_xywh, matches.boxes_xywh)
+        count = max(len(iou), 1)
+        box = box + (1 - iou).sum() / count
+        wanted = torch.nn.functional.one_hot(matches.classes, head.num_classes).float()
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(pred[:, 5:], wanted, reduction="sum")
+        cls = cls + bce / (count * head.num_classes)
+        obj_target = torch.zeros(raw.shape[:4])
+        cells = (matches.image_index, matches.anchor_index, matches.cell_y, matches.cell_x)
+        obj_target[cells] = iou.detach().clamp(min=0)  # sequential on CPU: a shared cell keeps the last value
+        obj = obj + torch.nn.functional.binary_cross_entropy_with_logits(raw[..., 4], obj_target) * weight
+    return torch.stack((box * GAINS.box, obj * GAINS.obj, cls * GAINS.cls))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_all_levels_at_once_give_the_level_by_level_loss_and_gradients(static: bool) -> None:
+    model = _model()
+    generator = torch.Generator().manual_seed(5)
+    image_and_class = torch.randint(0, 2, (12, 2), generator=generator).float()
+    targets = torch.cat((image_and_class, torch.rand(12, 4, generator=generator)), 1)
+    targets[:, 4:] = targets[:, 4:] * 0.6 + 0.02
+    targets[:4, 2:4] = targets[4:8, 2:4]  # shared cells: the last listed target sets their objectness
+    results = []
+    for compute in ("levels", "loss"):
+        preds = []
+        for stride in (8, 16, 32):
+            generator = torch.Generator().manual_seed(stride)
+            preds.append(torch.randn(2, 3, 64 // stride, 96 // stride, 8, generator=generator).requires_grad_())
+        if compute == "levels":
+            items = _level_by_level(model, preds, targets)
+            total = items.sum()
+        else:
+            loss, items = DetectionLoss(model, GAINS, static_shapes=static)(preds, targets)
+            total = loss.sum() / 2  # the loss is the items' sum times the batch size
+        total.backward()
+        results.append((items.detach(), [p.grad for p in preds]))
+    (expected, expected_grads), (got, grads) = results
+    assert (expected > 0).all()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-9)
 
 
 def test_objectness_of_a_shared_cell_takes_the_last_listed_target() -> None:

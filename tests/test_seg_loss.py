@@ -16,7 +16,7 @@ from utils.boxes import xywhn_to_xyxy
 from utils.config import DEFAULT_HYP
 from utils.hyp import load_hyp
 from utils.train.config import TrainConfig
-from utils.train.loss import assign_targets, scale_loss_gains
+from utils.train.loss import assign_targets, grid_tables, scale_loss_gains
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -127,7 +127,7 @@ def test_overlap_instance_ids_count_within_each_image() -> None:
 
 def test_assigned_target_index_points_at_the_matched_row() -> None:
     anchors = torch.tensor([[1.0, 1.0], [2.0, 3.0]])
-    assigned = assign_targets(TARGETS, anchors, (8, 8), anchor_t=4.0)
+    assigned = assign_targets(TARGETS, anchors[None], grid_tables([(8, 8)], anchors.device), 4.0).matches
     assert len(assigned.target_index) > len(TARGETS)  # several anchors and cells per target
     assert torch.equal(assigned.image_index, TARGETS[assigned.target_index, 0].long())
     assert torch.equal(assigned.classes, TARGETS[assigned.target_index, 1].long())
@@ -186,18 +186,18 @@ def test_rank_halves_with_averaged_counts_add_up_to_full_batch(model: Segmentati
 
 def _reference_mask_term(loss_fn: SegmentationLoss, raw, protos, targets, masks) -> torch.Tensor:
     """The mask term computed one match at a time, straight from the docstring's definition."""
-    levels, denominators = loss_fn._match_levels(raw, targets, None)
+    matched = loss_fn._match(raw, targets, None)
+    assigned, preds = matched.kept()
+    coeffs = preds[:, 5 + loss_fn.head.num_classes :]
     total = torch.zeros(())
-    for terms, denominator in zip(levels, denominators, strict=True):
-        assigned, preds = terms.matches()
-        coeffs = preds[:, 5 + loss_fn.head.num_classes :]
-        for row in range(len(preds)):
-            image, target = int(assigned.image_index[row]), int(assigned.target_index[row])
-            logits = (coeffs[row] @ protos[image].flatten(1)).view(protos.shape[-2:])
-            bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, masks[target].float(), reduction="none")
-            box = xywhn_to_xyxy(targets[target : target + 1, 2:6], protos.shape[-1], protos.shape[-2])
-            area = targets[target, 4] * targets[target, 5]
-            total = total + crop_mask(bce[None], box).mean() / area / denominator
+    for row in range(len(preds)):
+        denominator = matched.denominators[assigned.level[row]]
+        image, target = int(assigned.image_index[row]), int(assigned.target_index[row])
+        logits = (coeffs[row] @ protos[image].flatten(1)).view(protos.shape[-2:])
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, masks[target].float(), reduction="none")
+        box = xywhn_to_xyxy(targets[target : target + 1, 2:6], protos.shape[-1], protos.shape[-2])
+        area = targets[target, 4] * targets[target, 5]
+        total = total + crop_mask(bce[None], box).mean() / area / denominator
     return total * loss_fn.gains.box
 
 
@@ -215,7 +215,7 @@ def test_mask_term_equals_the_per_match_definition_with_its_gradients(model: Seg
         results.append(leaves)
     loss_fn = SegmentationLoss(model, GAINS)
     _, items = loss_fn(results[0], targets, masks=masks)
-    seg = loss_fn._mask_term(*loss_fn._match_levels(results[0][0], targets, None), results[0][1], masks, targets)
+    seg = loss_fn._mask_term(loss_fn._match(results[0][0], targets, None), results[0][1], masks, targets)
     reference = _reference_mask_term(loss_fn, results[1][0], results[1][1], targets, masks)
     assert items[1].item() == pytest.approx(reference.item(), rel=1e-5) and reference.item() > 0
     (seg * GAINS.box).backward()

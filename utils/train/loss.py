@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -12,6 +14,7 @@ from torch import nn
 
 from utils.boxes import bbox_iou
 from utils.distributed import unwrap_model
+from utils.train.device_constants import ShapeCache, filled_table
 
 if TYPE_CHECKING:
     from utils.hyp import Hyp
@@ -94,15 +97,18 @@ def bce_with_logits(
 
 
 @dataclass
-class LevelTargets:
-    """Targets assigned to one feature level; m rows, one per (target, anchor, cell) match candidate.
+class AnchorMatches:
+    """Targets matched to anchors and cells on every feature level; m rows, one per (target, anchor, cell) candidate.
 
-    `boxes_xywh` are in grid units, xy relative to the cell's top-left corner (so in [-0.5, 1.5]
-    for neighbour cells), wh absolute; `anchors` are the matched anchors' (w, h) in grid units.
-    `valid` says which rows are matches: all of them in the compact form, those of the fixed-shape
-    form's every (cell shift, anchor, target) row that the rules keep (the others hold clamped cells).
+    Rows are ordered by level, then cell shift, then anchor, then target, so each level's rows form one
+    contiguous block (`AssignedTargets.level_rows` long). `boxes_xywh` are in their level's grid units,
+    xy relative to the cell's top-left corner (so in [-0.5, 1.5] for neighbour cells), wh absolute;
+    `anchors` are the matched anchors' (w, h) in grid units. `valid` says which rows are matches: all of
+    them in the compact form, those of the fixed-shape form's every (level, cell shift, anchor, target)
+    row that the rules keep (the others hold clamped cells).
     """
 
+    level: torch.Tensor  # (m,) long
     image_index: torch.Tensor  # (m,) long
     anchor_index: torch.Tensor  # (m,) long
     cell_y: torch.Tensor  # (m,) long
@@ -113,86 +119,136 @@ class LevelTargets:
     target_index: torch.Tensor  # (m,) long, the matched row of `targets`
     valid: torch.Tensor  # (m,) bool
 
+    def select(self, rows: torch.Tensor) -> AnchorMatches:
+        """The matches at `rows` ((k,) long), in that order."""
+        return AnchorMatches(**{field.name: getattr(self, field.name)[rows] for field in dataclasses.fields(self)})
+
+
+@dataclass(frozen=True)
+class AssignedTargets:
+    """`assign_targets`'s result: the matches, each level's row count (host ints) and match count ((nl,) long)."""
+
+    matches: AnchorMatches
+    level_rows: tuple[int, ...]
+    counts: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GridTables:
+    """Per-level constants of one set of grid shapes, made on the device once (`grid_tables`).
+
+    size_wh (nl, 2) float: each level's grid width and height; last_xy (nl, 2) long: its last cell
+    (width - 1, height - 1); cells (nl, 3) long: its height, width and the number of cells per anchor
+    and image of the levels before it; shift_xy (5, 2) long: the cell offset of each neighbour shift
+    (own cell, left, up, right, down).
+    """
+
+    size_wh: torch.Tensor
+    last_xy: torch.Tensor
+    cells: torch.Tensor
+    shift_xy: torch.Tensor
+
+
+def grid_tables(grids_hw: Sequence[tuple[int, int]], device: torch.device) -> GridTables:
+    """Build the `GridTables` of grids [(height, width) per level] on `device`."""
+    starts = _starts([height * width for height, width in grids_hw])
+    return GridTables(
+        size_wh=filled_table([[width, height] for height, width in grids_hw], torch.float32, device),
+        last_xy=filled_table([[width - 1, height - 1] for height, width in grids_hw], torch.int64, device),
+        cells=filled_table(
+            [[h, w, before] for (h, w), before in zip(grids_hw, starts, strict=True)], torch.int64, device
+        ),
+        shift_xy=filled_table([[0, 0], [-1, 0], [0, -1], [1, 0], [0, 1]], torch.int64, device),
+    )
+
 
 def assign_targets(
     targets: torch.Tensor,
     anchors: torch.Tensor,
-    grid_hw: tuple[int, int],
+    tables: GridTables,
     anchor_t: float,
     static_shapes: bool = False,
-) -> LevelTargets:
-    """Match targets to the anchors and cells of one level, YOLOv5 style.
+) -> AssignedTargets:
+    """Match targets to the anchors and cells of every level at once, YOLOv5 style.
 
-    targets: (N, 6) [image, cls, cx, cy, w, h] normalised; anchors: (na, 2) grid units.
-    A target matches every anchor whose w and h ratios to it are all within `anchor_t`; each
-    match goes to the cell holding the centre plus the two neighbour cells nearest the centre
-    (one horizontal, one vertical, when they exist), tripling positives for faster training.
-    Rows are ordered by cell shift, then anchor, then target. Compact (`nonzero`, a host read on a
-    GPU) by default; `static_shapes` returns every (shift, anchor, target) row, 5 x na x N, with
-    `valid` marking the matches, so no shape depends on the device's values.
+    targets: (N, 6) [image, cls, cx, cy, w, h] normalised; anchors: (nl, na, 2) grid units; `tables`:
+    the levels' grids (`grid_tables`). A target matches every anchor of a level whose w and h ratios
+    to it are all within `anchor_t`; each match goes to the cell holding the centre plus the two
+    neighbour cells nearest the centre (one horizontal, one vertical, when they exist), tripling
+    positives for faster training. Compact (`nonzero`, a host read on a GPU) by default;
+    `static_shapes` returns every (level, shift, anchor, target) row, nl x 5 x na x N, with `valid`
+    marking the matches, so no shape depends on the device's values. All levels go through each
+    operation together: the loss's cost on a GPU is its number of small operations.
     """
-    height, width = grid_hw
-    cx, cy, w, h = targets[:, 2:6].unbind(-1)
-    boxes = torch.stack((cx * width, cy * height, w * width, h * height), -1)  # (N, 4) grid units
-    ratio = boxes[None, :, 2:4] / anchors[:, None, :]  # (na, N, 2)
-    fits = torch.max(ratio, 1 / ratio).amax(dim=2) < anchor_t  # (na, N)
-    xy = boxes[:, :2]
-    xy_from_end = torch.stack((width - xy[:, 0], height - xy[:, 1]), -1)
+    num_levels, num_anchors = anchors.shape[:2]
+    size_wh = tables.size_wh[:, None, :]  # (nl, 1, 2)
+    xy = targets[None, :, 2:4] * size_wh  # (nl, N, 2) grid units
+    wh = targets[None, :, 4:6] * size_wh
+    ratio = wh[:, None] / anchors[:, :, None]  # (nl, na, N, 2)
+    fits = torch.max(ratio, 1 / ratio).amax(dim=3) < anchor_t  # (nl, na, N)
+    xy_from_end = size_wh - xy
     near_low = (xy % 1 < 0.5) & (xy > 1)  # left / upper neighbour exists and is the nearer one
     near_high = (xy_from_end % 1 < 0.5) & (xy_from_end > 1)  # right / lower neighbour
-    own_cell = torch.ones_like(near_low[:, 0])
-    use_shift = torch.stack((own_cell, near_low[:, 0], near_low[:, 1], near_high[:, 0], near_high[:, 1]))  # (5, N)
-    valid = use_shift[:, None, :] & fits[None]  # (5, na, N)
+    own_cell = torch.ones_like(near_low[:, None, :, 0])
+    # (nl, 5, N): own cell, left, up, right, down -- the rows of `tables.shift_xy`.
+    use_shift = torch.cat((own_cell, near_low.transpose(1, 2), near_high.transpose(1, 2)), 1)
+    valid = use_shift[:, :, None, :] & fits[:, None]  # (nl, 5, na, N)
+    counts = valid.flatten(1).sum(1)
     if static_shapes:
-        shift_index, anchor_index, target_index = (
+        level, shift, anchor, target = (
             torch.arange(size, device=targets.device).view(shape).expand_as(valid).reshape(-1)
-            for size, shape in ((5, (5, 1, 1)), (len(anchors), (1, -1, 1)), (len(targets), (1, 1, -1)))
+            for size, shape in (
+                (num_levels, (-1, 1, 1, 1)),
+                (5, (1, -1, 1, 1)),
+                (num_anchors, (1, 1, -1, 1)),
+                (len(targets), (1, 1, 1, -1)),
+            )
         )
         valid = valid.reshape(-1)
+        level_rows = (5 * num_anchors * len(targets),) * num_levels
     else:
-        shift_index, anchor_index, target_index = valid.nonzero(as_tuple=True)
-        valid = torch.ones_like(shift_index, dtype=torch.bool)
-    # Shift index -> cell offset: 0 own cell, 1 left, 2 up, 3 right, 4 down (arithmetic, not a lookup in a
-    # table: a tensor made from Python data is a host-to-device copy, which waits on a GPU).
-    dx = (shift_index == 3).long() - (shift_index == 1).long()
-    dy = (shift_index == 4).long() - (shift_index == 2).long()
-    cells = xy[target_index].floor().long() + torch.stack((dx, dy), -1)
-    cells[:, 0].clamp_(0, width - 1)
-    cells[:, 1].clamp_(0, height - 1)
-    boxes = boxes[target_index]
-    return LevelTargets(
-        image_index=targets[target_index, 0].long(),
-        anchor_index=anchor_index,
+        level, shift, anchor, target = valid.nonzero(as_tuple=True)
+        valid = torch.ones_like(level, dtype=torch.bool)
+        level_rows = tuple(counts.tolist())  # the nonzero above has waited for the device already
+    centre = xy[level, target]
+    cells = torch.minimum((centre.floor().long() + tables.shift_xy[shift]).clamp_(min=0), tables.last_xy[level])
+    picked = targets[target]
+    matches = AnchorMatches(
+        level=level,
+        image_index=picked[:, 0].long(),
+        anchor_index=anchor,
         cell_y=cells[:, 1],
         cell_x=cells[:, 0],
-        boxes_xywh=torch.cat((boxes[:, :2] - cells, boxes[:, 2:4]), dim=1),
-        anchors=anchors[anchor_index],
-        classes=targets[target_index, 1].long(),
-        target_index=target_index,
+        boxes_xywh=torch.cat((centre - cells, wh[level, target]), dim=1),
+        anchors=anchors[level, anchor],
+        classes=picked[:, 1].long(),
+        target_index=target,
         valid=valid,
     )
+    return AssignedTargets(matches, level_rows, counts)
 
 
 @dataclass(frozen=True)
-class LevelTerms:
-    """One level's loss pieces before normalisation: box and class sums over matches, objectness mean.
+class LevelMatches:
+    """The loss's matches on all levels with what the terms need of them.
 
-    `num_matches` is a 0-d float on the device. `assigned` and `matched_preds` (m, no) float32, the raw
-    predictions at its rows' cells, let a subclass add terms over the same matches (segmentation's mask
-    coefficients); `matches()` keeps the valid rows of both.
+    `raw`: each level's raw output (B, na, H, W, no) in float32; `preds` (m, no) float32: the raw
+    predictions at the rows' cells; `cells` (m,) long: each row's cell in all levels' (B, na, H, W)
+    grids laid end to end; `denominators` (nl,): each level's match count (reduced over ranks when
+    asked), at least 1. A subclass adds terms over the same matches (segmentation's mask
+    coefficients); `kept()` gives the valid rows of `assigned` and `preds`.
     """
 
-    box_sum: torch.Tensor
-    cls_sum: torch.Tensor
-    obj_mean: torch.Tensor
-    num_matches: torch.Tensor
-    assigned: LevelTargets
-    matched_preds: torch.Tensor
+    raw: list[torch.Tensor]
+    assigned: AnchorMatches
+    preds: torch.Tensor
+    cells: torch.Tensor
+    denominators: torch.Tensor
 
-    def matches(self) -> tuple[LevelTargets, torch.Tensor]:
-        """(assigned, matched_preds) of the valid rows only; reads their count from the device."""
+    def kept(self) -> tuple[AnchorMatches, torch.Tensor]:
+        """(assigned, preds) of the valid rows only; with static shapes this reads their count from the device."""
         rows = self.assigned.valid.nonzero().squeeze(1)
-        return LevelTargets(*(value[rows] for value in vars(self.assigned).values())), self.matched_preds[rows]
+        return self.assigned.select(rows), self.preds[rows]
 
 
 LossT = TypeVar("LossT", bound="DetectionLoss")
@@ -234,6 +290,7 @@ class DetectionLoss:
         self.obj_pw = obj_pw
         self.static_shapes = static_shapes
         self.one_graph = static_shapes  # torch.compile traces it whole (engine.compiled_loss)
+        self._grid_tables = ShapeCache(grid_tables)
 
     @classmethod
     def from_hyp(cls: type[LossT], model: nn.Module, hyp: Hyp, imgsz: int, **kwargs: Any) -> LossT:
@@ -264,66 +321,72 @@ class DetectionLoss:
         cells, which equal per-rank batches already make exact. Without it (evaluation, one
         process) each call normalises by its own counts, as YOLOv5 does.
         """
-        levels, denominators = self._match_levels(preds, targets, reduce_counts)
-        losses = torch.stack(self._detection_terms(levels, denominators))
+        matched = self._match(preds, targets, reduce_counts)
+        losses = torch.stack(self._detection_terms(matched))
         return losses.sum().view(1) * preds[0].shape[0], losses.detach()
 
-    def _match_levels(
+    def _match(
         self,
         preds: list[torch.Tensor],
         targets: torch.Tensor,
         reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None,
-    ) -> tuple[list[LevelTerms], torch.Tensor]:
-        """Assign targets and compute every level's terms; return them and the (nl,) match-count denominators.
+    ) -> LevelMatches:
+        """Assign targets on every level and gather the predictions at the matched cells.
 
-        A denominator is the level's match count (reduced over ranks by `reduce_counts` when given),
+        A level's denominator is its match count (reduced over ranks by `reduce_counts` when given),
         at least 1. Math is fp32 even under AMP.
         """
-        targets = targets.to(device=preds[0].device, dtype=torch.float32)
-        levels = [self._level_losses(raw.float(), level, targets) for level, raw in enumerate(preds)]
-        counts = torch.stack([level.num_matches for level in levels])
+        preds = [raw.float() for raw in preds]
+        device = preds[0].device
+        targets = targets.to(device=device, dtype=torch.float32)
+        grids_hw = tuple((raw.shape[2], raw.shape[3]) for raw in preds)
+        tables = self._grid_tables(grids_hw, device)
+        assigned = assign_targets(targets, self.head.anchors.float(), tables, self.anchor_t, self.static_shapes)
+        matches = assigned.matches
+        # Each row's cell in its level's (B, na, H, W) grid, then in all levels' grids laid end to end.
+        batch, num_anchors = preds[0].shape[:2]
+        height, width, before = tables.cells[matches.level].unbind(1)
+        level_cells = ((matches.image_index * num_anchors + matches.anchor_index) * height + matches.cell_y) * width
+        level_cells = level_cells + matches.cell_x
+        blocks = level_cells.split(assigned.level_rows)
+        gathered = torch.cat([raw.reshape(-1, raw.shape[-1])[index] for raw, index in zip(preds, blocks, strict=True)])
+        cells = level_cells + before * (batch * num_anchors)
+        counts = assigned.counts.float()
         if reduce_counts is not None:
             counts = reduce_counts(counts)
-        return levels, counts.clamp(min=1.0)
+        return LevelMatches(preds, matches, gathered, cells, counts.clamp(min=1.0))
 
-    def _detection_terms(
-        self, levels: list[LevelTerms], denominators: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return the weighted (box, obj, cls) losses, 0-d each, from `_match_levels`'s output."""
+    def _detection_terms(self, matched: LevelMatches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return the weighted (box, obj, cls) losses, 0-d each: box and class over all levels' matches at once.
+
+        Each match's box and class terms are divided by its level's denominator; objectness is each
+        level's mean BCE weighted by `LEVEL_BALANCE`.
+        """
+        matches, pred = matched.assigned, matched.preds
+        per_match = matched.denominators[matches.level]
+        pred_xy = pred[:, 0:2].sigmoid() * 2 - 0.5
+        pred_wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * matches.anchors
+        iou = bbox_iou(torch.cat((pred_xy, pred_wh), 1), matches.boxes_xywh, xywh=True, kind="ciou")
+        # Every row is computed and the invalid ones (static shapes) are left out of the sums by `where`.
+        box_loss = (torch.where(matches.valid, 1.0 - iou, 0.0) / per_match).sum()
+        num_classes = self.head.num_classes
+        cls_loss = box_loss.new_zeros(())
+        if num_classes > 1:
+            wanted = class_targets(matches.classes, num_classes, self.label_smoothing)
+            bce = bce_with_logits(pred[:, 5 : 5 + num_classes], wanted, self.cls_pw, self.fl_gamma, "none")
+            cls_loss = (torch.where(matches.valid, bce.sum(1), 0.0) / per_match).sum() / num_classes
+        # Objectness learns to predict the box quality; where matches share a cell the last one wins (YOLOv5).
+        sizes = [raw[..., 4].numel() for raw in matched.raw]
+        obj_target = box_loss.new_zeros(sum(sizes) + 1)  # one spare element for write_last
+        write_last(obj_target, matched.cells, iou.detach().clamp(min=0), matches.valid)
         balance = LEVEL_BALANCE[self.head.num_levels]
-        box_loss = obj_loss = cls_loss = denominators.new_zeros(())
-        for level, (terms, denominator) in enumerate(zip(levels, denominators, strict=True)):
-            box_loss = box_loss + terms.box_sum / denominator
-            cls_loss = cls_loss + terms.cls_sum / (denominator * max(self.head.num_classes, 1))
-            obj_loss = obj_loss + terms.obj_mean * balance[level]
+        obj_loss = box_loss.new_zeros(())
+        for raw, level_target, weight in zip(matched.raw, obj_target[:-1].split(sizes), balance, strict=True):
+            level_target = level_target.view(raw.shape[:4])
+            obj_loss = obj_loss + bce_with_logits(raw[..., 4], level_target, self.obj_pw, self.fl_gamma) * weight
         return box_loss * self.gains.box, obj_loss * self.gains.obj, cls_loss * self.gains.cls
 
-    def _level_losses(self, raw: torch.Tensor, level: int, targets: torch.Tensor) -> LevelTerms:
-        """Return one level's box and class loss sums over matches and its objectness mean.
 
-        raw: (B, na, H, W, no) float32.
-        """
-        num_classes = self.head.num_classes
-        anchors = self.head.anchors[level].float()
-        assigned = assign_targets(targets, anchors, tuple(raw.shape[2:4]), self.anchor_t, self.static_shapes)
-        valid = assigned.valid
-        cells = (assigned.image_index, assigned.anchor_index, assigned.cell_y, assigned.cell_x)
-        pred = raw[cells]  # (m, no)
-        # Every row is computed and the invalid ones (static shapes) are left out of the sums by `where`.
-        pred_xy = pred[:, 0:2].sigmoid() * 2 - 0.5
-        pred_wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * assigned.anchors
-        iou = bbox_iou(torch.cat((pred_xy, pred_wh), 1), assigned.boxes_xywh, xywh=True, kind="ciou")
-        box_sum = torch.where(valid, 1.0 - iou, 0.0).sum()
-        # Objectness learns to predict the box quality; where matches share a cell the last one wins (YOLOv5).
-        _, num_anchors, height, width = raw.shape[:4]
-        obj_target = raw.new_zeros(raw[..., 4].numel() + 1)  # one spare element for write_last
-        flat = ((assigned.image_index * num_anchors + assigned.anchor_index) * height + assigned.cell_y) * width
-        write_last(obj_target, flat + assigned.cell_x, iou.detach().clamp(min=0), valid)
-        obj_target = obj_target[:-1].view(raw.shape[:4])
-        cls_sum = raw.new_zeros(())
-        if num_classes > 1:
-            wanted = class_targets(assigned.classes, num_classes, self.label_smoothing)
-            bce = bce_with_logits(pred[:, 5 : 5 + num_classes], wanted, self.cls_pw, self.fl_gamma, "none")
-            cls_sum = torch.where(valid[:, None], bce, 0.0).sum()
-        obj_mean = bce_with_logits(raw[..., 4], obj_target, self.obj_pw, self.fl_gamma)
-        return LevelTerms(box_sum, cls_sum, obj_mean, valid.sum().float(), assigned, pred)
+def _starts(lengths: Sequence[int]) -> list[int]:
+    """Where each of consecutive blocks of `lengths` starts."""
+    return list(itertools.accumulate(lengths, initial=0))[:-1]
