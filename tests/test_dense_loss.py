@@ -8,8 +8,8 @@ from torch import nn
 
 from models.anchor_free import LAYOUTS, AnchorFreeSpec, build_model
 from models.dense_head import DenseRaw
-from utils.boxes import box_iou, top_detections, xywh_to_xyxy
-from utils.train.assign import Labels
+from utils.boxes import bbox_iou, box_iou, top_detections, xywh_to_xyxy
+from utils.train.assign import AlignOptions, Labels, assign
 from utils.train.dense_loss import DenseGains, DenseLoss, distribution_loss
 
 GAINS = DenseGains(box=7.5, cls=0.5, dfl=1.5)
@@ -155,3 +155,26 @@ class _HeadOnly(nn.Module):
     def __init__(self, head: nn.Module) -> None:
         super().__init__()
         self.head = head
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_loss_assigns_as_assign_does_and_its_box_term_is_over_those_matches(static: bool) -> None:
+    """The loss computes the candidates' CIoU once, for its box term and the assignment: the same as assign()."""
+    torch.manual_seed(2)
+    model = build_model(_tiny("yolo11")).train()
+    loss_fn = DenseLoss(model, GAINS, align=AlignOptions(static_shapes=static))
+    preds, targets = model(torch.rand(4, 3, 64, 64)), _targets()
+    [(_, terms)], _ = loss_fn._branches(preds, targets, None)
+    head = loss_fn.head
+    logits = terms.flat[..., 4 * head.reg_max : 4 * head.reg_max + head.num_classes].detach()
+    points = loss_fn._points(((8, 8), (4, 4), (2, 2)), logits.device, logits.dtype)[1]
+    labels = Labels.from_targets(targets, (64, 64))
+    expected = assign(logits.sigmoid(), terms.point_boxes.detach(), points, labels, loss_fn.align)
+    got = terms.assignment
+    assert got.foreground.any()
+    for name in ("foreground", "label_index", "target_scores"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    point, quality = expected.matches.point, expected.matches.quality
+    image = labels.image[:, None].expand_as(point)
+    ciou = bbox_iou(terms.point_boxes[image, point], labels.boxes[:, None, :].expand(*point.shape, 4), xywh=False)
+    assert terms.box_sum.item() == pytest.approx(((1 - ciou) * quality).sum().item(), rel=1e-6)

@@ -192,22 +192,41 @@ def _settle_conflicts(key: torch.Tensor, overlap: torch.Tensor, kept: torch.Tens
     return winner & (row == lowest[key])
 
 
-@torch.no_grad()
-def assign(
-    scores: torch.Tensor, pred_boxes: torch.Tensor, points: torch.Tensor, labels: Labels, options: AlignOptions
-) -> Assignment:
-    """Assign labels to points by task alignment (TOOD), one label per point.
+@dataclass(frozen=True)
+class Candidates:
+    """Each label's `topk` best-aligned points, best first: `align` (L, k) float, `point` (L, k) long, and the
+    label's `image` (L, k) long beside each."""
 
-    scores: (B, N, C) class probabilities; pred_boxes: (B, N, 4) xyxy and points (N, 2), both in
-    input pixels; `labels` (L rows). Detached inputs; no gradient. Each label ranks its candidates,
-    keeps its `topk` of positive alignment, loses a point to a label of larger overlap on it, then
-    (one-to-one) keeps its `topk2` best. Only the candidate search of `options.static_shapes=False`
-    reads the device from the host.
+    align: torch.Tensor
+    point: torch.Tensor
+    image: torch.Tensor
+
+
+@torch.no_grad()
+def top_candidates(
+    scores: torch.Tensor, pred_boxes: torch.Tensor, points: torch.Tensor, labels: Labels, options: AlignOptions
+) -> Candidates:
+    """The first half of `assign`: each label ranks its candidate points by alignment and keeps its `topk`.
+
+    The caller then computes the CIoU of each (label, candidate) pair, `bbox_iou(labels.boxes[:, None, :],
+    pred_boxes[image, point], xywh=False, kind="ciou")`, and passes it to `settle`: a loss computes that
+    CIoU for its box term anyway, so it is computed once.
     """
-    batch, num_points, _ = scores.shape
     align, point = _top_candidates(scores, pred_boxes, points, labels, options)
-    image = labels.image[:, None].expand_as(point)
-    overlap = bbox_iou(labels.boxes[:, None, :], pred_boxes[image, point], xywh=False, kind="ciou").clamp(min=0)
+    return Candidates(align, point, labels.image[:, None].expand_as(point))
+
+
+@torch.no_grad()
+def settle(
+    candidates: Candidates, ciou: torch.Tensor, labels: Labels, options: AlignOptions, shape: torch.Size
+) -> Assignment:
+    """The second half of `assign`: conflicts, top-k2 and the soft targets, from the candidates' CIoU (L, k).
+
+    `shape`: the scores' (B, N, C).
+    """
+    batch, num_points, _ = shape
+    align, point, image = candidates.align, candidates.point, candidates.image
+    overlap = ciou.detach().clamp(min=0)
     kept = align > 0  # a candidate whose box misses the label (CIoU <= 0) has nothing to learn from it
     kept = _settle_conflicts(image * num_points + point, overlap, kept, batch * num_points)
     if options.topk2 is not None and options.topk2 < options.topk:  # ranks are best first: keep the first ones
@@ -215,7 +234,25 @@ def assign(
     align, overlap = align.where(kept, 0.0), overlap.where(kept, 0.0)
     # The soft target: alignment normalised to the label's best kept pair, times its best kept overlap.
     quality = align / (align.amax(dim=1, keepdim=True) + EPS) * overlap.amax(dim=1, keepdim=True)
-    return _targets(Matches(point, kept, quality), labels, image, scores.shape)
+    return _targets(Matches(point, kept, quality), labels, image, shape)
+
+
+@torch.no_grad()
+def assign(
+    scores: torch.Tensor, pred_boxes: torch.Tensor, points: torch.Tensor, labels: Labels, options: AlignOptions
+) -> Assignment:
+    """Assign labels to points by task alignment (TOOD), one label per point: `top_candidates`, then `settle`.
+
+    scores: (B, N, C) class probabilities; pred_boxes: (B, N, 4) xyxy and points (N, 2), both in
+    input pixels; `labels` (L rows). Detached inputs; no gradient. Each label ranks its candidates,
+    keeps its `topk` of positive alignment, loses a point to a label of larger overlap on it, then
+    (one-to-one) keeps its `topk2` best. Only the candidate search of `options.static_shapes=False`
+    reads the device from the host.
+    """
+    candidates = top_candidates(scores, pred_boxes, points, labels, options)
+    predicted = pred_boxes[candidates.image, candidates.point]
+    ciou = bbox_iou(labels.boxes[:, None, :], predicted, xywh=False, kind="ciou")
+    return settle(candidates, ciou, labels, options, scores.shape)
 
 
 def _targets(matches: Matches, labels: Labels, image: torch.Tensor, shape: torch.Size) -> Assignment:

@@ -13,7 +13,8 @@ from torch import nn
 from models.dense_head import DenseRaw, anchor_points, distribution_to_distances
 from utils.boxes import bbox_iou
 from utils.distributed import unwrap_model
-from utils.train.assign import AlignOptions, Assignment, Labels, assign
+from utils.train.assign import AlignOptions, Assignment, Labels, settle, top_candidates
+from utils.train.device_constants import ShapeCache
 
 if TYPE_CHECKING:
     from utils.hyp import Hyp
@@ -88,6 +89,7 @@ class DenseLoss:
         self.label_smoothing = label_smoothing
         self.align = align or AlignOptions()
         self.one_graph = self.align.static_shapes  # torch.compile traces it whole (engine.compiled_loss)
+        self._points = ShapeCache(self._anchor_points)
         # A 0-d CPU tensor, not a float: under torch.compile a float is a constant of the graph, and its
         # change every epoch would compile the loss again; a tensor is an input. Multiplying a device
         # tensor by a CPU scalar tensor reads nothing from the device.
@@ -113,6 +115,13 @@ class DenseLoss:
         start, end = ONE_TO_MANY_WEIGHT
         progress = min(epoch / max(epochs - 1, 1), 1.0)
         self.one_to_one_weight = torch.tensor(1 - (start + (end - start) * progress))
+
+    def _anchor_points(
+        self, sizes: tuple[tuple[int, int], ...], device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(strides (N, 1), points (N, 2) in input pixels) of the anchor points of these level sizes."""
+        points, strides = anchor_points(sizes, self.head.level_strides, device, dtype)
+        return strides, points * strides
 
     def __call__(
         self,
@@ -172,25 +181,25 @@ class DenseLoss:
         head, reg_max = self.head, self.head.reg_max
         flat = head.flatten([level.float() for level in levels])  # (B, N, no)
         sizes = [tuple(level.shape[2:]) for level in levels]
-        points, strides = anchor_points(sizes, head.level_strides, flat.device, flat.dtype)  # grid units
+        strides, pixel_points = self._points(tuple(sizes), flat.device, flat.dtype)
         box_end = 4 * reg_max
         bins = head.bins.weight if head.bins is not None else None
         distances = distribution_to_distances(flat[..., :box_end], reg_max, bins)  # (B, N, 4) grid units
-        pixel_points = points * strides
         boxes = torch.cat(
             (pixel_points - distances[..., :2] * strides, pixel_points + distances[..., 2:] * strides), -1
         )
         logits = flat[..., box_end : box_end + head.num_classes]
-        assignment = assign(logits.detach().sigmoid(), boxes.detach(), pixel_points, labels, options)
+        candidates = top_candidates(logits.detach().sigmoid(), boxes.detach(), pixel_points, labels, options)
+        point, image = candidates.point, candidates.image  # (L, k)
+        target_boxes = labels.boxes[:, None, :].expand(*point.shape, 4)
+        # The candidates' CIoU, once: with its gradient for the box term, detached for the assignment.
+        iou = bbox_iou(target_boxes, boxes[image, point], xywh=False, kind="ciou")
+        assignment = settle(candidates, iou, labels, options, logits.shape)
         target_scores = assignment.target_scores
         if self.label_smoothing:  # as YOLOv5's smoothing: positives towards 1 - eps/2, negatives eps/2
             target_scores = target_scores * (1 - self.label_smoothing) + 0.5 * self.label_smoothing
         cls_sum = F.binary_cross_entropy_with_logits(logits, target_scores, reduction="sum")
-        matches = assignment.matches
-        point, weight = matches.point, matches.quality  # (L, k); weight 0 on pairs not kept
-        image = labels.image[:, None].expand_as(point)
-        target_boxes = labels.boxes[:, None, :].expand(*point.shape, 4)
-        iou = bbox_iou(boxes[image, point], target_boxes, xywh=False, kind="ciou")
+        weight = assignment.matches.quality  # (L, k); 0 on pairs not kept
         box_sum = ((1.0 - iou) * weight).sum()
         stride = strides[point]
         target_ltrb = torch.cat(
