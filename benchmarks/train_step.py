@@ -21,13 +21,16 @@ fp16 autocast with the GradScaler; bf16 autocast without it), the median millise
 phase per layout and, with two columns, the second's time over the first's. Each phase is timed
 alone (the device is synchronised around it); the `pipelined` row is the step as training runs it,
 `--steps` steps back to back with no synchronisation until the last, so host reads inside the step
-(which stall the queue) show there. `--compile MODE` adds a column per layout (`nhwc+compile`) whose
-training forward runs under torch.compile(MODE), as `train.py --compile` does; its warm-up steps
-compile (minutes), its inference is the eager fused model. `--static-loss` adds one (`nhwc+static`)
-whose loss assigns targets in fixed shapes, as `train.py --static-loss-shapes` does; with both, a
-`nhwc+compile+static` column compiles the forward and the loss, as training does with both flags.
-`--cuda-graph` adds one (`nhwc+graph`) whose forward and backward replay CUDA graphs, as
-`train.py --cuda-graph` runs them (captured in its first warm-up step).
+(which stall the queue) show there. The `loss-ops` row counts the operators one loss call
+dispatches, forward+backward (views left out; the backward stops at the model's outputs): on a GPU
+each is at least one kernel launch, which is what a host-bound step pays for its loss.
+`--compile MODE` adds a column per layout (`nhwc+compile`) whose training forward runs under
+torch.compile(MODE), as `train.py --compile` does; its warm-up steps compile (minutes), its
+inference is the eager fused model. `--static-loss` adds one (`nhwc+static`) whose loss assigns
+targets in fixed shapes, as `train.py --static-loss-shapes` does; with both, a `nhwc+compile+static`
+column compiles the forward and the loss, as training does with both flags. `--cuda-graph` adds one
+(`nhwc+graph`) whose forward and backward replay CUDA graphs, as `train.py --cuda-graph` runs them
+(captured in its first warm-up step).
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python benchmarks/train_step.py`
@@ -129,6 +135,7 @@ class Arm:
         # As training: bf16 has fp32's exponent range and needs no loss scaling.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp_dtype == torch.float16)
         self.times: dict[str, list[float]] = {phase: [] for phase in (*PHASES, "pipelined", "inference")}
+        self.loss_ops = ""  # "forward+backward" operator counts of one loss call (count_loss_ops)
 
     def _clock(self) -> float:
         if self.device.type == "cuda":
@@ -172,6 +179,27 @@ class Arm:
         marks.append(clock())
         return marks
 
+    def count_loss_ops(self, batch: dict) -> None:
+        """Count the operators one loss call and its backward dispatch (views left out), on the eager loss.
+
+        On a GPU each is at least one kernel launch: what a host-bound step pays for the loss. The
+        backward stops at the model's outputs (detached leaves), so only the loss's own share counts.
+        """
+        if self.loss_call is not self.loss_fn:  # a compiled loss runs other operators than it dispatches
+            self.loss_ops = "-"
+            return
+        inputs = self._on_device(batch)
+        loss_inputs = {name: value for name, value in inputs.items() if name != "images"}
+        with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            with torch.no_grad():
+                preds = self.model(inputs["images"])
+            preds = tree_map(lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor) else t, preds)
+            with OperatorCount() as forward:
+                loss, _ = self.loss_fn(preds, reduce_counts=None, **loss_inputs)
+        with OperatorCount() as backward:
+            loss.backward()
+        self.loss_ops = f"{forward.count}+{backward.count}"
+
     @torch.no_grad()
     def infer(self, batch: dict, record: bool) -> None:
         """Eval-mode forward of the fused model on `batch`."""
@@ -210,6 +238,19 @@ def build_batches(args: argparse.Namespace) -> tuple[torch.nn.Module, list[dict]
     return bundle.model, batches, cfg, training
 
 
+class OperatorCount(TorchDispatchMode):
+    """Counts the operators dispatched inside the block, views (which launch nothing) left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def time_arms(arms: dict[str, Arm], batches: list[dict], args: argparse.Namespace) -> None:
     """Train, then fuse and infer, every arm in turns, recording after the warm-up steps."""
     for i in range(args.warmup + args.steps):
@@ -219,6 +260,7 @@ def time_arms(arms: dict[str, Arm], batches: list[dict], args: argparse.Namespac
         for arm in arms.values():
             arm.pipelined(batches, args.steps)
     for arm in arms.values():
+        arm.count_loss_ops(batches[0])
         arm.model.eval().fuse()
         arm.model.to(memory_format=memory_format(arm.channels_last))
     for i in range(args.warmup + args.steps):
@@ -248,6 +290,8 @@ def print_table(arms: dict[str, Arm], cfg: TrainConfig, args: argparse.Namespace
         ratio = f"{medians[1] / medians[0]:>26.2f}" if both else ""
         cells = "".join(f"{1000 * m:>{width}.1f}" for m, width in zip(medians, widths, strict=True))
         print(f"{phase:<12}" + cells + ratio, flush=True)
+    cells = "".join(f"{arm.loss_ops:>{width}}" for arm, width in zip(arms.values(), widths, strict=True))
+    print(f"{'loss-ops':<12}" + cells, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
