@@ -22,7 +22,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         .whl/*.whl 2>&1 | tail -3 | tee "$OUT/install.log"
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-timeout 120 python3 -m pytest -q -m cuda -p no:cacheprovider -rA tests/ 2>&1 | tee "$OUT/cuda-tests.log" | tail -30
+timeout 180 python3 -m pytest -q -m cuda -p no:cacheprovider -rA tests/ 2>&1 | tee "$OUT/cuda-tests.log" | tail -30
 code=(.)
 [ -d .baseline ] && code+=(.baseline)
 left=$((BUDGET_S - ($(date +%s) - start)))

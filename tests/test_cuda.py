@@ -18,6 +18,8 @@ import torch
 import train
 import val
 from segment import train as segment_train
+from segment.task import SEGMENT
+from segment.training import SEGMENT_TRAINING
 from tests.conftest import make_tiny_dataset
 from utils.data.synthetic import SyntheticSpec
 from utils.families import build_model
@@ -46,17 +48,41 @@ def host_reads(mode: str) -> Iterator[None]:
 
 
 def _step_parts(cfg: str, static_loss_shapes: bool = False) -> SimpleNamespace:
-    """A CUDA model, its loss (the family's short recipe), a fused AdamW, a GradScaler and an EMA, as training has."""
+    """A CUDA model, its loss (the family's short recipe), a fused AdamW, a GradScaler and an EMA, as training has.
+
+    A "-seg" cfg gives a segmentation model and loss (per-instance masks).
+    """
+    segment = cfg.endswith("-seg")
+    task, training = (SEGMENT, SEGMENT_TRAINING) if segment else (DETECT, DETECT_TRAINING)
     torch.manual_seed(0)
-    model = build_model(DETECT.spec_from_cfg(cfg, 3)).cuda().train()
+    model = build_model(task.spec_from_cfg(cfg, 3)).cuda().train()
     hyp = load_hyp(family_training(model).recipe_files.short)
-    train_cfg = TrainConfig(hyp=hyp, imgsz=128, static_loss_shapes=static_loss_shapes)
-    loss_fn = DETECT_TRAINING.build_loss(model, train_cfg)
+    train_cfg = TrainConfig(hyp=hyp, imgsz=128, static_loss_shapes=static_loss_shapes, task=task.name)
+    loss_fn = training.build_loss(model, train_cfg)
     optimizer = build_optimizer(model, "AdamW", 1e-3, 0.9, 5e-4)
     scaler = torch.amp.GradScaler("cuda")
     return SimpleNamespace(
-        model=model, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler, ema=ModelEMA(model), keep_grads=False
+        model=model,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        scaler=scaler,
+        ema=ModelEMA(model),
+        keep_grads=False,
+        loss_inputs=_segment_inputs if segment else _detect_inputs,
     )
+
+
+def _detect_inputs(targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"targets": targets}
+
+
+def _segment_inputs(targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The targets and a per-instance mask of each (32 x 32, its box filled), as the segmentation loss takes them."""
+    centre = (torch.arange(32, device=targets.device) + 0.5) / 32
+    x1, y1 = (targets[:, 2] - targets[:, 4] / 2)[:, None], (targets[:, 3] - targets[:, 5] / 2)[:, None]
+    x2, y2 = (targets[:, 2] + targets[:, 4] / 2)[:, None], (targets[:, 3] + targets[:, 5] / 2)[:, None]
+    inside_x, inside_y = (centre > x1) & (centre < x2), (centre > y1) & (centre < y2)  # (N, 32) each
+    return {"targets": targets, "masks": (inside_y[:, :, None] & inside_x[:, None, :]).float()}
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +102,7 @@ def _step(parts: SimpleNamespace, images: torch.Tensor, targets: torch.Tensor, l
         with host_reads(rest_mode):
             preds = parts.model(images)
         with host_reads(loss_mode):
-            loss, _ = parts.loss_fn(preds, targets=targets)
+            loss, _ = parts.loss_fn(preds, **parts.loss_inputs(targets))
     with host_reads(rest_mode):
         parts.scaler.scale(loss).backward()
         _optimizer_step(parts)
@@ -130,13 +156,13 @@ def exact_cudnn() -> Iterator[None]:
 def _train_micro_batches(parts: SimpleNamespace, forward: Any, batches: list, accumulate: int = 2) -> None:
     """fp32 micro-batches through `forward`, an optimizer step (clip, step, EMA) every `accumulate` of them."""
     for index, (images, targets) in enumerate(batches):
-        loss, _ = parts.loss_fn(forward(images), targets=targets)
+        loss, _ = parts.loss_fn(forward(images), **parts.loss_inputs(targets))
         parts.scaler.scale(loss).backward()
         if index % accumulate == accumulate - 1:
             _optimizer_step(parts)
 
 
-@pytest.mark.parametrize("cfg", ["yolov5n", "yolov8n"])
+@pytest.mark.parametrize("cfg", ["yolov5n", "yolov8n", "yolov5n-seg", "yolov8n-seg"])
 def test_cuda_graph_steps_train_the_weights_the_eager_steps_train(cfg: str) -> None:
     """Replayed graphs, accumulation over two micro-batches and a batch of another shape (run eagerly) in between.
 
@@ -189,9 +215,11 @@ def test_train_then_val_in_fp16_on_cuda(tiny_data: Path, tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_train_with_cuda_graph_replays_the_captured_step(tiny_data: Path, tmp_path: Path, caplog) -> None:
+@pytest.mark.parametrize("cfg", ["yolov8n", "yolov5n", "yolov8n-seg"])
+def test_train_with_cuda_graph_replays_the_captured_step(tiny_data: Path, tmp_path: Path, caplog, cfg: str) -> None:
     caplog.set_level(logging.INFO)
-    result = train.main([*_train_argv(tiny_data, tmp_path, "graph", "yolov8n"), "--cuda-graph"])
+    main = segment_train.main if cfg.endswith("-seg") else train.main
+    result = main([*_train_argv(tiny_data, tmp_path, "graph", cfg), "--cuda-graph"])
     assert result.epochs_run == 1 and result.best.is_file()
     assert "--cuda-graph: forward and backward captured at 4x3x64x64" in caplog.text
     assert "capturing the training step failed" not in caplog.text
