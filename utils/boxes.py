@@ -36,16 +36,13 @@ def xyxy_to_xywh(x: ArrayT) -> ArrayT:
 def xywh_to_xyxy(x: ArrayT) -> ArrayT:
     """Convert centre boxes `(..., 4)` [cx, cy, w, h] to corner boxes [x1, y1, x2, y2] (same units).
 
-    Works on torch tensors and numpy arrays; returns a new object of the same kind.
+    Works on torch tensors and numpy arrays; returns a new object of the same kind. Four operations on
+    (x, y) pairs, not ten on single columns: the training losses call it every step, where each
+    operation is a kernel launch on a GPU.
     """
-    y = _empty_like(x)
-    half_w = x[..., 2] / 2
-    half_h = x[..., 3] / 2
-    y[..., 0] = x[..., 0] - half_w
-    y[..., 1] = x[..., 1] - half_h
-    y[..., 2] = x[..., 0] + half_w
-    y[..., 3] = x[..., 1] + half_h
-    return y
+    centre, half = x[..., :2], x[..., 2:4] / 2
+    concatenate = torch.cat if isinstance(x, torch.Tensor) else np.concatenate
+    return concatenate((centre - half, centre + half), -1)
 
 
 def xywhn_to_xyxy(x: ArrayT, w: float, h: float, padw: float = 0.0, padh: float = 0.0) -> ArrayT:
@@ -141,13 +138,12 @@ def bbox_iou(
         raise ValueError(f"bbox_iou: kind={kind!r} is not one of {IOU_KINDS}")
     if xywh:
         box1, box2 = xywh_to_xyxy(box1), xywh_to_xyxy(box2)
-    b1_x1, b1_y1, b1_x2, b1_y2 = box1.unbind(-1)
-    b2_x1, b2_y1, b2_x2, b2_y2 = box2.unbind(-1)
-    w1, h1 = b1_x2 - b1_x1, b1_y2 - b1_y1
-    w2, h2 = b2_x2 - b2_x1, b2_y2 - b2_y1
-
-    inter_w = (torch.minimum(b1_x2, b2_x2) - torch.maximum(b1_x1, b2_x1)).clamp(min=0)
-    inter_h = (torch.minimum(b1_y2, b2_y2) - torch.maximum(b1_y1, b2_y1)).clamp(min=0)
+    # Corners as (x, y) pairs: each step below is one operation on both coordinates.
+    low1, high1 = box1.unflatten(-1, (2, 2)).unbind(-2)
+    low2, high2 = box2.unflatten(-1, (2, 2)).unbind(-2)
+    w1, h1 = (high1 - low1).unbind(-1)
+    w2, h2 = (high2 - low2).unbind(-1)
+    inter_w, inter_h = (torch.minimum(high1, high2) - torch.maximum(low1, low2)).clamp(min=0).unbind(-1)
     inter = inter_w * inter_h
     union = w1 * h1 + w2 * h2 - inter + eps
     iou = inter / union
@@ -155,14 +151,14 @@ def bbox_iou(
         return iou
 
     # Smallest enclosing box.
-    enclose_w = torch.maximum(b1_x2, b2_x2) - torch.minimum(b1_x1, b2_x1)
-    enclose_h = torch.maximum(b1_y2, b2_y2) - torch.minimum(b1_y1, b2_y1)
+    enclose_w, enclose_h = (torch.maximum(high1, high2) - torch.minimum(low1, low2)).unbind(-1)
     if kind == "giou":
         enclose_area = enclose_w * enclose_h + eps
         return iou - (enclose_area - union) / enclose_area
 
     diag2 = enclose_w**2 + enclose_h**2 + eps  # c^2
-    centre_dist2 = ((b2_x1 + b2_x2 - b1_x1 - b1_x2) ** 2 + (b2_y1 + b2_y2 - b1_y1 - b1_y2) ** 2) / 4  # rho^2
+    dx, dy = (low2 + high2 - low1 - high1).unbind(-1)
+    centre_dist2 = (dx**2 + dy**2) / 4  # rho^2
     if kind == "diou":
         return iou - centre_dist2 / diag2
 
