@@ -22,7 +22,8 @@ from benchmarks.gpu_bench import (
 SPEED = re.compile(r"Speed per image: ([\d.]+) ms pre-process, ([\d.]+) ms inference, ([\d.]+) ms NMS")
 STEP_HEADER = re.compile(r"median ms over")
 STEP_COLUMNS = (
-    "model", "task", "code", "dtype", "step ms", "pipelined ms", "loss ms", "loss share", "inference ms", "status"
+    "model", "task", "code", "dtype", "step ms", "pipelined ms", "loss ms", "loss share", "loss ops", "inference ms",
+    "status",
 )  # fmt: skip
 STEP_ROWS = ("step", "pipelined", "loss", "inference")  # train_step.py's rows the table reports
 VAL_COLUMNS = ("code", "dtype", "inference ms/img", "pre ms/img", "NMS ms/img", "images/s", "mAP50-95", "status")
@@ -76,10 +77,11 @@ def val_part(bench: Bench) -> None:
             )
 
 
-def parse_step_output(text: str) -> dict[str, dict[str, float]]:
+def parse_step_output(text: str) -> dict[str, dict[str, float | str]]:
     """train_step.py's tables: dtype -> {row: ms of the first column}; "<dtype>+<variant>" for each
-    "<layout>+<variant>" column (compile, static, graph)."""
-    tables: dict[str, dict[str, float]] = {}
+    "<layout>+<variant>" column (compile, static, graph). The `loss-ops` row is kept as printed
+    ("forward+backward" operator counts)."""
+    tables: dict[str, dict[str, float | str]] = {}
     dtype, columns = "", []
     for line in text.splitlines():
         words = line.split()
@@ -88,12 +90,12 @@ def parse_step_output(text: str) -> dict[str, dict[str, float]]:
             dtype, columns = (named.group(1) if named else ("fp16" if " amp," in line else "fp32")), []
         elif dtype and words and words[0] == "phase":
             columns = words[1:]
-        elif dtype and words and words[0] in STEP_ROWS:
+        elif dtype and words and (words[0] in STEP_ROWS or words[0] == "loss-ops"):
             for index, value in enumerate(words[1:]):
                 name = columns[index] if index < len(columns) else ""
                 if index == 0 or ("+" in name and "/" not in name):
                     key = dtype if index == 0 else f"{dtype}+{name.split('+', 1)[1]}"
-                    tables.setdefault(key, {})[words[0]] = float(value)
+                    tables.setdefault(key, {})[words[0]] = value if words[0] == "loss-ops" else float(value)
     return tables
 
 
@@ -158,7 +160,7 @@ def step_one(bench: Bench, checkout: Checkout, model: str, task: str) -> None:
             bench.report.add(
                 "train step",
                 STEP_COLUMNS,
-                [model, task, checkout.label, "bf16", "-", "-", "-", "-", "-", "not in this train_step.py"],
+                [model, task, checkout.label, "bf16", "-", "-", "-", "-", "-", "-", "not in this train_step.py"],
             )
             continue
         log = bench.report.out / "logs" / f"step-{model}-{slug(bench, checkout)}-{'-'.join(dtypes)}.log"
@@ -182,6 +184,7 @@ def step_one(bench: Bench, checkout: Checkout, model: str, task: str) -> None:
                     fmt(phases.get("pipelined"), ".1f"),
                     fmt(loss, ".1f"),
                     share,
+                    str(phases.get("loss-ops", "-")),
                     fmt(phases.get("inference"), ".1f"),
                     status,
                 ],

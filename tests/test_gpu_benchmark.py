@@ -58,14 +58,15 @@ def test_step_tables_give_the_first_column_and_each_variant_per_precision() -> N
         "step                  24.0          20.0          23.0\n"
         "pipelined             22.0          19.0          18.5\n"
         "inference              4.0           4.1           4.0\n"
+        "loss-ops           221+127             -       231+127\n"
         "yolov8s detect, 640 px, batch 32, cuda, dtype bf16, 16 threads; median ms over 10 steps\n"
         "phase             nhwc      nchw  nchw/nhwc\n"  # an older script's two layouts: only the first is read
         "step               30.0      33.0       1.10\n"
     )
     assert gpu.parse_step_output(text) == {
-        "fp16": {"loss": 2.5, "step": 24.0, "pipelined": 22.0, "inference": 4.0},
-        "fp16+compile": {"loss": 2.4, "step": 20.0, "pipelined": 19.0, "inference": 4.1},
-        "fp16+static": {"loss": 2.0, "step": 23.0, "pipelined": 18.5, "inference": 4.0},
+        "fp16": {"loss": 2.5, "step": 24.0, "pipelined": 22.0, "inference": 4.0, "loss-ops": "221+127"},
+        "fp16+compile": {"loss": 2.4, "step": 20.0, "pipelined": 19.0, "inference": 4.1, "loss-ops": "-"},
+        "fp16+static": {"loss": 2.0, "step": 23.0, "pipelined": 18.5, "inference": 4.0, "loss-ops": "231+127"},
         "bf16": {"step": 30.0},
     }
 
