@@ -374,7 +374,7 @@ class DetectionLoss:
         if num_classes > 1:
             wanted = class_targets(matches.classes, num_classes, self.label_smoothing)
             bce = bce_with_logits(pred[:, 5 : 5 + num_classes], wanted, self.cls_pw, self.fl_gamma, "none")
-            cls_loss = (torch.where(matches.valid, bce.sum(1), 0.0) / per_match).sum() / num_classes
+            cls_loss = (torch.where(matches.valid, bce.sum(1), 0.0) / (per_match * num_classes)).sum()
         # Objectness learns to predict the box quality; where matches share a cell the last one wins (YOLOv5).
         sizes = [raw[..., 4].numel() for raw in matched.raw]
         obj_target = box_loss.new_zeros(sum(sizes) + 1)  # one spare element for write_last
