@@ -151,7 +151,8 @@ class GridTables:
 
 def grid_tables(grids_hw: Sequence[tuple[int, int]], device: torch.device) -> GridTables:
     """Build the `GridTables` of grids [(height, width) per level] on `device`."""
-    starts = _starts([height * width for height, width in grids_hw])
+    # Cells per anchor and image of the levels before each level.
+    starts = itertools.accumulate((height * width for height, width in grids_hw[:-1]), initial=0)
     return GridTables(
         size_wh=filled_table([[width, height] for height, width in grids_hw], torch.float32, device),
         last_xy=filled_table([[width - 1, height - 1] for height, width in grids_hw], torch.int64, device),
@@ -385,8 +386,3 @@ class DetectionLoss:
             level_target = level_target.view(raw.shape[:4])
             obj_loss = obj_loss + bce_with_logits(raw[..., 4], level_target, self.obj_pw, self.fl_gamma) * weight
         return box_loss * self.gains.box, obj_loss * self.gains.obj, cls_loss * self.gains.cls
-
-
-def _starts(lengths: Sequence[int]) -> list[int]:
-    """Where each of consecutive blocks of `lengths` starts."""
-    return list(itertools.accumulate(lengths, initial=0))[:-1]
