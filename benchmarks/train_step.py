@@ -2,7 +2,7 @@
 
 Usage (from the repository root):
 
-    python benchmarks/train_step.py                          # yolov5n-seg, 224 px, batch 16: the seg quick start
+    python benchmarks/train_step.py                          # yolov5n-seg, 224 px, batch 16 (the quick start's size)
     python benchmarks/train_step.py --task detect --cfg yolov5s --imgsz 640 --batch-size 8
     python benchmarks/train_step.py --device cuda --amp      # on a GPU: fp16 autocast as training uses it
     python benchmarks/train_step.py --device cuda --task detect --cfg yolov8s --imgsz 640 --batch-size 32 \

@@ -16,6 +16,7 @@ from utils.eval.coco import EVAL_FILE, PREDICTIONS_FILE
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["--imgsz", "64", "--workers", "0", "--device", "cpu"]
+MODEL = ["--cfg", "yolov5n-seg"]  # its hyp file is a YOLOv5 one
 
 
 def test_segment_trains_one_epoch_from_the_json_and_scores_with_its_category_ids(tmp_path: Path) -> None:
@@ -25,7 +26,7 @@ def test_segment_trains_one_epoch_from_the_json_and_scores_with_its_category_ids
     hyp.write_text(text.replace("mixup: 0.0", "mixup: 0.5").replace("copy_paste: 0.0", "copy_paste: 0.5"))
     result = seg_train.main(
         ["--data", str(data), "--epochs", "1", "--batch-size", "4", "--cache", "ram", "--hyp", str(hyp)]
-        + ["--project", str(tmp_path / "runs"), "--name", "coco", "--seed", "3", *COMMON]
+        + ["--project", str(tmp_path / "runs"), "--name", "coco", "--seed", "3", *MODEL, *COMMON]
     )
     assert result.epochs_run == 1 and (result.run_dir / EVAL_FILE).exists()  # the final validation ran COCOeval
     val = seg_val.main(

@@ -139,7 +139,7 @@ def test_cfg_flag_sets_the_model_and_old_checkpoints_still_restore() -> None:
     cfg = config_from_args(build_train_parser("segment").parse_args(["--cfg", "yolov5s-seg"]), "segment")
     assert cfg.model == "yolov5s-seg"
     assert config_from_args(build_train_parser().parse_args([])).model == "yolov8n"  # the quick start's
-    assert config_from_args(build_train_parser("segment").parse_args([]), "segment").model == "yolov5n-seg"
+    assert config_from_args(build_train_parser("segment").parse_args([]), "segment").model == "yolov8n-seg"
     stored = {**cfg.to_dict(), "cfg": "yolov5m"}  # a checkpoint written before the field was renamed
     del stored["model"]
     assert config_from_dict(stored).model == "yolov5m"
