@@ -38,8 +38,8 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_dataset(tmp_path_factory.mktemp("seg_data"), TINY)
 
 
-def _args(data: Path, project: Path, name: str, *extra: str) -> list[str]:
-    return ["--data", str(data), "--cfg", "yolov5n-seg", "--imgsz", "64", "--batch-size", "8", "--workers", "0",
+def _args(data: Path, project: Path, name: str, *extra: str, model: str = "yolov5n-seg") -> list[str]:
+    return ["--data", str(data), "--cfg", model, "--imgsz", "64", "--batch-size", "8", "--workers", "0",
             "--device", "cpu", "--project", str(project), "--name", name, "--seed", "5", *extra]  # fmt: skip
 
 
@@ -100,7 +100,7 @@ def test_detection_validator_refuses_a_segmentation_checkpoint_in_one_line(seg_r
 
 
 def test_segmentation_refuses_detection_weights(tiny_data: Path, tmp_path: Path) -> None:
-    detect = train.main(_args(tiny_data, tmp_path, "det", "--epochs", "1", "--noval", "--cfg", "yolov5n"))
+    detect = train.main(_args(tiny_data, tmp_path, "det", "--epochs", "1", "--noval", model="yolov5n"))
     with pytest.raises(ConfigError, match="detect checkpoint"):
         seg_val.main(["--weights", str(detect.best), "--data", str(tiny_data), "--device", "cpu"])
     with pytest.raises(ConfigError, match="detect checkpoint"):
