@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from utils.cpus import cap_torch_threads, cgroup_cpu_quota, usable_cpus
-from utils.data.loader import resolve_num_workers
+from utils.data.workers import resolve_num_workers
 from utils.distributed import DistContext
 
 

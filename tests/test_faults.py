@@ -14,7 +14,9 @@ import torch
 
 import train
 from tests.conftest import make_tiny_dataset
+from tests.dist_helpers import PROCESS_TIMEOUT_S
 from utils.data.synthetic import SyntheticSpec
+from utils.data.workers import WORKER_STOP_GRACE_S, outlast_stop_signals
 from utils.errors import Preempted
 from utils.train import engine
 from utils.train.faults import StopSignals, find_restarted_run, mark_run
@@ -71,8 +73,9 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(
     batches_done: int,
 ) -> None:
     uninterrupted = train.main(_args(tiny_data, tmp_path, "whole", workers, batch))
-    # The second run gets a real SIGTERM from itself after an optimizer step (one step per batch in warmup);
-    # every rank agrees on it at the next step, which is then saved.
+    # The second run gets a real SIGTERM after an optimizer step (one step per batch in warmup), and so do its
+    # loader workers, as torchrun (killpg) and SLURM signal them; every rank agrees on it at the next step,
+    # which is then saved while the workers still serve it batches.
     steps = {"count": 0}
     real_step = engine._optimizer_step
 
@@ -80,6 +83,8 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(
         real_step(state)
         steps["count"] += 1
         if steps["count"] == signal_after:
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(engine, "_optimizer_step", step_then_signal)
@@ -141,3 +146,22 @@ def test_restarted_job_finds_its_own_newest_run_folder(tmp_path: Path) -> None:
     assert find_restarted_run(tmp_path, "job-a") == tmp_path / "exp3"
     assert find_restarted_run(tmp_path, "job-c") is None
     assert find_restarted_run(tmp_path, "") is None
+
+
+def _signal_self_then_report(name: str, results: multiprocessing.Queue) -> None:
+    outlast_stop_signals()
+    os.kill(os.getpid(), getattr(signal, name))
+    results.put(signal.alarm(0))  # still alive: the seconds the alarm had left, which this cancels
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+def test_a_loader_worker_outlives_a_stop_signal_for_a_bounded_time(name: str) -> None:
+    # A worker that gets the group's stop signal keeps serving the training process, which saves first;
+    # an alarm ends it if nobody shuts it down.
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    worker = context.Process(target=_signal_self_then_report, args=(name, results))
+    worker.start()
+    worker.join(PROCESS_TIMEOUT_S)
+    assert worker.exitcode == 0
+    assert 0 < results.get(timeout=5) <= WORKER_STOP_GRACE_S

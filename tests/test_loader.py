@@ -1,4 +1,4 @@
-"""Tests for utils/data/loader.py: collate, epoch keys, equal batches per rank, persistent and seeded workers."""
+"""Tests for utils/data/loader.py and workers.py: collate, epoch keys, equal batches per rank, seeded workers."""
 
 from __future__ import annotations
 
@@ -15,15 +15,9 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helpers import run_distributed
-from utils.data.loader import (
-    WORKER_NICENESS,
-    build_train_loader,
-    build_val_loader,
-    collate_batch,
-    resolve_num_workers,
-    seed_worker,
-)
+from utils.data.loader import build_train_loader, build_val_loader, collate_batch
 from utils.data.sampler import SmartDistributedSampler
+from utils.data.workers import WORKER_NICENESS, resolve_num_workers, seed_worker
 from utils.distributed import DistContext
 
 IMAGE_HW = (8, 12)

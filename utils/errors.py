@@ -1,4 +1,4 @@
-"""The user-error type every layer raises (ConfigError) and the safe YAML/JSON readers that raise it."""
+"""The user-error type every layer raises (ConfigError), how a stopped run ends, and the safe YAML/JSON readers."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ import yaml
 #   python3 train.py ...; [ $? -eq 75 ] && scontrol requeue "$SLURM_JOB_ID"
 REQUEUE_EXIT_CODE = 75
 USER_ERROR_EXIT_CODE = 2  # argparse's status for a bad command line
+
+# The signals a training process turns into "save a checkpoint at the next optimizer step, then exit with
+# REQUEUE_EXIT_CODE" (utils/train/faults.py): SLURM and Kubernetes end a job with SIGTERM, SLURM's
+# `--signal=USR1@N` warns with SIGUSR1. Loader workers outlast them for as long as that takes
+# (utils/data/loader.py), since launchers signal the whole process group.
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+STOP_GRACE_S = 60.0  # after a stop signal the process ends within this many seconds, saved or not
 
 
 class ConfigError(ValueError):

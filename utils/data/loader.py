@@ -6,12 +6,9 @@ import functools
 import itertools
 import logging
 import math
-import os
-import random
 from collections.abc import Iterator
 from typing import Any, TypedDict
 
-import cv2
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler, default_collate
@@ -19,7 +16,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler, de
 from utils.data.batch_slots import BatchSlots
 from utils.data.colour import hsv_jitter
 from utils.data.sampler import ShardedInferenceSampler, SmartDistributedSampler
-from utils.distributed import DistContext, local_cpu_share
+from utils.data.workers import init_worker, resolve_num_workers
+from utils.distributed import DistContext
 
 LOGGER = logging.getLogger(__name__)
 
@@ -179,58 +177,6 @@ def _carried_by(items: list[dict[str, Any]], key: str) -> bool:
             f"collate_batch: only {count} of {len(items)} items have '{key}' (batch at {items[0]['path']})"
         )
     return count == len(items)
-
-
-def resolve_num_workers(requested: int, ctx: DistContext, per_rank_batch: int) -> int:
-    """Return the worker processes one rank's loader uses: min(requested, CPUs // local ranks, batch).
-
-    CPUs are those this process may use (affinity, e.g. under SLURM, capped by a container's CPU
-    quota: `utils.cpus.usable_cpus`), split evenly among the ranks on this node so the node is
-    not oversubscribed; more workers than images per batch would only sit idle. 0 means loading
-    in the main process.
-    """
-    return max(0, min(requested, local_cpu_share(ctx), per_rank_batch))
-
-
-# Added to each loader worker's nice value. When workers and the training process want more CPU than the
-# node has, the kernel then favours training: on a 2-core machine, a quick-start step took ~4% less wall
-# time with workers at +10 (7 alternating rounds), and the workers still kept their queue full.
-WORKER_NICENESS = 10
-
-
-def init_worker(worker_id: int, seed: int, rank: int) -> None:
-    """`worker_init_fn` of every loader: one OpenCV thread, lower CPU priority, then seeding (`seed_worker`).
-
-    The workers are the parallelism: OpenCV's own thread pool in each of them (as many threads as
-    cores, like torch's, which DataLoader already sets to 1 in a worker) only adds threads that
-    wait for each other's cores.
-    """
-    cv2.setNumThreads(0)  # 0: run OpenCV functions in the calling thread
-    lower_cpu_priority(WORKER_NICENESS)
-    seed_worker(worker_id, seed, rank)
-
-
-def lower_cpu_priority(increment: int) -> None:
-    """Raise this process's nice value by `increment`, where the OS has one (best effort, never raises)."""
-    if hasattr(os, "nice"):
-        try:
-            os.nice(increment)
-        except OSError as error:  # e.g. a container that forbids it: run at normal priority
-            LOGGER.debug("loader worker keeps its priority: %s", error)
-
-
-def seed_worker(worker_id: int, seed: int, rank: int) -> None:
-    """Seed Python, NumPy and torch inside one loader worker from (seed, rank, worker_id).
-
-    Called in every worker by `init_worker`. Without it forked workers share the parent's NumPy state and
-    draw identical augmentations; mixing the three numbers through `np.random.SeedSequence`
-    gives every worker of every rank its own independent, reproducible streams. Workers are
-    persistent, so this runs once and the streams continue across epochs.
-    """
-    words = np.random.SeedSequence([seed % 2**64, rank, worker_id]).generate_state(4, np.uint64)
-    random.seed(int(words[0]))
-    np.random.seed(words[1:3].view(np.uint32))
-    torch.manual_seed(int(words[3]))
 
 
 class EpochStream(Sampler[list[tuple[int, int]]]):

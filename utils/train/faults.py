@@ -18,15 +18,11 @@ import threading
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from utils.errors import REQUEUE_EXIT_CODE
+from utils.errors import REQUEUE_EXIT_CODE, STOP_GRACE_S, STOP_SIGNALS
 
 LOGGER = logging.getLogger(__name__)
 
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 RUN_ID_FILE = ".torchelastic_run_id"  # in the run folder: the torchrun job that created it
-
-
-STOP_GRACE_S = 60.0  # after a stop signal the process ends within this many seconds, saved or not
 
 
 def _exit_after_grace(name: str) -> None:
