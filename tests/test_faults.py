@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import csv
+import ctypes
+import logging
 import multiprocessing
 import os
 import shutil
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,13 +18,23 @@ import torch
 import train
 from tests.conftest import make_tiny_dataset
 from tests.dist_helpers import PROCESS_TIMEOUT_S
+from utils.data import workers
 from utils.data.synthetic import SyntheticSpec
 from utils.data.workers import WORKER_STOP_GRACE_S, outlast_stop_signals
 from utils.errors import Preempted
 from utils.train import engine
 from utils.train.faults import StopSignals, find_restarted_run, mark_run
 
+FORK = multiprocessing.get_context("fork")  # the child shares this test's code, not a re-import
 TINY = SyntheticSpec(num_train=16, num_val=4, max_objects=3, min_object_frac=0.15)
+
+
+@pytest.fixture
+def terminal_sigint() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt, as in a terminal, whatever the test process was started with."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +70,15 @@ def _epochs(run_dir: Path) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("terminal_sigint")
 @pytest.mark.parametrize(
-    ("workers", "batch", "signal_after", "batches_done"),
+    ("workers", "batch", "signal_after", "batches_done", "signal_name"),
     # Stop inside epoch 1 (4 batches of 4); stop at its last batch, which is short (16 images in 6 batches
     # of 3): the resumed epoch has no batch left, and its position is the epoch's end, not 6 x 3 samples.
-    [(2, 4, 2, 3), (0, 3, 5, 6)],
+    # SIGTERM as launchers send it; Ctrl-C as a person does (the second case's process has no workers).
+    [(2, 4, 2, 3, "SIGTERM"), (0, 3, 5, 6, "SIGINT")],
 )
-def test_sigterm_mid_epoch_then_resume_is_bit_identical(
+def test_a_stop_signal_mid_epoch_then_resume_is_bit_identical(
     tiny_data: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -71,6 +86,8 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(
     batch: int,
     signal_after: int,
     batches_done: int,
+    signal_name: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     uninterrupted = train.main(_args(tiny_data, tmp_path, "whole", workers, batch))
     # The second run gets a real SIGTERM after an optimizer step (one step per batch in warmup), and so do its
@@ -84,8 +101,8 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(
         steps["count"] += 1
         if steps["count"] == signal_after:
             for child in multiprocessing.active_children():
-                os.kill(child.pid, signal.SIGTERM)
-            os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(child.pid, getattr(signal, signal_name))
+            os.kill(os.getpid(), getattr(signal, signal_name))
 
     monkeypatch.setattr(engine, "_optimizer_step", step_then_signal)
     with pytest.raises(Preempted) as stopped:
@@ -96,8 +113,17 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(
     checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["batches_done"]) == (-1, batches_done)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the run
+    caplog.set_level(logging.INFO, logger="utils.train")
+    caplog.clear()
     resumed = train.main(["--resume", str(stopped.value.checkpoint), "--device", "cpu", "--workers", str(workers)])
     assert resumed.run_dir == stopped.value.checkpoint.parent.parent
+    # The log says where the resumed epoch goes on; after its last batch, that nothing of it is left to train.
+    assert f"in epoch 1, after its batch {batches_done}" in caplog.text
+    total = -(-16 // batch)
+    where = f"goes on at batch {batches_done + 1}, {total - batches_done} left"
+    if batches_done == total:
+        where = "has no batch left: it is validated and saved, then epoch 2 starts"
+    assert f"{total} steps/epoch (resumed epoch 1 {where})" in caplog.text
     assert _epochs(resumed.run_dir) == ["1", "2"]
     _assert_identical(uninterrupted.last, resumed.last)
     if batch != 4:  # the resume from epoch1.pt below does not depend on where the stop came: once is enough
@@ -148,20 +174,70 @@ def test_restarted_job_finds_its_own_newest_run_folder(tmp_path: Path) -> None:
     assert find_restarted_run(tmp_path, "") is None
 
 
-def _signal_self_then_report(name: str, results: multiprocessing.Queue) -> None:
-    outlast_stop_signals()
-    os.kill(os.getpid(), getattr(signal, name))
+def _signal_self_then_report(name: str, handled: bool, results: multiprocessing.Queue) -> None:
+    flag = multiprocessing.RawValue(ctypes.c_bool, handled)
+    outlast_stop_signals(flag)
+    try:
+        os.kill(os.getpid(), getattr(signal, name))
+    except KeyboardInterrupt:
+        results.put("KeyboardInterrupt")
+        return
     results.put(signal.alarm(0))  # still alive: the seconds the alarm had left, which this cancels
 
 
-@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
-def test_a_loader_worker_outlives_a_stop_signal_for_a_bounded_time(name: str) -> None:
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1", "SIGINT"])
+def test_while_training_handles_stops_a_loader_worker_outlives_them_for_a_bounded_time(name: str) -> None:
     # A worker that gets the group's stop signal keeps serving the training process, which saves first;
     # an alarm ends it if nobody shuts it down.
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    worker = context.Process(target=_signal_self_then_report, args=(name, results))
+    results = FORK.Queue()
+    worker = FORK.Process(target=_signal_self_then_report, args=(name, True, results))
     worker.start()
     worker.join(PROCESS_TIMEOUT_S)
     assert worker.exitcode == 0
     assert 0 < results.get(timeout=5) <= WORKER_STOP_GRACE_S
+
+
+@pytest.mark.parametrize(("name", "exitcode"), [("SIGTERM", -signal.SIGTERM), ("SIGUSR1", -signal.SIGUSR1)])
+def test_at_other_times_a_stop_signal_ends_a_loader_worker_at_once(name: str, exitcode: int) -> None:
+    # E.g. a failing run's exit handlers stop its daemonic workers with SIGTERM: they must not linger.
+    results = FORK.Queue()
+    worker = FORK.Process(target=_signal_self_then_report, args=(name, False, results))
+    worker.start()
+    worker.join(PROCESS_TIMEOUT_S)
+    assert worker.exitcode == exitcode and results.empty()
+
+
+def test_at_other_times_ctrl_c_interrupts_a_loader_worker() -> None:
+    results = FORK.Queue()
+    worker = FORK.Process(target=_signal_self_then_report, args=("SIGINT", False, results))
+    worker.start()
+    worker.join(PROCESS_TIMEOUT_S)
+    assert results.get(timeout=5) == "KeyboardInterrupt"
+
+
+def test_stop_signals_tell_the_workers_while_entered_even_when_left_by_an_error() -> None:
+    with pytest.raises(RuntimeError), StopSignals():
+        assert workers._STOPS_HANDLED.value
+        raise RuntimeError("a failing loop")
+    assert not workers._STOPS_HANDLED.value
+
+
+@pytest.mark.usefixtures("terminal_sigint")
+def test_a_first_ctrl_c_asks_for_a_stop_and_a_second_interrupts() -> None:
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == "SIGINT" and stop._watchdog is None  # a person, not a launcher with a deadline
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_the_process_ignores_stays_ignored() -> None:
+    # A shell script's background job starts with SIGINT ignored: Ctrl-C is for the script, not for it.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals() as stop:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == stop._handle
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler, de
 from utils.data.batch_slots import BatchSlots
 from utils.data.colour import hsv_jitter
 from utils.data.sampler import ShardedInferenceSampler, SmartDistributedSampler
-from utils.data.workers import init_worker, resolve_num_workers
+from utils.data.workers import resolve_num_workers, worker_init
 from utils.distributed import DistContext
 
 LOGGER = logging.getLogger(__name__)
@@ -404,7 +404,7 @@ def build_train_loader(
         num_workers=workers,
         collate_fn=functools.partial(collate_batch, slots=slots),
         pin_memory=ctx.device.type == "cuda",
-        worker_init_fn=functools.partial(init_worker, seed=seed, rank=ctx.rank),
+        worker_init_fn=worker_init(seed, ctx.rank),
         generator=torch.Generator().manual_seed(seed + ctx.rank),
         persistent_workers=workers > 0,
         prefetch_factor=prefetch_factor if workers > 0 else None,
@@ -464,6 +464,6 @@ def build_val_loader(dataset: Any, per_rank_batch: int, num_workers: int, ctx: D
         num_workers=workers,
         collate_fn=collate_batch,
         pin_memory=ctx.device.type == "cuda",
-        worker_init_fn=functools.partial(init_worker, seed=0, rank=ctx.rank),
+        worker_init_fn=worker_init(0, ctx.rank),
         persistent_workers=workers > 0,
     )

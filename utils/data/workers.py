@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+import multiprocessing
 import os
 import random
 import signal
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import cv2
 import numpy as np
 import torch
 
 from utils.distributed import DistContext, local_cpu_share
-from utils.errors import STOP_GRACE_S, STOP_SIGNALS
+from utils.errors import STOP_GRACE_S
 
 LOGGER = logging.getLogger(__name__)
 
@@ -34,45 +40,75 @@ def resolve_num_workers(requested: int, ctx: DistContext, per_rank_batch: int) -
 WORKER_NICENESS = 10
 
 
-def init_worker(worker_id: int, seed: int, rank: int) -> None:
+def worker_init(seed: int, rank: int) -> Callable[[int], None]:
+    """Return the `worker_init_fn` of a loader of rank `rank`: `init_worker` with its seed and the shared stop flag."""
+    return functools.partial(init_worker, seed=seed, rank=rank, stops_handled=_STOPS_HANDLED)
+
+
+def init_worker(worker_id: int, seed: int, rank: int, stops_handled: ctypes.c_bool | None = None) -> None:
     """`worker_init_fn` of every loader: one OpenCV thread, lower CPU priority, stop signals, then seeding.
 
     The workers are the parallelism: OpenCV's own thread pool in each of them (as many threads as
     cores, like torch's, which DataLoader already sets to 1 in a worker) only adds threads that
-    wait for each other's cores.
+    wait for each other's cores. `stops_handled` is the flag `set_stops_handled` sets (`worker_init`
+    passes it, so it is shared under any start method); without it the signals keep their actions.
     """
     cv2.setNumThreads(0)  # 0: run OpenCV functions in the calling thread
     lower_cpu_priority(WORKER_NICENESS)
-    outlast_stop_signals()
+    if stops_handled is not None:
+        outlast_stop_signals(stops_handled)
     seed_worker(worker_id, seed, rank)
 
+
+# True while a training loop turns stop signals into a checkpoint (utils/train/faults.StopSignals). Created before
+# any worker exists and handed to each by `worker_init`: the workers read what the training process sets.
+_STOPS_HANDLED = multiprocessing.RawValue(ctypes.c_bool, False)
 
 # How long a loader worker lives on after a stop signal when nobody shuts it down: the training process's
 # own deadline after that signal (STOP_GRACE_S), plus time for it to shut its workers down.
 WORKER_STOP_GRACE_S = int(STOP_GRACE_S) + 30
 
+# What each signal does to a worker when no training loop handles it: SIGTERM and SIGUSR1 end it, SIGINT raises
+# KeyboardInterrupt (which DataLoader's worker loop catches and leaves quietly).
+_OWN_ACTIONS = {"SIGTERM": signal.SIG_DFL, "SIGUSR1": signal.SIG_DFL, "SIGINT": signal.default_int_handler}
 
-def outlast_stop_signals() -> None:
-    """Keep this loader worker serving batches after SIGTERM / SIGUSR1; the training process decides.
 
-    torchrun stops a rank by signalling its process group, and SLURM signals every process of a
-    job step, so the workers get the signal with the training process. Killed by it, a worker
-    takes the run down with it (the DataLoader raises "worker killed by signal") before the
-    checkpoint the training process saves at its next optimizer step. A worker that gets one
-    instead arms an alarm: if it is still alive WORKER_STOP_GRACE_S later (its process never shut
-    it down, or a stuck worker that the DataLoader's shutdown signalled), SIGALRM's default action
-    ends it. Without the signal (Windows), nothing to do.
+def set_stops_handled(handled: bool) -> None:
+    """Tell every loader worker of this process whether a stop signal is now handled by saving (training's loop)."""
+    _STOPS_HANDLED.value = handled
+
+
+def outlast_stop_signals(stops_handled: ctypes.c_bool) -> None:
+    """Keep this loader worker serving batches after a stop signal while its training process saves.
+
+    torchrun stops a rank by signalling its process group, SLURM signals every process of a job
+    step and a terminal's Ctrl-C reaches its whole foreground group, so the workers get the signal
+    with the training process. Killed by it, a worker takes the run down with it (the DataLoader
+    raises "worker killed by signal") before the checkpoint the training process saves at its next
+    optimizer step. So while `stops_handled` is set, a worker that gets one of the signals arms an
+    alarm instead: if it is still alive WORKER_STOP_GRACE_S later (its process never shut it down),
+    SIGALRM's default action ends it. At any other time (validation alone, a run that is failing
+    or exiting, whose exit handlers stop daemonic workers with SIGTERM) the signal does what it
+    always does. Without SIGALRM (Windows), nothing changes.
     """
     if not hasattr(signal, "SIGALRM"):
         return
-    for name in STOP_SIGNALS:
+    for name, own_action in _OWN_ACTIONS.items():
         number = getattr(signal, name, None)
-        if number is not None:
-            signal.signal(number, _arm_exit_alarm)
+        if number is not None and signal.getsignal(number) is not signal.SIG_IGN:  # ignored stays ignored
+            handler = functools.partial(_on_stop_signal, stops_handled=stops_handled, own_action=own_action)
+            signal.signal(number, handler)
 
 
-def _arm_exit_alarm(_signum: int, _frame: object) -> None:
-    signal.alarm(WORKER_STOP_GRACE_S)
+def _on_stop_signal(signum: int, frame: FrameType | None, stops_handled: ctypes.c_bool, own_action: Any) -> None:
+    if stops_handled.value:
+        signal.alarm(WORKER_STOP_GRACE_S)
+        return
+    signal.signal(signum, own_action)  # this signal now acts as it would have, and this one acts so at once
+    if callable(own_action):
+        own_action(signum, frame)
+    else:
+        signal.raise_signal(signum)
 
 
 def lower_cpu_priority(increment: int) -> None:

@@ -1,12 +1,12 @@
 """Stopping and restarting without losing work: preemption signals, and finding a restarted job's run folder.
 
 SLURM and Kubernetes announce the end of a job with SIGTERM (SLURM also with SIGUSR1 when
-`--signal=USR1@N` asks for a warning). `StopSignals` turns either into a request that the
-training loop agrees on across ranks at the next optimizer step; rank 0 then writes a mid-epoch
-checkpoint and every rank raises `Preempted`, which the entry point turns into exit status
-REQUEUE_EXIT_CODE. torchrun restarts its workers after a failure (`--max-restarts`) with the
-same command line; `mark_run` / `find_restarted_run` let the restarted attempt continue in the
-run folder the first attempt created instead of starting `exp2` from scratch.
+`--signal=USR1@N` asks for a warning), and a user stops a run with Ctrl-C (SIGINT). `StopSignals`
+turns each into a request that the training loop agrees on across ranks at the next optimizer
+step; rank 0 then writes a mid-epoch checkpoint and every rank raises `Preempted`, which the entry
+point turns into exit status REQUEUE_EXIT_CODE. torchrun restarts its workers after a failure
+(`--max-restarts`) with the same command line; `mark_run` / `find_restarted_run` let the restarted
+attempt continue in the run folder the first attempt created instead of starting `exp2` from scratch.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from utils.data.workers import set_stops_handled
 from utils.errors import REQUEUE_EXIT_CODE, STOP_GRACE_S, STOP_SIGNALS
 
 LOGGER = logging.getLogger(__name__)
@@ -32,12 +33,14 @@ def _exit_after_grace(name: str) -> None:
 
 
 class StopSignals:
-    """While entered, SIGTERM and SIGUSR1 set `received` (the signal's name) instead of ending the process.
+    """While entered, SIGTERM, SIGUSR1 and SIGINT set `received` (the signal's name) instead of ending the process.
 
     Handlers can only be installed from the main thread; elsewhere (a test running fit in a
-    thread) entering does nothing and `received` stays None. The previous handlers come back on
-    exit, except after an error under torchrun (see __exit__). `request()` sets the flag directly
-    (what a handler does), for tests and callers.
+    thread) entering does nothing and `received` stays None. While they are installed the loader
+    workers outlast these signals (`set_stops_handled`). The previous handlers come back on exit,
+    except after an error under torchrun (see __exit__). `request()` sets the flag directly (what
+    a handler does), for tests and callers. Ctrl-C is a person at a terminal, not a launcher with
+    a deadline: it starts no watchdog, and a second Ctrl-C interrupts at once (KeyboardInterrupt).
     """
 
     def __init__(self) -> None:
@@ -52,7 +55,9 @@ class StopSignals:
         can sit in a collective that never returns, and a launcher that sent the signal may be
         waiting for exactly this process to go.
         """
-        if self.received is None:
+        if self.received is None and name == "SIGINT":
+            LOGGER.warning("Ctrl-C: saving a checkpoint at the next optimizer step, then exiting (Ctrl-C again: now)")
+        elif self.received is None:
             LOGGER.warning(f"{name} received: saving a checkpoint at the next optimizer step, then exiting")
             self._watchdog = threading.Timer(STOP_GRACE_S, _exit_after_grace, args=(name,))
             self._watchdog.daemon = True
@@ -60,20 +65,28 @@ class StopSignals:
         self.received = name
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:  # the next Ctrl-C interrupts: the previous handler (KeyboardInterrupt) again
+            signal.signal(signum, self._previous.get(signum, signal.default_int_handler))  # type: ignore[arg-type]
         self.request(signal.Signals(signum).name)
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for name in STOP_SIGNALS:
                 number = getattr(signal, name, None)
-                if number is not None:
+                # A signal the process was started with ignored stays so: a shell script's background job ignores
+                # SIGINT, so that Ctrl-C stops the script in the foreground and not it.
+                if number is not None and signal.getsignal(number) is not signal.SIG_IGN:
                     self._previous[number] = signal.signal(number, self._handle)
+            set_stops_handled(True)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        if self._watchdog is not None:  # the loop has left: the stop went through
+        # The loop has left: no save is coming, so a signal from now on (an exit handler stopping the workers
+        # with SIGTERM, a launcher's) ends the workers as usual.
+        set_stops_handled(False)
+        if self._watchdog is not None:  # the stop went through
             self._watchdog.cancel()
         if kind is not None and os.environ.get("TORCHELASTIC_RUN_ID") and self._previous:
             # Left by an error under torchrun, whose agent now sends SIGTERM to every rank of the group (this
