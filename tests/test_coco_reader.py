@@ -23,12 +23,15 @@ from tests.coco_fakes import (
 from utils.data.coco_polygons import join_parts, rle_to_polygon
 from utils.data.coco_reader import (
     BAD_IMAGE,
+    BAD_SEGMENTATION,
     CLIPPED,
     CROWD,
     OUTSIDE,
+    POLYGON_CLIPPED,
     UNKNOWN_CATEGORY,
     UNKNOWN_IMAGE,
     ZERO_AREA,
+    missing_segmentation_notes,
     read_coco_json,
 )
 from utils.data.json_stream import JsonStream
@@ -134,3 +137,56 @@ def test_not_a_coco_file_is_one_config_error(tmp_path: Path) -> None:
         read_coco_json(path)
     with pytest.raises(ConfigError, match="not found"):
         read_coco_json(tmp_path / "absent.json")
+
+
+def _small_json(path: Path, annotations: list[dict]) -> Path:
+    """A COCO JSON of one 100x50 image (id 1), one category (id 1) and `annotations` (ids and image filled in)."""
+    entries = [{"id": i, "image_id": 1, "category_id": 1, **ann} for i, ann in enumerate(annotations, 1)]
+    document = {
+        "images": [{"id": 1, "file_name": "a.jpg", "width": 100, "height": 50}],
+        "annotations": entries,
+        "categories": [{"id": 1, "name": "thing"}],
+    }
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_a_polygon_clipped_to_its_image_is_warned_and_counted_beyond_the_tolerance(tmp_path: Path) -> None:
+    bbox = [10, 10, 20, 20]
+    parse = read_coco_json(
+        _small_json(
+            tmp_path / "a.json",
+            [
+                {"bbox": bbox, "segmentation": [[10, 10, 30, 10, 30, 30, 10, 30]]},  # inside
+                {"bbox": bbox, "segmentation": [[90, 10, 110, 10, 110, 30, 90, 30]]},  # 10 px (0.1) past the right
+                {"bbox": bbox, "segmentation": [[10, 10, 30, 10, 30, 50.4, 10, 50.4]]},  # 0.4 px (0.008): rounding
+            ],
+        )
+    )
+    assert parse.problems == {POLYGON_CLIPPED: 1}
+    assert parse.messages == [
+        f"{tmp_path / 'a.json'}: annotation 2: polygon overhangs its image by 0.1 of its size; clipped"
+    ]
+    second = parse.points[parse.polygon_offsets[1] : parse.polygon_offsets[2]]
+    assert second[:, 0].max() == 1.0 and (parse.points >= 0).all() and (parse.points <= 1).all()
+
+
+def test_annotations_without_a_segmentation_are_named_for_the_segmentation_task_only(tmp_path: Path) -> None:
+    bbox = [10, 10, 20, 20]
+    polygon = [[10, 10, 30, 10, 30, 30, 10, 30]]
+    path = _small_json(
+        tmp_path / "a.json",
+        [
+            {"bbox": bbox, "segmentation": polygon},
+            {"bbox": bbox, "segmentation": []},
+            {"bbox": bbox},
+            {"bbox": bbox, "segmentation": [[1, 2]]},  # unusable: the reader notes it already
+        ],
+    )
+    parse = read_coco_json(path)
+    assert parse.has_segmentation.tolist() == [True, False, False, True]
+    assert parse.problems == {BAD_SEGMENTATION: 1}  # nothing said about 2 and 3 here: detection needs no mask
+    assert not any("annotation 2" in m or "annotation 3" in m for m in parse.messages)
+    notes = missing_segmentation_notes(parse, np.arange(4))
+    assert notes == [f"{path}: annotation {i}: no 'segmentation' (missing or empty); its box is used" for i in (2, 3)]
+    assert missing_segmentation_notes(parse, np.array([0, 3])) == []

@@ -10,6 +10,8 @@ from utils.data.data_config import load_data_config
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 
+_NAMES_GAP = "{0: a, 1: b, 2: c, 3: d, 4: e, 6: f}"  # 5 is missing, 6 is one too many
+
 
 def _layout(tmp_path: Path) -> Path:
     for split in ("train", "val"):
@@ -38,6 +40,12 @@ def test_relative_paths_resolve_against_yaml_folder(tmp_path: Path) -> None:
         ("path: ds\ntrain: images/train\nval: images/val\n", "missing 'names'"),
         ("path: ds\ntrain: images/train\nval: images/val\nnames: [a]\nnc: 2\n", "nc=2 but 'names' has 1"),
         ("path: ds\ntrain: images/train\nval: images/val\nnames: [a]\nweights: x\n", "unknown key 'weights'"),
+        # The offending keys are named, however many keys come before them.
+        (
+            f"path: ds\ntrain: images/train\nval: images/val\nnames: {_NAMES_GAP}\n",
+            r"0\.\.5 \(missing 5; unexpected 6\)",
+        ),
+        ("path: ds\ntrain: images/train\nval: images/val\nnames: {0: a, '1': b}\n", r"missing 1; unexpected '1'"),
         ("- just\n- a list\n", "expected a mapping"),
         ("path: [unclosed\n", "not valid YAML"),
     ],

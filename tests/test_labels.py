@@ -20,7 +20,7 @@ from utils.data.labels import (
 )
 from utils.data.scan import scan_labels
 from utils.distributed import DistContext
-from utils.errors import ConfigError
+from utils.errors import ConfigError, exit_on_user_error
 
 CTX = DistContext()
 
@@ -91,8 +91,40 @@ def test_list_image_files_sources(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nowhere"):
         list_image_files(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no images"):
+    with pytest.raises(ConfigError, match="no images"):  # a user error: one line, no traceback
         list_image_files(tmp_path / "empty")
+
+
+def test_image_list_entries_without_an_image_suffix_are_warned_once_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ds"
+    kept = _image(root / "images" / "train" / "000001.jpg")
+    _label(root, "train/000001", "0 0.5 0.5 0.2 0.2\n")  # root/labels/train/000001.txt
+    listing = root / "train.txt"
+    listing.write_text(
+        "images/train/000001.jpg\n\nimages/train/000003.jgp\nimages/train/000004\nimages/train/gone.jpg\n"
+    )
+    files = list_image_files(listing)
+    gone = str(root / "images" / "train" / "gone.jpg")
+    assert files == [str(kept), gone]  # a listed path that is not there is left to the scan, which counts it
+    assert files.skipped == [
+        f"image list {listing}: line 3 'images/train/000003.jgp' left out: '.jgp' is not an image suffix "
+        "(.bmp, .jpeg, .jpg, .png, .tif, .tiff, .webp)",
+        f"image list {listing}: line 4 'images/train/000004' left out: it has no file suffix "
+        "(.bmp, .jpeg, .jpg, .png, .tif, .tiff, .webp)",
+    ]
+    caplog.set_level(logging.INFO)
+    index = scan_labels(files, 1, CTX)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for entry in ("000003.jgp", "000004'", f"corrupt image {gone}: file not found; skipped"):
+        assert sum(entry in w for w in warnings) == 1, entry
+    assert "1 found, 0 missing (background), 0 empty, 1 corrupt, 2 image list entries left out" in caplog.text
+    assert index.im_files == [str(kept)]
+    # Nothing usable in the list: one line naming the list and the first entry left out.
+    listing.write_text("images/train/000003.jgp\n")
+    with pytest.raises(ConfigError, match=r"no images .* found in .*train\.txt; 1 list entries left out, first: "):
+        list_image_files(listing)
 
 
 def test_image_to_label_path_replaces_last_images_folder() -> None:
@@ -146,10 +178,11 @@ def test_boxes_become_corners_and_polygons_give_tight_boxes(tmp_path: Path) -> N
     image = _image(tmp_path / "images" / "a.jpg", 50, 40)
     label = _label(tmp_path, "a", "0 0.5 0.5 0.4 0.2\n1 0.1 0.2 0.7 0.3 0.4 0.9\n2 0.95 0.5 0.2 0.2\n")
     record = verify_image_label(str(image), str(label), 3)
-    assert (record.status, record.shape_wh, record.message) == ("found", (50, 40), "")
+    assert (record.status, record.shape_wh) == ("found", (50, 40))
     np.testing.assert_allclose(record.segments[0], [[0.3, 0.4], [0.7, 0.4], [0.7, 0.6], [0.3, 0.6]], atol=1e-6)
     np.testing.assert_allclose(record.labels[1], [1, 0.4, 0.55, 0.6, 0.7], atol=1e-6)
-    # A box that overhangs the right edge keeps only its visible part.
+    # A box that overhangs the right edge keeps only its visible part, and the cut is noted as a repair.
+    assert record.message == f"fixed label {label}: clipped 1 box(es) overhanging the image edge by more than 0.01"
     np.testing.assert_allclose(record.labels[2], [2, 0.925, 0.5, 0.15, 0.2], atol=1e-6)
     assert record.labels.dtype == np.float32 and record.labels.shape == (3, 5)
 
@@ -219,11 +252,41 @@ def test_exif_rotation_swaps_width_and_height(tmp_path: Path) -> None:
     assert verify_image_label(str(path), str(tmp_path / "none.txt"), 1).shape_wh == (20, 40)
 
 
-def test_all_corrupt_raises(tmp_path: Path) -> None:
+def test_all_corrupt_is_one_line_naming_the_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "images").mkdir()
     (tmp_path / "images" / "a.jpg").write_bytes(b"")
-    with pytest.raises(ValueError, match="no usable images"):
-        scan_labels(list_image_files(tmp_path / "images"), 1, CTX)
+    with pytest.raises(SystemExit) as stop:  # what train.py and val.py do with it: no traceback
+        exit_on_user_error(lambda: scan_labels(list_image_files(tmp_path / "images"), 1, CTX))
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]  # after the scan's progress bar
+    assert error == f"error: {tmp_path / 'images'}: no usable images (all 1 are corrupt; see the warnings)"
+
+
+def test_label_errors_name_the_line_in_the_file(tmp_path: Path) -> None:
+    image = str(_image(tmp_path / "images" / "a.jpg"))
+
+    def message(content: str) -> str:
+        return verify_image_label(image, str(_label(tmp_path, "a", content)), num_classes=2).message
+
+    # Blank lines and a duplicate row come before the bad row: the error names its line, 5.
+    box = "0 0.5 0.5 0.2 0.2\n"
+    assert "line 5 has a non-finite value" in message(f"\n{box}\n{box}0 nan 0.5 0.2 0.2\n")
+    assert "line 4 coordinate 7 is outside [0, 1]" in message(f"{box}{box}\n1 0.5 7 0.2 0.2\n")
+    assert "line 3 class id 1.5 is not a non-negative integer" in message(f"{box}  \n1.5 0.5 0.5 0.2 0.2\n")
+    assert "line 4 class id 3 is out of range [0, 2)" in message(f"\n{box}{box}3 0.5 0.5 0.2 0.2\n")
+
+
+def test_a_box_overhanging_the_image_is_noted_beyond_the_tolerance_only(tmp_path: Path) -> None:
+    image = str(_image(tmp_path / "images" / "a.jpg"))
+
+    def verify(content: str) -> object:
+        return verify_image_label(image, str(_label(tmp_path, "a", content)), num_classes=3)
+
+    rounding = verify("0 0.9 0.5 0.205 0.2\n1 0.0951 0.5 0.2 0.2\n")  # edges 0.0025 and 0.0049 outside: rounding
+    assert rounding.status == "found" and rounding.message == ""
+    overhang = verify("2 0.95 0.5 0.3 0.3\n0 0.5 0.03 0.2 0.1\n1 0.5 0.5 0.2 0.2\n")  # right by 0.1, top by 0.02
+    assert overhang.message.endswith("clipped 2 box(es) overhanging the image edge by more than 0.01")
+    np.testing.assert_allclose(overhang.labels[:2], [[2, 0.9, 0.5, 0.2, 0.3], [0, 0.5, 0.04, 0.2, 0.08]], atol=1e-6)
 
 
 def test_degenerate_instances_are_dropped_counted_and_reported(
@@ -272,7 +335,7 @@ def test_class_ids_say_what_is_wrong_and_out_of_range_ones_are_kept_apart(tmp_pa
 
     record = verify("0 0.5 0.5 0.2 0.2\n3 0.5 0.5 0.2 0.2\n1 0.3 0.3 0.1 0.1\n3 0.2 0.2 0.1 0.1\n")
     assert record.status == "corrupt" and record.class_ids_out_of_range == [3, 3]
-    assert "row 2 class id 3 is out of range [0, 2) (and 1 more row(s)); skipped" in record.message
+    assert "line 2 class id 3 is out of range [0, 2) (and 1 more row(s)); skipped" in record.message
     # Another problem in the same file: a damaged file, not a class count contradicted by valid labels.
     damaged = verify("3 0.5 0.5 0.2 0.2\n0 0.5 7.0 0.2 0.2\n")
     assert damaged.class_ids_out_of_range == [] and "coordinate 7 is outside [0, 1]" in damaged.message

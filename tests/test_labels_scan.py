@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 import yaml
 from PIL import Image
 
+import train
 import utils.data.scan as scan_module
 from tests.dist_helpers import run_distributed
 from utils.config import DEFAULT_HYP
@@ -68,6 +70,7 @@ def _folder(root: Path, sizes: list[tuple[int, int]] = SIZES_WH) -> Path:
 def _assert_same_index(a: LabelIndex, b: LabelIndex) -> None:
     assert a.im_files == b.im_files and a.counts == b.counts and a.messages == b.messages
     assert a.num_degenerate == b.num_degenerate and a.class_ids_out_of_range == b.class_ids_out_of_range
+    assert a.out_of_range_files == b.out_of_range_files
     for name in ("shapes", "labels", "label_offsets", "seg_points", "seg_offsets"):
         first, second = getattr(a, name), getattr(b, name)
         assert first.dtype == second.dtype, name
@@ -411,8 +414,81 @@ def test_names_shorter_than_the_labels_stop_the_run_with_one_line(tmp_path: Path
     assert cached == scanned  # the label cache keeps the out-of-range ids: a rerun stops the same way
 
 
+@pytest.mark.slow
+def test_a_run_stopped_by_its_labels_leaves_no_run_folder(tmp_path: Path) -> None:
+    yaml_file = _short_names_dataset(tmp_path / "data")
+    project = tmp_path / "runs"
+    args = ["--data", str(yaml_file), "--cfg", "yolov8n", "--imgsz", "64", "--epochs", "1", "--batch-size", "2"]
+    with pytest.raises(ConfigError, match="declares 2 classes"):
+        train.main([*args, "--device", "cpu", "--workers", "0", "--project", str(project), "--noplots"])
+    assert not project.exists() or not any(project.iterdir())
+
+
 @pytest.mark.distributed
 def test_two_ranks_stop_alike_when_only_one_rank_scanned_the_out_of_range_ids(tmp_path: Path) -> None:
     yaml_file = _short_names_dataset(tmp_path / "data")  # files 09 and 10 fall in rank 1's block of the scan
     rank0, rank1 = run_distributed(_build_short_names, 2, tmp_path / "dist", str(yaml_file))
     assert rank0 == rank1 and SHORT_NAMES_ERROR in rank0[0]
+
+
+def _unlabelled_folder(root: Path, num_images: int = 3) -> Path:
+    """Images under root/images/train and no labels folder at all."""
+    images = root / "images" / "train"
+    images.mkdir(parents=True)
+    for i in range(num_images):
+        cv2.imwrite(str(images / f"{i}.png"), np.full((24, 32, 3), 40 * i, np.uint8))
+    return images
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_train_set_without_any_label_stops_with_the_labels_folder_and_a_val_set_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    files = list_image_files(_unlabelled_folder(tmp_path))
+    labels = tmp_path / "labels" / "train"
+    with pytest.raises(ConfigError) as caught:
+        scan_labels(files, 2, DistContext(), require_labels=True)
+    assert str(caught.value) == (
+        f"{labels}: none of the 3 train images has a label (3 label files missing, 0 empty); "
+        "a train set needs labels: check that the labels folder is there and filled"
+    )
+    caplog.clear()
+    index = scan_labels(files, 2, DistContext())  # a val set: the run goes on, with one line saying why
+    assert index.counts["missing"] == 3 and len(index) == 3
+    assert [w for w in _warnings(caplog) if "has a label" in w] == [
+        f"{labels}: none of the 3 images has a label (3 label files missing, 0 empty); its metrics will be zero"
+    ]
+    # Label files that are all empty are no better; one labelled image is enough.
+    labels.mkdir(parents=True)
+    (labels / "0.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"\(2 label files missing, 1 empty\)"):
+        scan_labels(files, 2, DistContext(), require_labels=True)
+    (labels / "1.txt").write_text("1 0.5 0.5 0.2 0.2\n")
+    caplog.clear()
+    assert scan_labels(files, 2, DistContext(), require_labels=True).counts["found"] == 1
+    assert not [w for w in _warnings(caplog) if "has a label" in w]
+
+
+def test_the_class_id_error_names_the_first_file_even_when_its_warning_is_not_shown(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    images = _unlabelled_folder(tmp_path, 3)
+    for i in range(12):  # sorted before 1.png and 2.png, these fill the MAX_LOGGED_MESSAGES warnings shown
+        (images / f"0_bad{i:02d}.jpg").write_bytes(b"not an image")
+    for name in ("1", "2"):
+        Path(image_to_label_path(images / f"{name}.png")).parent.mkdir(parents=True, exist_ok=True)
+        Path(image_to_label_path(images / f"{name}.png")).write_text("5 0.5 0.5 0.2 0.2\n")
+    files = list_image_files(images)
+    first = image_to_label_path(images / "1.png")
+    errors = []
+    for _ in range(2):  # scanned, then from the label cache
+        caplog.clear()
+        with pytest.raises(ConfigError) as caught:
+            scan_labels(files, 2, DistContext(), names_file=Path("d.yaml"))
+        errors.append(str(caught.value))
+        assert not any(first in w for w in _warnings(caplog))  # its warning was cut off
+    assert errors[0] == errors[1]
+    assert f"(2 labels with class 5); first in {first} (2 label file(s) in all); list every class" in errors[0]

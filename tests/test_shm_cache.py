@@ -102,8 +102,18 @@ def test_unreadable_image_is_left_out_and_read_from_disk_later(
         cache.release()
 
 
+def _labelled_images(root: Path) -> tuple[list[str], np.ndarray]:
+    """`_images`, each with one box in the labels folder beside `root`: a train set needs labels."""
+    paths, shapes = _images(root)
+    labels = root.parent / "labels"
+    labels.mkdir(exist_ok=True)
+    for path in paths:
+        (labels / f"{Path(path).stem}.txt").write_text("0 0.5 0.5 0.25 0.25\n")
+    return paths, shapes
+
+
 def test_dataset_with_shm_draws_from_every_image_and_copies_what_it_serves(tmp_path: Path) -> None:
-    paths, _ = _images(tmp_path / "images")
+    _labelled_images(tmp_path / "images")
     options = DatasetOptions(img_size=32, num_classes=3, workers=2, augment=True, cache_mode="shm")
     dataset = LoadImagesAndLabels(tmp_path / "images", options, CTX)  # the real /dev/shm: a name unique to tmp_path
     try:
@@ -125,7 +135,7 @@ def test_dataset_with_shm_draws_from_every_image_and_copies_what_it_serves(tmp_p
 def test_too_little_room_falls_back_to_ram_in_one_line(
     tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    paths, shapes = _images(tmp_path / "images")
+    paths, shapes = _labelled_images(tmp_path / "images")
     monkeypatch.setattr(
         segment_module, "room_for_segment", lambda directory: _pixel_bytes(shapes, 32)
     )  # no margin left

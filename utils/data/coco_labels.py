@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from utils.data.coco_node import load_coco_parse
-from utils.data.coco_reader import CocoParse
+from utils.data.coco_reader import BAD_SEGMENTATION, CocoParse, missing_segmentation_notes
 from utils.data.labels import MIN_RELATIVE_AREA, STATUSES, LabelIndex, files_hash, load_label_cache, save_label_cache
 from utils.data.polygons import gather, packed_bounds
 from utils.data.scan import differing_ranks_message, image_list_digest, report_scan, scan_in_rounds
@@ -181,6 +181,10 @@ def build_coco_index(
         messages.append(f"{parse.source}: annotation {parse.annotation_ids[instances[j]]}: zero-area {shape}; left out")
     problems[OTHER_CATEGORY] = int((instance_classes < 0).sum())
     num_degenerate = int(len(keep) - keep.sum() - problems[OTHER_CATEGORY])
+    if with_masks:  # an annotation without a segmentation trains as its box: a rectangular mask, said
+        unsegmented = missing_segmentation_notes(parse, instances[keep])
+        messages += unsegmented
+        problems[BAD_SEGMENTATION] = len(unsegmented)
     points, counts = gather(points, counts, np.flatnonzero(keep))
     bounds = packed_bounds(points, counts)
     labels = np.empty((len(counts), 5), np.float32)

@@ -17,7 +17,7 @@ from utils.errors import ConfigError
 
 LOGGER = logging.getLogger(__name__)
 
-PARSE_VERSION = 1  # stored in the parse file: a file of another version is parsed again
+PARSE_VERSION = 2  # stored in the parse file: a file of another version is parsed again
 LIST_FIELDS = ("category_names", "file_names", "messages")  # stored as str arrays, held as lists
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from utils.data.coco_polygons import join_parts, polygon_parts, rle_to_polygon
 from utils.data.json_stream import JsonStream
+from utils.data.labels import COORD_TOLERANCE
 from utils.data.polygons import clip_polygon, pack, replace
 from utils.errors import ConfigError
 
@@ -27,6 +28,7 @@ OUTSIDE = "boxes outside the image"
 GATHER_BLOCK = 1 << 16  # instances normalised at a time: bounds the temporary arrays
 CLIPPED = "boxes clipped to the image"
 BAD_SEGMENTATION = "unusable segmentations (box kept)"
+POLYGON_CLIPPED = "polygons clipped to the image"
 CROWD = "crowd regions not trained"
 
 
@@ -42,8 +44,11 @@ class CocoParse:
     `categories` (M,) int32 index into category_ids, `boxes_xywhn` (M, 4) float64 [cx, cy, w, h]
     normalised and inside the image. Instance j's polygon (multi-part joined, RLE traced) is
     `points[polygon_offsets[j]:polygon_offsets[j + 1]]`, (k, 2) float32 normalised inside
-    [0, 1]; k = 0 when it has none. `messages` holds one line per bad entry naming the JSON and
-    the id; `problems` counts them by reason.
+    [0, 1]; k = 0 when it has none. `has_segmentation` (M,) bool: whether the annotation had a
+    non-empty `segmentation` at all (a usable one or not; unusable ones are noted here), so the
+    segmentation task can tell an annotation without one from a polygon that was dropped
+    (missing_segmentation_notes); detection needs none and says nothing. `messages` holds one
+    line per bad entry naming the JSON and the id; `problems` counts them by reason.
     """
 
     source: str
@@ -58,6 +63,7 @@ class CocoParse:
     boxes_xywhn: np.ndarray
     polygon_offsets: np.ndarray
     points: np.ndarray
+    has_segmentation: np.ndarray
     messages: list[str]
     problems: dict[str, int]
 
@@ -79,6 +85,7 @@ class _Entries:
         self.ann_categories = array.array("q")
         self.boxes = array.array("d")
         self.point_counts = array.array("q")
+        self.has_segmentation = array.array("b")
         self.points = array.array("f")  # pixels, x y x y ...
         self.categories: list[Any] | None = None
         self.seen = {"images": False, "annotations": False}
@@ -146,6 +153,7 @@ class _Entries:
         self.ann_images.append(image_id)
         self.ann_categories.append(category_id)
         self.point_counts.append((len(points) - num_values) >> 1)
+        self.has_segmentation.append(1 if segmentation else 0)  # [], {}, None or no key: none
 
     def _outline(self, ann_id: int, segmentation: Any) -> np.ndarray:
         """A segmentation other than one plain polygon as flat float32 pixel x, y values; empty when unusable."""
@@ -198,6 +206,21 @@ def read_coco_json(path: Path) -> CocoParse:
         if not entries.seen[key]:
             raise ConfigError(f"{path}: not a COCO instances file (no '{key}' list)")
     return _finish(entries)
+
+
+def missing_segmentation_notes(parse: CocoParse, instances: np.ndarray) -> list[str]:
+    """One line per instance of `instances` (positions in the parse's instances) whose annotation has no segmentation.
+
+    For the segmentation task only: such an instance trains as its box, a rectangular mask, which
+    must not pass unsaid; the caller counts the lines under BAD_SEGMENTATION. Detection uses the
+    boxes and does not call it. Instances with an unusable segmentation are not named again: the
+    reader noted them already.
+    """
+    unsegmented = instances[~parse.has_segmentation[instances]]
+    return [
+        f"{parse.source}: annotation {parse.annotation_ids[j]}: no 'segmentation' (missing or empty); its box is used"
+        for j in unsegmented
+    ]
 
 
 def _categories(entries: _Entries) -> tuple[np.ndarray, list[str]]:
@@ -289,6 +312,7 @@ def _finish(entries: _Entries) -> CocoParse:
         boxes_xywhn=boxes[by_image],
         polygon_offsets=polygon_offsets,
         points=points,
+        has_segmentation=np.frombuffer(entries.has_segmentation, np.int8)[by_image].astype(bool),
         messages=entries.messages,
         problems=entries.problems,
     )
@@ -333,13 +357,20 @@ def _clip_boxes(
     return boxes, inside
 
 
+def _overhang(polygon: np.ndarray) -> float:
+    """How far (normalised, >= 0) the farthest point of a finite polygon (k, 2) lies outside [0, 1]."""
+    return float(max(0.0, -polygon.min(), polygon.max() - 1.0))
+
+
 def _gather_polygons(entries: _Entries, instances: np.ndarray, image_wh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The polygons of annotations `instances`, in that order, normalised by their image's size `image_wh` (n, 2).
 
     Returns (points (P, 2) float32 in [0, 1], counts (n,)). Gathered in blocks, so the only full-size
     arrays are the pixel points read and the result. A polygon partly outside its image is clipped to
-    it (Sutherland-Hodgman; rare, one at a time); one with a non-finite point or nothing inside is
-    dropped (the instance keeps its box), warned and counted.
+    it (Sutherland-Hodgman; rare, one at a time), warned and counted when a point lay more than
+    COORD_TOLERANCE of the image's size outside (as an overhanging bbox is; less is rounding at the
+    edge); one with a non-finite point or nothing inside is dropped (the instance keeps its box),
+    warned and counted.
     """
     source = np.frombuffer(entries.points, np.float32).reshape(-1, 2)
     all_counts = np.frombuffer(entries.point_counts, np.int64)
@@ -366,10 +397,13 @@ def _gather_polygons(entries: _Entries, instances: np.ndarray, image_wh: np.ndar
     for j in np.flatnonzero(bad):
         polygon = points[offsets[j] : offsets[j] + counts[j]]
         clipped = clip_polygon(polygon, 1.0, 1.0) if np.isfinite(polygon).all() else np.zeros((0, 2), np.float32)
+        ann_id = entries.ann_ids[instances[j]]
         if len(clipped) < 3:
-            ann_id = entries.ann_ids[instances[j]]
             entries.note(BAD_SEGMENTATION, f"annotation {ann_id}: polygon is outside its image; its box is used")
             clipped = np.zeros((0, 2), np.float32)
+        elif (overhang := _overhang(polygon)) > COORD_TOLERANCE:
+            message = f"annotation {ann_id}: polygon overhangs its image by {overhang:.3g} of its size; clipped"
+            entries.note(POLYGON_CLIPPED, message)
         fixed.append(np.clip(clipped, 0.0, 1.0))
     new_points, new_counts = pack(fixed)
     return replace(points, counts, np.flatnonzero(bad), new_points, new_counts)

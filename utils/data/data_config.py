@@ -26,6 +26,7 @@ KNOWN_KEYS = {
     "download",
 }
 BUILTIN_DATASETS = ("synthetic",)
+MAX_KEYS_NAMED = 5  # 'names' keys listed in an error, of each kind (missing, unexpected)
 LOGGER = logging.getLogger(__name__)
 
 
@@ -75,10 +76,8 @@ def parse_names(raw: dict, yaml_file: Path) -> tuple[str, ...]:
     ):
         raise ConfigError(f"{yaml_file}: 'nc' must be a positive integer (the number of classes), got {num_classes!r}")
     if isinstance(names, dict):
-        keys = sorted(names)
-        if keys != list(range(len(keys))):
-            raise ConfigError(f"{yaml_file}: 'names' keys must be 0..{len(keys) - 1}, got {keys[:5]}...")
-        names = [names[k] for k in keys]
+        check_names_keys(list(names), yaml_file)
+        names = [names[k] for k in range(len(names))]
     if names is None and num_classes is not None:
         names = [f"class{i}" for i in range(num_classes)]
     if not isinstance(names, list) or not names:
@@ -86,6 +85,32 @@ def parse_names(raw: dict, yaml_file: Path) -> tuple[str, ...]:
     if num_classes is not None and num_classes != len(names):
         raise ConfigError(f"{yaml_file}: nc={num_classes} but 'names' has {len(names)} entries")
     return tuple(str(n) for n in names)
+
+
+def _few(values: list[object]) -> str:
+    """Up to MAX_KEYS_NAMED values, comma-separated, with how many more there are."""
+    shown = ", ".join(map(repr, values[:MAX_KEYS_NAMED]))
+    return shown + (f" and {len(values) - MAX_KEYS_NAMED} more" if len(values) > MAX_KEYS_NAMED else "")
+
+
+def check_names_keys(keys: list[object], yaml_file: Path) -> None:
+    """Raise a one-line ConfigError unless the keys of an index->name `names` mapping are exactly 0..n-1.
+
+    The message names the indices that are missing and the keys that do not belong, not just the
+    first few keys: in {0, 1, 2, 3, 4, 6} the fault is 5 missing and 6 unexpected, which a
+    truncated list of the keys would hide. A key that is not an integer (YAML `'1'`, `yes`) is
+    unexpected, never compared with the integers.
+    """
+    expected = range(len(keys))
+    indices = {key for key in keys if type(key) is int}  # not bool: YAML reads `yes:` as True
+    missing = [index for index in expected if index not in indices]
+    unexpected = [key for key in keys if type(key) is not int or key not in expected]
+    if not missing and not unexpected:
+        return
+    problems = [f"missing {_few(missing)}"] if missing else []
+    if unexpected:
+        problems.append(f"unexpected {_few(unexpected)}")
+    raise ConfigError(f"{yaml_file}: 'names' keys must be the class indices 0..{len(keys) - 1} ({'; '.join(problems)})")
 
 
 def parse_category_ids(raw: dict, yaml_file: Path, num_classes: int) -> tuple[int, ...] | None:

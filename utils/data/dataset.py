@@ -169,7 +169,11 @@ class LoadImagesAndLabels(Dataset):
         if coco is not None:
             index = scan_coco_labels(coco, options.with_masks, ctx)
         else:
-            index = scan_labels(list_image_files(sources), options.num_classes, ctx, names_file=options.names_file)
+            files = list_image_files(sources)
+            # A train set (the augmented one) of background images only is refused; another split is warned of.
+            index = scan_labels(
+                files, options.num_classes, ctx, names_file=options.names_file, require_labels=options.augment
+            )
         self.batch_shapes: np.ndarray | None = None  # (num_batches, 2) (h, w) in rect mode
         if options.rect:
             order, batch_shapes = rect_batch_shapes(

@@ -9,7 +9,7 @@ import os
 import pickle
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,13 +18,16 @@ from PIL import Image
 
 from utils.data.mapped_npz import load_npz_mapped, save_npz_atomic
 from utils.data.masks import polygon_areas
+from utils.errors import ConfigError
 
 LOGGER = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = frozenset({".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp"})
 PIL_FORMATS = frozenset({"BMP", "JPEG", "MPO", "PNG", "TIFF", "WEBP"})
-CACHE_VERSION = 3  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
-COORD_TOLERANCE = 0.01  # coordinates this far outside [0, 1] are clipped with a warning, further is corrupt
+CACHE_VERSION = 4  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
+# Coordinates this far outside [0, 1] are clipped with a warning, further is corrupt; a box row's edges may
+# overhang the image this far (rounding) before its clip is noted as a repair.
+COORD_TOLERANCE = 0.01
 MIN_RELATIVE_AREA = 1e-8  # an instance covering less of the image (shoelace area) is degenerate and dropped
 MIN_IMAGE_SIDE = 10
 STATUSES = ("found", "missing", "empty", "corrupt")
@@ -47,29 +50,66 @@ class ClassIdsOutOfRange(BadInputError):
         self.class_ids = class_ids
 
 
-def list_image_files(sources: str | Path | Sequence[str | Path]) -> list[str]:
-    """Return the sorted image paths under `sources`.
+class ImageFiles(list[str]):
+    """Image paths as list_image_files returns them, with `skipped`: one line per .txt list entry left out.
+
+    A list, so a caller that wants paths uses it as one; the label scan (utils/data/scan.py:
+    scan_labels) warns about `skipped` and counts it once, on rank 0, beside the bad files it finds.
+    """
+
+    def __init__(self, paths: Iterable[str] = (), skipped: Iterable[str] = ()) -> None:
+        super().__init__(paths)
+        self.skipped = list(skipped)
+
+
+def _read_image_list(list_file: Path) -> tuple[list[str], list[str]]:
+    """Return (image paths, skip notes) of a .txt image list: one path per line, relative to the list's folder.
+
+    An entry without an image suffix (a typo such as .jgp, or none) is left out with one note
+    naming the list, its line and why: YOLOv5 drops them silently, which loses images without a word.
+    """
+    paths, skipped = [], []
+    for line_number, line in enumerate(list_file.read_text(encoding="utf-8").splitlines(), 1):
+        entry = line.strip()
+        if not entry:
+            continue
+        suffix = Path(entry).suffix
+        if suffix.lower() in IMAGE_SUFFIXES:
+            paths.append(os.path.normpath(list_file.parent / entry))
+            continue
+        why = f"{suffix!r} is not an image suffix" if suffix else "it has no file suffix"
+        known = ", ".join(sorted(IMAGE_SUFFIXES))
+        skipped.append(f"image list {list_file}: line {line_number} '{entry}' left out: {why} ({known})")
+    return paths, skipped
+
+
+def list_image_files(sources: str | Path | Sequence[str | Path]) -> ImageFiles:
+    """Return the sorted image paths under `sources`, with the .txt list entries left out (ImageFiles.skipped).
 
     A source is a folder (searched recursively), a .txt file listing image paths one per line
     (relative ones resolve against the .txt file's folder), or a list of those. Raises
-    FileNotFoundError naming a missing source and ValueError when nothing is found.
+    FileNotFoundError naming a missing source and a one-line ConfigError naming the sources when
+    nothing is found. A listed path that does not exist is kept: the label scan counts it as corrupt.
     """
     source_list = [sources] if isinstance(sources, str | Path) else list(sources)
     files: list[str] = []
+    skipped: list[str] = []
     for source in map(Path, source_list):
         if source.is_dir():
             files += [str(p) for p in source.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
         elif source.is_file() and source.suffix.lower() == ".txt":
-            lines = source.read_text(encoding="utf-8").splitlines()
-            entries = [source.parent / line.strip() for line in lines if line.strip()]
-            files += [os.path.normpath(p) for p in entries if p.suffix.lower() in IMAGE_SUFFIXES]
+            listed, left_out = _read_image_list(source)
+            files += listed
+            skipped += left_out
         elif source.is_file() and source.suffix.lower() in IMAGE_SUFFIXES:
             files.append(str(source))
         else:
             raise FileNotFoundError(f"image source {source} does not exist (expected a folder, .txt list or image)")
     if not files:
-        raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) found in {', '.join(map(str, source_list))}")
-    return sorted(set(files))
+        where = ", ".join(map(str, source_list))
+        first = f"; {len(skipped)} list entries left out, first: {skipped[0]}" if skipped else ""
+        raise ConfigError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) found in {where}{first}")
+    return ImageFiles(sorted(set(files)), skipped)
 
 
 def image_to_label_path(path: str | Path) -> str:
@@ -91,7 +131,7 @@ class LabelRecord:
     corners for a box-only row). `message` is one line naming the file, empty when clean.
     `num_degenerate` counts the zero-area rows left out of `labels`. `class_ids_out_of_range` lists
     the class id of each row whose id is an integer >= num_classes in an otherwise valid file
-    (the file is then "corrupt").
+    (the file is then "corrupt"); `label_path` is that file, so the error can name it.
     """
 
     image_path: str
@@ -102,6 +142,7 @@ class LabelRecord:
     message: str = ""
     num_degenerate: int = 0
     class_ids_out_of_range: list[int] = field(default_factory=list)
+    label_path: str = ""
 
 
 def _orientation(image: Image.Image) -> int:
@@ -156,6 +197,8 @@ def _check_image(path: str) -> tuple[tuple[int, int], str]:
             orientation = _orientation(image)
     except BadInputError:
         raise
+    except FileNotFoundError:  # a .txt image list can name files that are not there
+        raise BadInputError("file not found") from None
     except Exception as error:  # PIL raises many types for bad bytes; all mean "not an image"
         raise BadInputError(f"not a readable image ({type(error).__name__}: {error})") from error
     if image_format not in PIL_FORMATS:
@@ -176,8 +219,13 @@ def _check_image(path: str) -> tuple[tuple[int, int], str]:
     return (width, height), note
 
 
-def _read_label_rows(label_path: str) -> list[tuple[float, ...]]:
-    """Parse a label file into rows of floats; raise BadInputError for unreadable text or bad columns."""
+def _read_label_rows(label_path: str) -> list[tuple[int, tuple[float, ...]]]:
+    """Parse a label file into (line number, row of floats) pairs, blank lines skipped.
+
+    The line numbers travel with the rows so that every later error names the line in the file,
+    whatever blank lines or duplicate rows came before it. Raises BadInputError for unreadable
+    text or bad columns.
+    """
     try:
         # utf-8-sig: editors on Windows start files with a byte-order mark, which is not part of a number
         with open(label_path, encoding="utf-8-sig") as file:
@@ -192,39 +240,43 @@ def _read_label_rows(label_path: str) -> list[tuple[float, ...]]:
         if not (len(words) == 5 or (len(words) >= 7 and len(words) % 2 == 1)):
             raise BadInputError(f"line {line_number} has {len(words)} columns (need 5, or an odd number >= 7)")
         try:
-            rows.append(tuple(float(word) for word in words))
+            rows.append((line_number, tuple(float(word) for word in words)))
         except ValueError as error:
             raise BadInputError(f"line {line_number} has a non-numeric value") from error
     return rows
 
 
-def _check_rows(rows: list[tuple[float, ...]], num_classes: int) -> tuple[list[np.ndarray], list[str]]:
-    """Validate and repair parsed rows; return the cleaned rows and a list of the repairs made.
+def _check_rows(
+    numbered_rows: list[tuple[int, tuple[float, ...]]], num_classes: int
+) -> tuple[list[np.ndarray], list[str]]:
+    """Validate and repair parsed (line number, row) pairs; return the cleaned rows and a list of the repairs made.
 
-    Duplicate rows are removed and coordinates within COORD_TOLERANCE of [0, 1] are clipped;
-    anything else wrong raises BadInputError. Integer class ids >= `num_classes` are collected
-    over the whole file and raised last, as ClassIdsOutOfRange, so a file that has only that
-    problem is told apart from a damaged one.
+    Duplicate rows are removed (the first is kept) and coordinates within COORD_TOLERANCE of
+    [0, 1] are clipped; anything else wrong raises BadInputError naming the line in the file.
+    Integer class ids >= `num_classes` are collected over the whole file and raised last, as
+    ClassIdsOutOfRange, so a file that has only that problem is told apart from a damaged one.
     """
     fixes = []
-    unique = list(dict.fromkeys(rows))
-    if len(unique) < len(rows):
-        fixes.append(f"removed {len(rows) - len(unique)} duplicate row(s)")
-    arrays = [np.array(row, dtype=np.float64) for row in unique]
+    first_line: dict[tuple[float, ...], int] = {}
+    for line_number, row in numbered_rows:
+        first_line.setdefault(row, line_number)
+    if len(first_line) < len(numbered_rows):
+        fixes.append(f"removed {len(numbered_rows) - len(first_line)} duplicate row(s)")
+    arrays = [np.array(row, dtype=np.float64) for row in first_line]
     num_clipped = 0
-    out_of_range: list[tuple[int, int]] = []  # (row number, class id)
-    for line_number, row in enumerate(arrays, 1):
+    out_of_range: list[tuple[int, int]] = []  # (line number, class id)
+    for line_number, row in zip(first_line.values(), arrays, strict=True):
         if not np.isfinite(row).all():
-            raise BadInputError(f"row {line_number} has a non-finite value")
+            raise BadInputError(f"line {line_number} has a non-finite value")
         class_id = row[0]
         if class_id != int(class_id) or class_id < 0:
-            raise BadInputError(f"row {line_number} class id {class_id:g} is not a non-negative integer")
+            raise BadInputError(f"line {line_number} class id {class_id:g} is not a non-negative integer")
         if class_id >= num_classes:
             out_of_range.append((line_number, int(class_id)))
         coords = row[1:]
         if coords.min() < -COORD_TOLERANCE or coords.max() > 1 + COORD_TOLERANCE:
             bad = coords[(coords < -COORD_TOLERANCE) | (coords > 1 + COORD_TOLERANCE)][0]
-            raise BadInputError(f"row {line_number} coordinate {bad:g} is outside [0, 1]")
+            raise BadInputError(f"line {line_number} coordinate {bad:g} is outside [0, 1]")
         outside = (coords < 0) | (coords > 1)
         num_clipped += int(outside.sum())
         np.clip(coords, 0.0, 1.0, out=coords)
@@ -234,10 +286,25 @@ def _check_rows(rows: list[tuple[float, ...]], num_classes: int) -> tuple[list[n
         line_number, class_id = out_of_range[0]
         more = f" (and {len(out_of_range) - 1} more row(s))" if len(out_of_range) > 1 else ""
         raise ClassIdsOutOfRange(
-            f"row {line_number} class id {class_id} is out of range [0, {num_classes}){more}",
+            f"line {line_number} class id {class_id} is out of range [0, {num_classes}){more}",
             [class_id for _, class_id in out_of_range],
         )
     return arrays, fixes
+
+
+def _count_overhanging_boxes(rows: list[np.ndarray]) -> int:
+    """Count the box rows (5 columns) whose edges lie more than COORD_TOLERANCE outside the image.
+
+    Such a box is cut to the image (_rows_to_instances) and the cut noted as a repair, like any
+    other; an overhang within the tolerance is rounding in a normal label and is cut silently.
+    """
+    box_rows = [row[1:] for row in rows if len(row) == 5]
+    if not box_rows:  # polygon files: ~5 us saved per file of a scan
+        return 0
+    boxes = np.array(box_rows)
+    centres, half_sizes = boxes[:, :2], boxes[:, 2:] / 2
+    overhang = np.maximum(half_sizes - centres, centres + half_sizes - 1)  # past the near edge, per axis
+    return int((overhang > COORD_TOLERANCE).any(1).sum())
 
 
 def _rows_to_instances(rows: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -248,7 +315,7 @@ def _rows_to_instances(rows: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndar
             cx, cy, w, h = row[1:]
             x1, y1, x2, y2 = cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
             corners = np.array([[x1, y1], [x2, y1], [x2, y2], [x1, y2]], dtype=np.float32)
-            segments.append(np.clip(corners, 0.0, 1.0))  # a box may overhang the image edge; keep the visible part
+            segments.append(np.clip(corners, 0.0, 1.0))  # keep the visible part (noted: _count_overhanging_boxes)
         else:
             segments.append(row[1:].reshape(-1, 2).astype(np.float32))
     labels = np.zeros((len(rows), 5), dtype=np.float32)
@@ -288,9 +355,15 @@ def verify_image_label(image_path: str, label_path: str | None, num_classes: int
         rows, fixes = _check_rows(_read_label_rows(label_path), num_classes)
     except ClassIdsOutOfRange as error:
         message = f"corrupt label {label_path}: {error}; skipped"
-        return LabelRecord(image_path, "corrupt", shape_wh, message=message, class_ids_out_of_range=error.class_ids)
+        ids = error.class_ids
+        return LabelRecord(
+            image_path, "corrupt", shape_wh, message=message, class_ids_out_of_range=ids, label_path=label_path
+        )
     except BadInputError as error:
         return LabelRecord(image_path, "corrupt", shape_wh, message=f"corrupt label {label_path}: {error}; skipped")
+    num_overhanging = _count_overhanging_boxes(rows)
+    if num_overhanging:
+        fixes.append(f"clipped {num_overhanging} box(es) overhanging the image edge by more than {COORD_TOLERANCE:g}")
     labels, segments, num_degenerate = _drop_degenerate(*_rows_to_instances(rows))
     if num_degenerate:
         fixes.append(f"dropped {num_degenerate} degenerate (zero-area) instance(s)")
@@ -321,8 +394,8 @@ def serve_verification() -> None:
 
     A job is a pickled (image_files, num_classes), its answer the pickled verify_files result;
     the process returns when stdin closes (the scanning process is done, or gone). It lives in
-    this module because a worker imports only this module (numpy, PIL), not torch: it starts in
-    ~0.2 s. Only answers go to the original stdout; anything a library prints goes to stderr.
+    this module because a worker imports only this module (numpy, PIL; yaml for ConfigError), not
+    torch: it starts in ~0.2 s. Only answers go to the original stdout; anything a library prints goes to stderr.
     SIGINT is ignored: Ctrl-C reaches the whole process group, and the parent stops its workers
     by closing their stdin, so one Ctrl-C gives one traceback, not one per worker. An unexpected
     exception ends the process with its traceback on stderr, which the parent reports.
@@ -354,8 +427,9 @@ class LabelIndex:
     left out in all; `problems` counts a COCO JSON's entries repaired or left out, by reason (empty
     for YOLO txt labels); `class_ids_out_of_range` maps each integer class id >= num_classes found in
     otherwise valid label files to its number of rows (always empty for a COCO JSON, whose categories
-    map to classes by utils/data/coco_labels.py: category_mapping). Arrays read from a label cache are
-    read-only memory maps of the file.
+    map to classes by utils/data/coco_labels.py: category_mapping), and `out_of_range_files` names
+    the label files holding them, in file order, so an error can name one however many warnings
+    were shown. Arrays read from a label cache are read-only memory maps of the file.
     """
 
     im_files: list[str]
@@ -369,6 +443,7 @@ class LabelIndex:
     num_degenerate: int = 0
     problems: dict[str, int] = field(default_factory=dict)
     class_ids_out_of_range: dict[int, int] = field(default_factory=dict)
+    out_of_range_files: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.im_files)
@@ -403,6 +478,7 @@ class LabelIndex:
             self.num_degenerate,
             self.problems,
             self.class_ids_out_of_range,
+            self.out_of_range_files,
         )
 
 
@@ -432,7 +508,9 @@ def build_index(records: list[LabelRecord]) -> LabelIndex:
         np.array([i for r in records for i in r.class_ids_out_of_range], np.int64), return_counts=True
     )
     out_of_range = dict(zip(ids.tolist(), id_counts.tolist(), strict=True))
-    return LabelIndex([r.image_path for r in kept], shapes, *packed, counts, messages, num_degenerate, {}, out_of_range)
+    files = [r.image_path for r in kept]
+    out_of_range_files = [r.label_path for r in records if r.class_ids_out_of_range]
+    return LabelIndex(files, shapes, *packed, counts, messages, num_degenerate, {}, out_of_range, out_of_range_files)
 
 
 def label_cache_path(image_files: Sequence[str]) -> Path:
@@ -473,6 +551,7 @@ def save_label_cache(path: Path, index: LabelIndex, digest: str) -> bool:
                 "problem_counts": np.array(list(index.problems.values()), dtype=np.int64),
                 "out_of_range_ids": np.array(list(index.class_ids_out_of_range), dtype=np.int64),
                 "out_of_range_counts": np.array(list(index.class_ids_out_of_range.values()), dtype=np.int64),
+                "out_of_range_files": np.array(index.out_of_range_files, dtype=str),
             },
         )
         return True
@@ -505,6 +584,7 @@ def load_label_cache(path: Path, digest: str) -> LabelIndex | None:
             int(data["num_degenerate"]),
             problems,
             dict(zip(data["out_of_range_ids"].tolist(), data["out_of_range_counts"].tolist(), strict=True)),
+            data["out_of_range_files"].tolist(),
         )
     except Exception:  # missing, truncated or foreign file: treat as no cache and rebuild
         return None

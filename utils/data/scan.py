@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from utils.data.labels import (
     STATUSES,
+    ImageFiles,
     LabelIndex,
     files_hash,
     image_to_label_path,
@@ -78,7 +79,7 @@ class VerifierPool:
     """Worker processes that verify runs of image/label files (labels.verify_files); with none, this process does.
 
     A worker is a fresh interpreter running labels.serve_verification, which imports only
-    numpy and PIL (~0.2 s to start), launched by subprocess (fork and exec at once, safe in a
+    numpy, PIL and yaml (~0.2 s to start), launched by subprocess (fork and exec at once, safe in a
     process that runs torch and gloo threads) rather than multiprocessing: a 'spawn' or
     'forkserver' child first imports the main script (train.py: torch, 1.5-2.5 s of CPU per
     worker on this machine; Python 3.11's forkserver does not preload it), and a 'fork' child
@@ -260,6 +261,7 @@ def concatenate_indices(parts: Sequence[LabelIndex]) -> LabelIndex:
         sum(part.num_degenerate for part in parts),
         _summed([part.problems for part in parts]),
         dict(sorted(_summed([part.class_ids_out_of_range for part in parts]).items())),
+        [path for part in parts for path in part.out_of_range_files],
     )
 
 
@@ -307,21 +309,25 @@ def check_same_image_files(image_files: Sequence[str], what: str, ctx: DistConte
         raise ConfigError(message)
 
 
-def report_scan(index: LabelIndex, source: str) -> None:
+def report_scan(index: LabelIndex, source: str, skipped: Sequence[str] = ()) -> None:
     """Log the first bad files (or COCO entries) one per line, how many more there were, and the summary counts.
 
-    Called on rank 0 by every label scan, so the txt and COCO JSON paths report alike.
+    Called on rank 0 by every label scan, so the txt and COCO JSON paths report alike. `skipped`
+    are the image-list entries left out before the scan (labels.ImageFiles.skipped): warned
+    first and counted in the summary, so no listed image is lost without a word.
     """
-    for message in index.messages[:MAX_LOGGED_MESSAGES]:
+    messages = [*skipped, *index.messages]
+    for message in messages[:MAX_LOGGED_MESSAGES]:
         LOGGER.warning(message)
-    if len(index.messages) > MAX_LOGGED_MESSAGES:
-        LOGGER.warning(f"... and {len(index.messages) - MAX_LOGGED_MESSAGES} more label/image warnings not shown")
+    if len(messages) > MAX_LOGGED_MESSAGES:
+        LOGGER.warning(f"... and {len(messages) - MAX_LOGGED_MESSAGES} more label/image warnings not shown")
     c = index.counts
     dropped = f", {index.num_degenerate} degenerate instance(s) dropped" if index.num_degenerate else ""
     problems = "".join(f", {count} {reason}" for reason, count in index.problems.items())
+    left_out = f", {len(skipped)} image list entries left out" if skipped else ""
     LOGGER.info(
         f"{source}: {c['found']} found, {c['missing']} missing (background), {c['empty']} empty, "
-        f"{c['corrupt']} corrupt{dropped}{problems}"
+        f"{c['corrupt']} corrupt{dropped}{problems}{left_out}"
     )
 
 
@@ -332,7 +338,9 @@ def check_class_ids(index: LabelIndex, num_classes: int, names_file: Path | None
     of skipping the file like a damaged one. A class id past the declared classes cannot be
     trained as labelled: `names` in the dataset YAML (`names_file`) is short, or the labels come
     from another dataset, and skipping those files would train on what is left without a word
-    about why. The message names the YAML, its class count, the largest id and its label count.
+    about why. The message names the YAML, its class count, the largest id and its label count,
+    and the first label file with such an id and how many there are: only the first
+    MAX_LOGGED_MESSAGES warnings are shown, so the error itself must say where to look.
     Call it with the gathered index (the same on every rank), so every rank decides alike.
     """
     if not index.class_ids_out_of_range:
@@ -345,11 +353,42 @@ def check_class_ids(index: LabelIndex, num_classes: int, names_file: Path | None
         if num_rows > index.class_ids_out_of_range[largest]
         else ""
     )
+    files = index.out_of_range_files
+    first = f"; first in {files[0]} ({len(files)} label file(s) in all)" if files else ""
     raise ConfigError(
         f"{where} declares {num_classes} classes ('names') but the labels use class ids up to {largest} "
-        f"({index.class_ids_out_of_range[largest]} labels with class {largest}{others}); list every class "
-        "in 'names', or fix the labels (the files are named in the warnings above)"
+        f"({index.class_ids_out_of_range[largest]} labels with class {largest}{others}){first}; list every class "
+        "in 'names', or fix the labels"
     )
+
+
+def _labels_folders_text(label_files: Sequence[str]) -> str:
+    """Name the folder(s) the label files of a split are looked for in: the first, and how many others."""
+    folders = list(dict.fromkeys(os.path.dirname(path) for path in label_files))
+    more = f" (and {len(folders) - 1} more folder(s))" if len(folders) > 1 else ""
+    return f"{folders[0]}{more}" if folders else "(no label folder)"
+
+
+def check_labelled(index: LabelIndex, where: str, is_train: bool, ctx: DistContext) -> None:
+    """Stop a training split that has no label at all, and warn (rank 0) about another split without any.
+
+    A train set of background images only trains the model to find nothing and ends with mAP 0
+    after the whole run, so, as YOLOv5 does ("No labels found"), it is a one-line ConfigError
+    naming `where` (the labels folder looked in, or the COCO JSON). A val or test set without
+    labels can still be predicted on, so it gets one warning instead. Call it with the gathered
+    index (the same on every rank), so every rank decides alike.
+    """
+    if not len(index) or index.counts["found"]:
+        return
+    c, split = index.counts, "train " if is_train else ""
+    what = (
+        f"{where}: none of the {len(index)} {split}images has a label "
+        f"({c['missing']} label files missing, {c['empty']} empty)"
+    )
+    if is_train:
+        raise ConfigError(f"{what}; a train set needs labels: check that the labels folder is there and filled")
+    if ctx.is_main:
+        LOGGER.warning(f"{what}; its metrics will be zero")
 
 
 def scan_labels(
@@ -359,6 +398,7 @@ def scan_labels(
     num_workers: int | None = None,
     cache_path: Path | None = None,
     names_file: Path | None = None,
+    require_labels: bool = False,
 ) -> LabelIndex:
     """Verify every image and label (or reuse the label cache) and return the packed index, the same on every rank.
 
@@ -369,11 +409,14 @@ def scan_labels(
     (`_scan_in_rounds`), so no rank waits in a collective for the whole scan and a scan longer
     than the process-group timeout (--dist-timeout) is fine; the local main rank of each node
     then writes the cache, and every rank returns once it is written. Rank 0 logs the bad files
-    and the counts. Raises ValueError when no usable image remains. Each rank verifies with up
-    to `num_workers` worker processes (default and upper bound: its share of the CPUs; see
-    scan_workers); reading a current cache opens no image. Label files whose class ids reach
+    and the counts. Raises a one-line ConfigError when no usable image remains. Each rank
+    verifies with up to `num_workers` worker processes (default and upper bound: its share of the
+    CPUs; see scan_workers); reading a current cache opens no image. Label files whose class ids reach
     `num_classes` make every rank raise a one-line ConfigError naming `names_file`, the dataset
-    YAML (check_class_ids).
+    YAML (check_class_ids). With `require_labels` (a train set) no labelled image at all is a
+    one-line ConfigError naming the labels folder; without it, one warning (check_labelled).
+    Entries of .txt image lists left out by list_image_files (`image_files.skipped`) are warned
+    and counted with the scan's summary.
     """
     label_files = [image_to_label_path(f) for f in image_files]
     cache_path = cache_path or label_cache_path(image_files)
@@ -394,8 +437,10 @@ def scan_labels(
         # train set) finds the cache instead of starting a second scan for every rank.
         barrier(ctx)
     if ctx.is_main:
-        report_scan(index, source)
+        report_scan(index, source, image_files.skipped if isinstance(image_files, ImageFiles) else ())
     check_class_ids(index, num_classes, names_file)  # after the gather: every rank holds the same index
     if not len(index):
-        raise ValueError(f"{cache_path.parent}: no usable images (all {index.counts['corrupt']} are corrupt)")
+        images = Path(image_files[0]).parent
+        raise ConfigError(f"{images}: no usable images (all {index.counts['corrupt']} are corrupt; see the warnings)")
+    check_labelled(index, _labels_folders_text(label_files), require_labels, ctx)
     return index

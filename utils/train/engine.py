@@ -351,11 +351,12 @@ def _start_run(
     bundle = build_model_bundle(plan, ctx)
     # Before the run folder too: a --callbacks module that does not import fails the run before it writes anything.
     modules = load_callback_modules(cfg.callbacks)
-    run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resume_ckpt is not None, ctx, subdirs=("weights",))
-    run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx), ctx, f"writing the run folder {run_dir}")
     # A bad annotations file fails now, not after training; the parsed file is not kept (it can be large).
     check_coco_target(data, "val", ctx, cfg.single_cls)
+    # Before the run folder too: bad labels (class ids past `names`, a train set without labels) leave no folder.
     datasets = build_datasets(cfg, task, data, bundle, ctx)
+    run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resume_ckpt is not None, ctx, subdirs=("weights",))
+    run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx), ctx, f"writing the run folder {run_dir}")
     # The workers start now and build the first batches while the rest of the set-up runs (not after it).
     datasets.train_loader.start(*resume_position(resume_ckpt))
     callbacks = _run_callbacks(cfg, run_dir, ctx, modules, callbacks)
