@@ -23,6 +23,7 @@ from utils.checkpoint import (
     git_hash,
     inference_weights,
     load_checkpoint,
+    load_resume_checkpoint,
     plain_data,
     restore_training_state,
     save_checkpoint,
@@ -248,6 +249,42 @@ def test_bad_files_give_one_line_errors(tmp_path: Path) -> None:
         assert phrase in message and str(paths[name]) in message and "\n" not in message, (name, message)
     with pytest.raises(FileNotFoundError, match="missing.pt does not exist"):
         load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_folders_and_exported_models_are_named_as_such_not_as_missing_or_corrupt(tmp_path: Path) -> None:
+    run = tmp_path / "exp"
+    (run / "weights").mkdir(parents=True)
+    last = run / "weights" / "last.pt"
+    last.write_bytes(b"")
+    onnx = tmp_path / "best.onnx"
+    onnx.write_bytes(b"\x08\x07onnx")
+    openvino = tmp_path / "best_openvino_model"
+    openvino.mkdir()
+    (openvino / "best.xml").write_text("<net/>")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    expected = {
+        run: f"checkpoint {run} is a folder, not a checkpoint file; give a checkpoint in it, e.g. {last}",
+        empty: f"checkpoint {empty} is a folder, not a checkpoint file; give a .pt checkpoint file",
+        onnx: f"checkpoint {onnx} is an exported ONNX model, not a .pt checkpoint; training, fine-tuning and --resume",
+        openvino: f"checkpoint {openvino} is an exported OpenVINO model folder, not a .pt checkpoint",
+    }
+    for path, message in expected.items():
+        with pytest.raises(ConfigError) as error:
+            load_checkpoint(path)
+        assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_resume_of_a_run_folder_names_its_last_pt_and_takes_no_fallback(tmp_path: Path) -> None:
+    trainer = _Trainer()
+    run = tmp_path / "exp"
+    save_checkpoint(trainer.checkpoint(epoch=0), tmp_path / "other.pt", MAIN)  # beside the folder: no fallback
+    (run / "weights").mkdir(parents=True)
+    save_checkpoint(trainer.checkpoint(epoch=0), run / "weights" / "last.pt", MAIN)
+    with pytest.raises(ConfigError) as error:
+        load_resume_checkpoint(run)
+    wanted = f"--resume {run} is a folder, not a checkpoint file; give a checkpoint in it, e.g. {run}/weights/last.pt"
+    assert str(error.value) == wanted
 
 
 def test_strip_optimizer_keeps_fp16_ema_weights(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,18 @@ def test_validate_rejects_bad_flags(flags: list[str], needle: str) -> None:
     cfg = config_from_args(build_train_parser().parse_args(flags))
     with pytest.raises(ConfigError, match=needle):
         validate(cfg, DistContext())
+
+
+def test_weights_that_are_a_folder_or_an_exported_model_are_named_as_such(tmp_path: Path) -> None:
+    onnx = tmp_path / "best.onnx"
+    onnx.write_bytes(b"onnx")
+    for weights, needle in [
+        (tmp_path, f"--weights {tmp_path} is a folder, not a checkpoint file"),
+        (onnx, f"--weights {onnx} is an exported ONNX model, not a .pt checkpoint; training, fine-tuning"),
+    ]:
+        cfg = config_from_args(build_train_parser().parse_args(["--weights", str(weights)]))
+        with pytest.raises(ConfigError, match=f"^{re.escape(needle)}"):
+            validate(cfg, DistContext())
 
 
 def test_cuda_graph_needs_one_cuda_process_without_compile() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import time
 import weakref
 from pathlib import Path
@@ -23,6 +24,7 @@ from utils.distributed import (
     select_device,
     smart_ddp,
 )
+from utils.errors import ConfigError
 
 LAUNCH_VARS = (
     "RANK",
@@ -71,12 +73,32 @@ def test_slurm_variables_used_without_torchrun(clean_env: pytest.MonkeyPatch) ->
     assert read_launch_env() == (3, 1, 4, 2)
 
 
-def test_select_device_cpu_and_missing_cuda() -> None:
+def test_select_device_cpu_and_missing_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert select_device("cpu") == torch.device("cpu")
-    if not torch.cuda.is_available():
-        assert select_device("") == torch.device("cpu")
-        with pytest.raises(ValueError, match="--device 0 asks for CUDA"):
-            select_device("0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_device("") == torch.device("cpu")
+    # A user error (ConfigError), which entry points print as one `error:` line, not a traceback.
+    message = "--device 0 asks for CUDA but no CUDA device is available; use --device cpu"
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        select_device("0")
+
+
+@pytest.mark.parametrize(
+    ("device", "local_rank", "message"),
+    [
+        ("2", 0, "--device 2: no GPU 2 on this machine; it has 2 (0-1)"),
+        ("gpu0", 0, "--device gpu0: expected cpu, cuda or GPU numbers such as 0 or 0,1"),
+        ("0", 1, "--device 0 lists 1 GPU(s) but local rank 1 needs one"),
+    ],
+)
+def test_select_device_refuses_gpus_this_machine_lacks(
+    monkeypatch: pytest.MonkeyPatch, device: str, local_rank: int, message: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert select_device("cuda:1,0", local_rank=1) == torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        select_device(device, local_rank)
 
 
 def test_context_properties() -> None:

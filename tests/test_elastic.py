@@ -159,5 +159,5 @@ def test_sigterm_to_the_job_saves_mid_epoch_and_a_new_start_resumes_there(tiny_d
     resumed = _launch(project, tiny_data, "--resume", str(run_dir / "weights" / "last.pt"))
     output = _finish(resumed)
     assert resumed.returncode == 0, output
-    assert f"batch {checkpoint['batches_done'] + 1}" in output  # "Resuming ... from epoch 2 batch N"
+    assert f"in epoch 2, after its batch {checkpoint['batches_done']}" in output  # the "Resuming ..." line
     assert _rows(run_dir) == ["1", "2"]

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from models.yolo import build_model, spec_from_cfg
 from utils.config import DEFAULT_HYP
+from utils.errors import ConfigError
 from utils.hyp import load_hyp
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV
-from utils.train.setup import augment_params, freeze_layers
+from utils.train.setup import augment_params, epoch_steps_line, freeze_layers
 
 YOLOV5_LOSS_NAMES = ("box", "obj", "cls")  # the items of the YOLOv5 family's detection loss
 
@@ -33,6 +36,51 @@ def test_freeze_list_of_indices() -> None:
     assert any(name.startswith("backbone.stem.") for name in frozen)
     assert any(name.startswith("head.") for name in frozen)
     assert all(p.requires_grad for name, p in model.named_parameters() if name.startswith(("backbone.stage", "neck.")))
+
+
+@pytest.mark.parametrize(
+    ("freeze", "message"),
+    [
+        ((25,), "freezes every trainable layer of this model (layers 0-24), so nothing is left to train"),
+        ((1000,), "--freeze 1000: this model has 25 layers (0-24) and one value N freezes the first N, so N must"),
+        ((-1,), "--freeze -1: this model has 25 layers (0-24)"),
+        ((5, 500), "--freeze 5 500: no layer 500 in this model; its layers are 0-24"),
+        ((-2, 3), "--freeze -2 3: no layer -2 in this model"),
+        (tuple(range(25)), "nothing is left to train"),
+    ],
+)
+def test_freeze_refuses_bad_indices_before_freezing_anything(freeze: tuple[int, ...], message: str) -> None:
+    model = build_model(spec_from_cfg("yolov5n", 3))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        freeze_layers(model, freeze)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_freeze_all_but_the_head_is_allowed_and_zero_freezes_nothing() -> None:
+    model = build_model(spec_from_cfg("yolov5n", 3))
+    freeze_layers(model, (0,))
+    assert all(p.requires_grad for p in model.parameters())
+    freeze_layers(model, (24,))  # the first 24 layers: everything but the head
+    assert {name.split(".")[0] for name, p in model.named_parameters() if p.requires_grad} == {"head"}
+
+
+def test_start_up_line_says_where_a_resumed_epoch_goes_on() -> None:
+    from tests.test_loader import FakeDataset
+    from utils.data.loader import build_train_loader
+    from utils.distributed import DistContext
+
+    ctx = DistContext()
+    loader = build_train_loader(FakeDataset(10, ctx), 4, 0, ctx, seed=0)  # 3 batches of 4, 4, 2
+    loader.start(15, 0)
+    assert epoch_steps_line(loader, epochs=20) == "3 steps/epoch"
+    loader.start(15, 1)
+    assert epoch_steps_line(loader, epochs=20) == "3 steps/epoch (resumed epoch 16 goes on at batch 2, 2 left)"
+    loader.start(15, 3)  # stopped at the epoch's last (short) batch: nothing of epoch 16 is left to train
+    assert epoch_steps_line(loader, epochs=20) == (
+        "3 steps/epoch (resumed epoch 16 has no batch left: it is validated and saved, then epoch 17 starts)"
+    )
+    assert epoch_steps_line(loader, epochs=16).endswith("it is validated and saved, which ends the run)")
+    loader.close()
 
 
 def test_early_stopper_waits_patience_epochs_after_best() -> None:

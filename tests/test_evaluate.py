@@ -1,4 +1,4 @@
-"""Tests for utils/eval/evaluate.py: multi- vs single-label NMS in the mAP; one class per box in confusion."""
+"""Tests for utils/eval/evaluate.py: multi- vs single-label NMS in the mAP, the confusion matrix, the results table."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from utils.distributed import DistContext
-from utils.eval.evaluate import EvalOptions
+from utils.eval.evaluate import EvalOptions, format_results
 from utils.tasks import DETECT
 
 SIZE = 64
@@ -71,3 +71,24 @@ def test_val_flag_chooses_the_nms() -> None:
     parse = build_val_parser().parse_args
     assert val_config_from_args(parse(["--weights", "w.pt"])).multi_label
     assert not val_config_from_args(parse(["--weights", "w.pt", "--no-multi-label"])).multi_label
+
+
+def _images_with_labels(classes_per_image: list[list[int]]) -> dict:
+    """One batch of 64x64 images, image i holding one centred label per class in classes_per_image[i]."""
+    rows = [[float(i), float(c), 0.5, 0.5, 0.5, 0.5] for i, classes in enumerate(classes_per_image) for c in classes]
+    count = len(classes_per_image)
+    return {
+        "images": torch.zeros(count, SIZE, SIZE, 3, dtype=torch.uint8),
+        "targets": torch.tensor(rows).reshape(-1, 6),
+        "paths": [f"{i}.jpg" for i in range(count)],
+        "shapes": [((SIZE, SIZE), ((1.0, 1.0), (0.0, 0.0)))] * count,
+    }
+
+
+def test_verbose_table_counts_per_class_the_images_holding_that_class() -> None:
+    model = _FixedPredictions([32.0, 32.0, 32.0, 32.0, 1.0, 0.6, 0.35])
+    batches = [_images_with_labels([[0, 0], [1], []]), _images_with_labels([[0]])]
+    result = DETECT.evaluate(model, batches, EvalOptions(num_classes=2), DistContext())
+    assert result.num_images == 4 and result.class_counts.tolist() == [3, 1] and result.class_images.tolist() == [2, 1]
+    rows = [line.split() for line in format_results(result, ("circle", "square"), verbose=True).splitlines()[1:]]
+    assert [row[:3] for row in rows] == [["all", "4", "4"], ["circle", "2", "3"], ["square", "1", "1"]]

@@ -241,3 +241,33 @@ def test_a_signal_the_process_ignores_stays_ignored() -> None:
             assert signal.getsignal(signal.SIGTERM) == stop._handle
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.slow
+def test_a_stop_in_a_later_epoch_with_accumulation_resumes_bit_identical(tiny_data: Path, tmp_path: Path) -> None:
+    # No warmup and a nominal batch of 8 over batches of 4: one optimizer step per 2 batches from the start
+    # (iterations 1, 3 | 5, 7). A stop asked for after the step at epoch 1's end is saved at epoch 2's first
+    # step (batch 2 of 4); the resumed run must count its steps on the whole epoch's 4 batches, not the 2 left.
+    hyp = tmp_path / "hyp.yaml"
+    source = Path(train.__file__).parent / "data" / "hyps" / "hyp.scratch-low.yaml"
+    text = source.read_text().replace("warmup_epochs: 3.0", "warmup_epochs: 0.0").replace("nbs: 64", "nbs: 8")
+    hyp.write_text(text)
+    args = [*_args(tiny_data, tmp_path, "whole", 0), "--hyp", str(hyp)]
+    uninterrupted = train.main(args)
+    real_step = engine._optimizer_step
+    steps = {"count": 0}
+
+    def step_then_stop(state: engine.TrainState) -> None:
+        real_step(state)
+        steps["count"] += 1
+        if steps["count"] == 2:
+            state.stop.request("SIGTERM")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine, "_optimizer_step", step_then_stop)
+        with pytest.raises(Preempted) as stopped:
+            train.main([*_args(tiny_data, tmp_path, "cut", 0), "--hyp", str(hyp)])
+    checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
+    assert (checkpoint["epoch"], checkpoint["batches_done"]) == (0, 2)
+    resumed = train.main(["--resume", str(stopped.value.checkpoint), "--device", "cpu", "--workers", "0"])
+    _assert_identical(uninterrupted.last, resumed.last)

@@ -111,3 +111,19 @@ def test_bad_inputs_are_one_line_errors(detector_file: Path, tmp_path: Path) -> 
         model(str(tmp_path / "missing.jpg"))
     with pytest.raises(ConfigError, match="nothing.pt: file not found"):
         _hub("custom", path=str(tmp_path / "nothing.pt"))
+
+
+def test_a_pil_image_is_turned_upright_by_its_exif_orientation_as_its_path_is(tmp_path: Path) -> None:
+    from utils.predict.hub import _as_bgr
+
+    stored = np.zeros((8, 16, 3), np.uint8)  # 8 high, 16 wide as stored; orientation 6: shown rotated 90° clockwise
+    stored[:, :4] = (255, 0, 0)  # a red band down the stored left edge ends up along the top
+    path = tmp_path / "phone.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(stored).save(path, exif=exif, quality=100)
+    _, from_path = _as_bgr(str(path), 0)
+    _, from_pil = _as_bgr(Image.open(path), 1)
+    assert from_path.shape == from_pil.shape == (16, 8, 3)
+    assert np.abs(from_path.astype(int) - from_pil.astype(int)).max() <= 2  # the same decoder, same rotation
+    assert from_pil[:3, :, 2].mean() > 200 and from_pil[-3:, :, 2].mean() < 50  # BGR: red on top, none at the bottom

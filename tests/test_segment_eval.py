@@ -52,7 +52,7 @@ def _mask_metrics(instances: list[int], boxes: torch.Tensor) -> DetectionMetrics
     stats = _Stats()
     for score in SegmentationScorer(num_masks=3).score_batch(outputs, loss_input, targets, batch, collect=False):
         stats.add(score)
-    correct, conf, pred_cls, target_cls, mask_correct = stats.concatenated()
+    correct, conf, pred_cls, target_cls, mask_correct, _ = stats.concatenated()
     return DetectionMetrics.from_stats(mask_correct, conf, pred_cls, target_cls, num_classes=2)
 
 

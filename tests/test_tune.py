@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -141,6 +142,7 @@ def test_train_flags_pass_to_trials_and_the_tuner_keeps_its_own() -> None:
         (["--trials", "0"], r"--trials 0 must be at least 1"),
         (["--resume"], r"--resume is train.py's: run the same tune command again"),
         (["--noval"], r"--noval leaves no per-epoch mAP to prune on"),
+        (["--evolve", "3"], r"^--evolve is train.py's spelling of tune.py; tune.py takes the number of trials as"),
     ],
 )
 def test_study_flags_that_cannot_work_are_refused(argv: list[str], message: str) -> None:
@@ -265,9 +267,13 @@ def test_a_study_resumed_with_other_settings_is_refused(tiny_data: Path, tmp_pat
 
 
 def test_the_same_command_again_adds_trials_up_to_the_new_count(tiny_data: Path, tmp_path: Path,
-                                                                 fake_trainer: None) -> None:  # fmt: skip
+                                                                 fake_trainer: None, caplog) -> None:  # fmt: skip
+    caplog.set_level(logging.INFO, logger="utils.tune.tuner")
     tune.run(**_flags(tiny_data, tmp_path, trials=2))
+    assert "; 0 trials already in it" in caplog.text, "a new study's queued base recipe is not a trial yet"
+    caplog.clear()
     summary = tune.run(**_flags(tiny_data, tmp_path, trials=4))
+    assert "; 2 trials already in it" in caplog.text
     trials = _study(tmp_path).get_trials()
     assert [t.number for t in trials] == [0, 1, 2, 3] and summary.counts == {"complete": 4}
     assert sum(bool(t.user_attrs.get("baseline")) for t in trials) == 1

@@ -234,15 +234,44 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+# What export.py writes, by suffix: given where a .pt checkpoint is needed, these get their own message.
+EXPORTED_SUFFIXES = {".onnx": "ONNX", ".torchscript": "TorchScript", ".engine": "TensorRT", ".xml": "OpenVINO"}
+_NEEDS_PT = "training, fine-tuning and --resume need the .pt checkpoint it was exported from (e.g. weights/best.pt)"
+
+
+def checkpoint_path_problem(path: Path) -> str | None:
+    """Why `path` cannot be a .pt checkpoint although it exists (a folder, an exported model), or None.
+
+    The words complete a sentence naming the path ("checkpoint X ...", "--weights X ..."). Without
+    them a run folder reads as "does not exist" and an .onnx file as "corrupt or truncated",
+    both of which send the user looking for the wrong fault. A missing path gives None: the
+    caller's "not found" says it.
+    """
+    if path.is_dir():
+        if any(path.glob("*.xml")):
+            return f"is an exported OpenVINO model folder, not a .pt checkpoint; {_NEEDS_PT}"
+        inside = [path / "weights" / "last.pt", path / "last.pt"]
+        found = next((candidate for candidate in inside if candidate.is_file()), None)
+        hint = f"give a checkpoint in it, e.g. {found}" if found else "give a .pt checkpoint file"
+        return f"is a folder, not a checkpoint file; {hint}"
+    kind = EXPORTED_SUFFIXES.get(path.suffix.lower())
+    if kind is not None and path.is_file():
+        return f"is an exported {kind} model, not a .pt checkpoint; {_NEEDS_PT}"
+    return None
+
+
 def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu", for_resume: bool = False) -> Checkpoint:
     """Read and validate a checkpoint with torch.load(weights_only=True); any rank may call it.
 
     Raises FileNotFoundError for a missing file and ConfigError (a ValueError; one line naming the
-    file, which the entry points print as one error line) for a file that is not readable, not one
-    of our checkpoints, of an unknown format_version, or, with `for_resume`, stripped of its
-    optimizer state.
+    file, which the entry points print as one error line) for a folder, an exported model, a file
+    that is not readable, not one of our checkpoints, of an unknown format_version, or, with
+    `for_resume`, stripped of its optimizer state.
     """
     path = Path(path)
+    problem = checkpoint_path_problem(path)
+    if problem is not None:
+        raise ConfigError(f"checkpoint {path} {problem}")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not zipfile.is_zipfile(path):
@@ -377,6 +406,9 @@ def load_resume_checkpoint(path: Path) -> tuple[Path, Checkpoint]:
     naming both files. Raises the original error when none loads (and FileNotFoundError for
     a missing `path`). Call it on one rank and broadcast the choice.
     """
+    problem = checkpoint_path_problem(path)
+    if problem is not None:  # a wrong path, not a damaged file: its neighbours are no fallback
+        raise ConfigError(f"--resume {path} {problem}")
     try:
         return path, load_checkpoint(path, for_resume=True)
     except ConfigError as error:

@@ -102,19 +102,33 @@ def select_device(device_arg: str, local_rank: int = 0) -> torch.device:
     """Turn a `--device` value ('', 'cpu', '0', 'cuda:0', '0,1') into this process's device.
 
     Under torchrun each process drives the GPU of its *local* rank; '' picks CUDA when it
-    exists. Raises ValueError naming the flag when CUDA is asked for but absent.
+    exists. A value that cannot be honoured (CUDA absent, not GPU numbers, a GPU this machine
+    lacks, fewer GPUs than local ranks) is a user mistake: a one-line ConfigError naming the
+    flag, which entry points print as `error: ...`.
     """
     arg = device_arg.strip().lower().replace("cuda:", "")
     if arg == "cpu" or (arg == "" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(f"--device {device_arg} asks for CUDA but no CUDA device is available; use --device cpu")
+        raise ConfigError(f"--device {device_arg} asks for CUDA but no CUDA device is available; use --device cpu")
     if arg in ("", "cuda"):
         return torch.device("cuda", local_rank % torch.cuda.device_count())
-    visible = [int(x) for x in arg.split(",") if x.strip()]
+    visible = _gpu_indices(device_arg, arg)
     if local_rank >= len(visible):
-        raise ValueError(f"--device {device_arg} lists {len(visible)} GPU(s) but local rank {local_rank} needs one")
+        raise ConfigError(f"--device {device_arg} lists {len(visible)} GPU(s) but local rank {local_rank} needs one")
     return torch.device("cuda", visible[local_rank])
+
+
+def _gpu_indices(device_arg: str, arg: str) -> list[int]:
+    """The GPU numbers of a `--device` list such as '0,1', each one this machine has, or a ConfigError."""
+    words = [word.strip() for word in arg.split(",") if word.strip()]
+    if not all(word.isdigit() for word in words):
+        raise ConfigError(f"--device {device_arg}: expected cpu, cuda or GPU numbers such as 0 or 0,1")
+    count = torch.cuda.device_count()
+    missing = [int(word) for word in words if int(word) >= count]
+    if missing:
+        raise ConfigError(f"--device {device_arg}: no GPU {missing[0]} on this machine; it has {count} (0-{count - 1})")
+    return [int(word) for word in words]
 
 
 def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> DistContext:

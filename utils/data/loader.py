@@ -322,7 +322,13 @@ class TrainLoader:
             shutdown()
 
     def __len__(self) -> int:
+        """The batches the next iteration yields: after a mid-epoch start, only those left in that epoch."""
         return self.stream.batches_per_epoch(self.sampler.start)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """The batches of a whole epoch, whatever batch this loader was started at (what step counts are on)."""
+        return self.stream.batches_per_epoch()
 
     def __iter__(self) -> Iterator[Batch]:
         """Yield the epoch's batches; unreadable images they report are warned about once each and counted."""

@@ -74,6 +74,8 @@ class EvalResult:
     mask_metrics: DetectionMetrics | None = None  # segmentation: the same metrics on masks
     metric_source: str = "internal"  # or "pycocotools" once COCOeval replaced the mAPs
     confusion: ConfusionMatrix | None = None  # with EvalOptions.confusion: all ranks' images
+    # Images holding at least one label of each class, all ranks: the verbose table's per-class "Images".
+    class_images: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def as_dict(self) -> dict[str, float]:
         """Return precision, recall, mAP50, mAP50-95 (box), mask_* (segmentation) and fitness (box + mask)."""
@@ -148,19 +150,23 @@ class _Stats:
     pred_cls: list[np.ndarray] = field(default_factory=list)
     target_cls: list[np.ndarray] = field(default_factory=list)
     mask_correct: list[np.ndarray] = field(default_factory=list)
+    image_classes: list[np.ndarray] = field(default_factory=list)  # each image's distinct label classes
 
     def add(self, score: ImageScore) -> None:
         self.correct.append(score.correct)
         self.conf.append(score.detections[:, 4])
         self.pred_cls.append(score.detections[:, 5])
         self.target_cls.append(score.target_cls)
+        self.image_classes.append(np.unique(score.target_cls))
         if score.mask_correct is not None:
             self.mask_correct.append(score.mask_correct)
 
     def concatenated(self) -> tuple[np.ndarray, ...]:
+        """(correct, conf, pred_cls, target_cls, mask_correct, image_classes), each joined over this rank's images."""
         empty = (np.zeros((0, 10), bool), np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.float32))
-        parts = (self.correct, self.conf, self.pred_cls, self.target_cls, self.mask_correct)
-        return tuple(np.concatenate(p, 0) if p else e for p, e in zip(parts, (*empty, empty[0]), strict=True))
+        parts = (self.correct, self.conf, self.pred_cls, self.target_cls, self.mask_correct, self.image_classes)
+        empties = (*empty, empty[0], empty[3])
+        return tuple(np.concatenate(p, 0) if p else e for p, e in zip(parts, empties, strict=True))
 
 
 def match_image_boxes(pred: torch.Tensor, labels: torch.Tensor, shape: Any, input_hw: tuple[int, int]) -> tuple:
@@ -299,7 +305,7 @@ def _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, with_m
     images_here = max(int(seen[0].item()), 1)
     speed = dict(zip(("preprocess", "inference", "nms"), (1000 * timings / images_here).tolist(), strict=True))
     gathered = all_gather_objects(stats.concatenated(), ctx)
-    correct, conf, pred_cls, target_cls, mask_correct = (
+    correct, conf, pred_cls, target_cls, mask_correct, image_classes = (
         np.concatenate(parts, 0) for parts in zip(*gathered, strict=True)
     )
     metrics = DetectionMetrics.from_stats(correct, conf, pred_cls, target_cls, options.num_classes)
@@ -312,9 +318,11 @@ def _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, with_m
     all_reduce_sum(seen, ctx)
     loss_items = (loss_sum / seen[1]).cpu().numpy() if seen[1] > 0 else None
     counts = np.bincount(target_cls.astype(np.int64), minlength=options.num_classes)
+    images = np.bincount(image_classes.astype(np.int64), minlength=options.num_classes)
     return EvalResult(
-        metrics, int(seen[0].item()), int(len(target_cls)), loss_items, speed, counts, predictions, mask_metrics
-    )
+        metrics, int(seen[0].item()), int(len(target_cls)), loss_items, speed, counts, predictions, mask_metrics,
+        class_images=images,
+    )  # fmt: skip
 
 
 def _sync(device: torch.device) -> None:
@@ -325,6 +333,8 @@ def _sync(device: torch.device) -> None:
 def format_results(result: EvalResult, names: tuple[str, ...], verbose: bool) -> str:
     """Return the results table: an 'all' row, and one row per class when `verbose`.
 
+    The 'all' row's Images counts every image; a class row's counts the images with at least one
+    label of that class (as Ultralytics' table does), so a rare class shows how few images score it.
     Segmentation results get a second group of P, R, mAP50, mAP50-95 columns for the masks.
     """
     groups = [result.metrics] if result.mask_metrics is None else [result.metrics, result.mask_metrics]
@@ -340,5 +350,11 @@ def format_results(result: EvalResult, names: tuple[str, ...], verbose: bool) ->
         for i, class_id in enumerate(result.metrics.class_ids):
             name = names[class_id] if class_id < len(names) else str(class_id)
             values = [v for m in groups for v in (m.class_precision[i], m.class_recall[i], m.ap50[i], m.ap[i])]
-            lines.append(row.format(name, result.num_images, int(result.class_counts[class_id]), *values))
+            images, instances = _class_count(result.class_images, class_id), _class_count(result.class_counts, class_id)
+            lines.append(row.format(name, images, instances, *values))
     return "\n".join(lines)
+
+
+def _class_count(counts: np.ndarray, class_id: int) -> int:
+    """counts[class_id], 0 for a class past the array (a result built without per-class counts)."""
+    return int(counts[class_id]) if class_id < len(counts) else 0

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import ImageOps
 from torch import nn
 
 from utils.backends import BackendRequest, InferenceBackend, as_backend, load_backend, resolve_imgsz
@@ -155,7 +156,9 @@ def _as_bgr(item: Any, index: int) -> tuple[str, np.ndarray]:
         except UnreadableInputError as error:
             raise ConfigError(str(error)) from error
     if hasattr(item, "convert") and hasattr(item, "size"):  # a PIL image
-        item = np.asarray(item.convert("RGB"))
+        # Upright as its EXIF orientation says, as a path to the same file is decoded (cv2 applies it):
+        # a phone photo opened with PIL is stored sideways and would otherwise get other boxes.
+        item = np.asarray(ImageOps.exif_transpose(item).convert("RGB"))
     if isinstance(item, torch.Tensor):
         raise ConfigError("pass images as paths, numpy (H, W, 3) uint8 RGB arrays or PIL images, not tensors")
     array = np.asarray(item)

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from utils.checkpoint import checkpoint_path_problem
 from utils.config import (
     AUTO,
     DEFAULT_DATA,
@@ -361,6 +362,8 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
         raise ConfigError(f"--label-smoothing {smoothing} must be in [0, 1)")
     if cfg.cuda_graph:
         _check_cuda_graph(cfg, ctx)
+    if cfg.weights and (problem := checkpoint_path_problem(Path(cfg.weights))):  # a folder, an exported model
+        raise ConfigError(f"--weights {cfg.weights} {problem}")
     if cfg.weights and not Path(cfg.weights).is_file():
         raise ConfigError(f"--weights {cfg.weights}: file not found")
     if not cfg.resume and not Path(cfg.data).is_file():

@@ -364,10 +364,12 @@ def _start_run(
     try:  # from here on the callbacks are open (a TensorBoard writer): a failure is their teardown too
         if plan.from_scratch:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
             family.prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx)
-        state = build_train_state(bundle, cfg, training, ctx, len(datasets.train_loader))
+        # Warmup and the step count run over whole epochs: not len(), which a mid-epoch start shortens.
+        batches_per_epoch = datasets.train_loader.batches_per_epoch
+        state = build_train_state(bundle, cfg, training, ctx, batches_per_epoch)
         verify_identical_weights(state.model, ctx)
         if resume_ckpt is not None:
-            restore_state(state, resume_ckpt, cfg, len(datasets.train_loader), ctx)
+            restore_state(state, resume_ckpt, cfg, batches_per_epoch, ctx)
             callbacks.state.update(resume_ckpt.get("callback_state") or {})
             del resume_ckpt, plan  # the checkpoint's tensors are in the model and optimizer now
         log_startup(cfg, bundle, datasets, state.accumulate, ctx)

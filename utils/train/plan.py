@@ -21,7 +21,7 @@ from utils.data.data_config import DataConfig, load_data_config
 from utils.data.labels import list_image_files
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch, run_on_main
 from utils.errors import ConfigError
-from utils.families import checkpoint_family, family_of, spec_from_checkpoint
+from utils.families import checkpoint_family, family_of, segmentation_spec, spec_from_checkpoint
 from utils.tasks import Task
 from utils.train.config import TrainConfig, config_from_dict
 from utils.train.faults import find_restarted_run
@@ -68,10 +68,30 @@ def plan_model(
         return spec_from_checkpoint(resume, cfg.resume), None
     if cfg.weights:
         weights = load_weights(cfg.weights)  # ours, or YOLOv5 / Ultralytics converted in memory
-        ckpt_io.check_checkpoint_task(weights, task.name, cfg.weights, "train")
-        _check_weights_family(cfg, task, weights, len(names))
-        return dataclasses.replace(spec_from_checkpoint(weights, cfg.weights), num_classes=len(names)), weights
+        return _spec_from_weights(cfg, task, weights, len(names)), weights
     return task.spec_from_cfg(cfg.model, len(names)), None
+
+
+def _spec_from_weights(cfg: TrainConfig, task: Task, weights: dict[str, Any], num_classes: int) -> Any:
+    """The network --weights fine-tunes: the checkpoint's, with the data's class count.
+
+    A segmenter may start from a detection checkpoint, as in YOLOv5 and Ultralytics: its -seg
+    variant shares the backbone, neck and box/class branches by name and shape, so those
+    transfer (setup._transfer_weights logs how many) and only the mask branches start from the
+    seed. Other task mismatches (a segmentation checkpoint for train.py) stay one-line errors.
+    """
+    from_detection = task.with_masks and weights["task"] == "detect"
+    if not from_detection:
+        ckpt_io.check_checkpoint_task(weights, task.name, cfg.weights, "train")
+    _check_weights_family(cfg, task, weights, num_classes)
+    spec = dataclasses.replace(spec_from_checkpoint(weights, cfg.weights), num_classes=num_classes)
+    if not from_detection:
+        return spec
+    LOGGER.info(
+        f"--weights {cfg.weights} is a detection checkpoint: its -seg variant's mask branches start from "
+        "scratch, the layers it shares with the detector are fine-tuned"
+    )
+    return segmentation_spec(spec)
 
 
 def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunPlan:
@@ -234,10 +254,11 @@ def _load_resumed(
     _check_resumed_batch(resumed, stored, ctx)
     differ = {name: value for name, value in overrides.items() if value != getattr(stored, name)}
     changed = ", ".join(f"{name} {getattr(stored, name)} -> {value}" for name, value in differ.items())
-    where = f"epoch {checkpoint['epoch'] + 2}" + (
-        f" batch {checkpoint['batches_done'] + 1}" if checkpoint.get("batches_done") else ""
-    )
-    LOGGER.info(f"Resuming {run_dir} from {where}" + (f" ({changed})" if changed else ""))
+    # A mid-epoch checkpoint may hold the epoch's last batch (a stop at that step): the epoch's length is
+    # not known here, so this line says what was done and the start-up line (setup.log_startup) what is next.
+    epoch, batches_done = checkpoint["epoch"] + 2, checkpoint.get("batches_done", 0)
+    where = f"in epoch {epoch}, after its batch {batches_done}" if batches_done else f"from epoch {epoch}"
+    LOGGER.info(f"Resuming {run_dir} {where}" + (f" ({changed})" if changed else ""))
     return resumed, checkpoint
 
 

@@ -15,8 +15,9 @@ from models.model_info import memory_format, model_info
 from utils.data.augment import AugmentParams
 from utils.data.data_config import DataConfig
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
-from utils.data.loader import build_train_loader, build_val_loader
+from utils.data.loader import TrainLoader, build_train_loader, build_val_loader
 from utils.distributed import DistContext, all_gather_objects, per_rank_batch
+from utils.errors import ConfigError
 from utils.families import build_model
 from utils.hyp import Hyp
 from utils.tasks import Task
@@ -75,18 +76,51 @@ def build_model_bundle(plan: RunPlan, ctx: DistContext) -> ModelBundle:
 def freeze_layers(model: nn.Module, freeze: tuple[int, ...]) -> None:
     """Freeze layers by index: one value N freezes layers 0..N-1, several values freeze those layers.
 
-    Layers are numbered in the order of `model.layers()` (backbone first, then neck and head).
+    Layers are numbered in the order of `model.layers()` (backbone first, then neck and head);
+    YOLOv5's --freeze has the same two forms, so `--freeze 10` freezes its backbone. A bad
+    index raises a one-line ConfigError before anything is frozen, since an index past the
+    last layer would otherwise be logged as frozen and one that freezes everything would
+    only fail in the first backward pass.
     """
     if not freeze:
         return
-    indices = set(range(freeze[0])) if len(freeze) == 1 else set(freeze)
+    layers = model.layers()
+    indices = _frozen_indices(freeze, len(layers))
+    frozen_params = {id(p) for index in indices for p in layers[index].parameters()}
+    if not any(p.requires_grad and id(p) not in frozen_params for p in model.parameters()):
+        raise ConfigError(
+            f"--freeze {' '.join(map(str, freeze))} freezes every trainable layer of this model "
+            f"(layers 0-{len(layers) - 1}), so nothing is left to train; freeze fewer layers"
+        )
     frozen = 0
-    for index, layer in enumerate(model.layers()):
-        if index in indices:
-            for parameter in layer.parameters():
-                parameter.requires_grad_(False)
-                frozen += parameter.numel()
+    for parameter in model.parameters():
+        if id(parameter) in frozen_params:
+            parameter.requires_grad_(False)
+            frozen += parameter.numel()
     LOGGER.info(f"Froze layers {sorted(indices)} ({frozen:,} parameters)")
+
+
+def _frozen_indices(freeze: tuple[int, ...], num_layers: int) -> set[int]:
+    """The layer indices --freeze names, or a ConfigError naming --freeze and the model's valid range.
+
+    One value N means "the first N layers" (0 freezes none); several values are layer indices,
+    each in 0..num_layers-1. N = num_layers passes here and is refused by the caller's
+    nothing-left-to-train check, whose message says what is wrong with it.
+    """
+    flag = f"--freeze {' '.join(map(str, freeze))}"
+    last = num_layers - 1
+    if len(freeze) == 1:
+        count = freeze[0]
+        if not 0 <= count <= num_layers:
+            raise ConfigError(
+                f"{flag}: this model has {num_layers} layers (0-{last}) and one value N freezes the first N, "
+                f"so N must be 0-{last}"
+            )
+        return set(range(count))
+    bad = [index for index in freeze if not 0 <= index <= last]
+    if bad:
+        raise ConfigError(f"{flag}: no layer {', '.join(map(str, bad))} in this model; its layers are 0-{last}")
+    return set(freeze)
 
 
 def augment_params(hyp: Hyp, rect: bool) -> AugmentParams:
@@ -171,5 +205,24 @@ def log_startup(cfg: TrainConfig, bundle: ModelBundle, datasets: Datasets, accum
         f"world size {ctx.world_size} | global batch {cfg.batch_size} | per-rank batch {datasets.per_rank_batch} | "
         f"accumulate {accumulate} (nominal batch {int(cfg.hyp.nbs)}) | train images {len(datasets.train)} "
         f"(this rank's shard {len(datasets.train.shard)}, cached {cached}) | val images {len(datasets.val)} | "
-        f"{len(datasets.train_loader)} steps/epoch | device {ctx.device}"
+        f"{epoch_steps_line(datasets.train_loader, cfg.epochs)} | device {ctx.device}"
     )
+
+
+def epoch_steps_line(loader: TrainLoader, epochs: int) -> str:
+    """'N steps/epoch', and for a run resumed mid-epoch where in its epoch it goes on, for the start-up line.
+
+    After a mid-epoch resume `len(loader)` counts only the batches left in that epoch, and a stop at
+    an epoch's last step leaves none: the run then validates and saves that epoch before the next
+    one. Stating that here keeps "0 steps/epoch" and the epoch's "train: 0 images" line from
+    reading like an empty dataset.
+    """
+    total = loader.batches_per_epoch
+    left, epoch = len(loader), loader.sampler.epoch + 1  # the epoch `start` selected, 1-based
+    line = f"{total} steps/epoch"
+    if left == total:
+        return line
+    if left > 0:
+        return f"{line} (resumed epoch {epoch} goes on at batch {total - left + 1}, {left} left)"
+    after = f"then epoch {epoch + 1} starts" if epoch < epochs else "which ends the run"
+    return f"{line} (resumed epoch {epoch} has no batch left: it is validated and saved, {after})"

@@ -15,8 +15,7 @@ SAMPLERS = ("tpe", "cmaes", "ga", "random")
 PRUNERS = ("median", "halving", "none")
 DEFAULT_TRIALS = 30
 # train.py flags the tuner sets for each trial itself (the rest are passed on as given).
-TUNER_OWNED = ("project", "name", "exist_ok", "hyp", "optimizer", "label_smoothing", "resume", "device", "callbacks",
-               "evolve")  # fmt: skip
+TUNER_OWNED = ("project", "name", "exist_ok", "hyp", "optimizer", "label_smoothing", "resume", "device", "callbacks")
 TUNE_FLAGS = ("trials", "space", "sampler", "pruner", "storage", "parallel", "nproc_per_trial", "keep_weights", "ray")
 
 
@@ -122,5 +121,7 @@ def check_tune_config(cfg: TuneConfig) -> None:
         raise ConfigError("--nproc-per-trial must be at least 1 and --parallel at least 0")
     if cfg.train.resume:
         raise ConfigError("--resume is train.py's: run the same tune command again to resume a study")
+    if "evolve" in cfg.train.explicit:  # train.py --evolve N is this command with --trials N; here it would do nothing
+        raise ConfigError("--evolve is train.py's spelling of tune.py; tune.py takes the number of trials as --trials")
     if cfg.train.noval and cfg.pruner != "none":
         raise ConfigError("--noval leaves no per-epoch mAP to prune on; drop --noval or pass --pruner none")

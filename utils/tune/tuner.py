@@ -92,7 +92,7 @@ def tune(cfg: TuneConfig, training: TrainingTask) -> StudySummary:
     LOGGER.info(
         f"tune: study '{cfg.train.name}' in {cfg.study_dir}, {cfg.trials} trials of {cfg.train.epochs} epochs, "
         f"{len(space.keys)} keys searched ({space.path}), sampler {cfg.sampler}, pruner {cfg.pruner}, "
-        f"{where}; {len(run.study.trials)} trials already in it"
+        f"{where}; {counted_trials(run.study)[0]} trials already in it"  # not the queued base recipe
     )
     if cfg.ray:  # Ray Tune runs the trials on its cluster; Ctrl-C stops it (Ray's own handler)
         from utils.tune.ray_tune import tune_on_ray
