@@ -37,7 +37,6 @@ from utils.eval.evaluate import EvalOptions, EvalResult
 from utils.families import build_model
 from utils.logs import tqdm_disabled
 from utils.plots import batch_drawer, plot_run, plot_start, val_batch_drawer
-from utils.runs import create_run_dir
 from utils.train.config import TrainConfig
 from utils.train.cuda_graph import graphed_forward
 from utils.train.ema import ModelEMA
@@ -55,7 +54,7 @@ from utils.train.plan import plan_run
 from utils.train.prefetch import DevicePrefetcher, WaitTimer
 from utils.train.records import TrainingTask
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV, loss_columns, lr_columns
-from utils.train.saving import prepare_run_dir, restore_state, resume_position, save_epoch, save_mid_epoch
+from utils.train.saving import open_run_dir, restore_state, resume_position, save_epoch, save_mid_epoch
 from utils.train.setup import (
     ModelBundle,
     build_datasets,
@@ -334,8 +333,17 @@ def fit(cfg: TrainConfig, training: TrainingTask, ctx: DistContext, callbacks: C
         error = raised
         raise
     finally:
-        run.datasets.train_loader.close()  # after a stop too: its workers would otherwise run on
+        _end_run(run, error)
+
+
+def _end_run(run: TrainRun, error: BaseException | None) -> None:
+    """Stop the loader's workers (after a stop too: they would otherwise run on), tear down, free the folder."""
+    run.datasets.train_loader.close()
+    try:
         run.fire("teardown", error=error)
+    finally:
+        if run.folder_lock is not None:
+            run.folder_lock.release()
 
 
 def _start_run(
@@ -355,12 +363,17 @@ def _start_run(
     check_coco_target(data, "val", ctx, cfg.single_cls)
     # Before the run folder too: bad labels (class ids past `names`, a train set without labels) leave no folder.
     datasets = build_datasets(cfg, task, data, bundle, ctx)
-    run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resume_ckpt is not None, ctx, subdirs=("weights",))
-    run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx), ctx, f"writing the run folder {run_dir}")
-    # The workers start now and build the first batches while the rest of the set-up runs (not after it).
-    datasets.train_loader.start(*resume_position(resume_ckpt))
-    callbacks = _run_callbacks(cfg, run_dir, ctx, modules, callbacks)
-    run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir, callbacks)
+    run_dir, folder_lock = open_run_dir(cfg, resume_ckpt is not None, ctx)
+    try:
+        # The workers start now and build the first batches while the rest of the set-up runs (not after it).
+        datasets.train_loader.start(*resume_position(resume_ckpt))
+        callbacks = _run_callbacks(cfg, run_dir, ctx, modules, callbacks)
+    except BaseException:
+        datasets.train_loader.close()
+        if folder_lock is not None:
+            folder_lock.release()
+        raise
+    run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir, callbacks, folder_lock)
     try:  # from here on the callbacks are open (a TensorBoard writer): a failure is their teardown too
         if plan.from_scratch:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
             family.prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx)
@@ -375,8 +388,7 @@ def _start_run(
         log_startup(cfg, bundle, datasets, state.accumulate, ctx)
         run.fire("on_pretrain_routine_end", epoch=state.start_epoch)
     except BaseException as error:
-        datasets.train_loader.close()
-        run.fire("teardown", error=error)
+        _end_run(run, error)
         raise
     return run, state
 

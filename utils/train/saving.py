@@ -12,6 +12,7 @@ import numpy as np
 from utils import checkpoint as ckpt_io
 from utils.distributed import DistContext, all_gather_objects, run_on_main
 from utils.errors import ConfigError
+from utils.runs import RunFolderLock, create_run_dir, lock_run_dir
 from utils.train.config import TrainConfig, save_run_config
 from utils.train.faults import mark_run
 from utils.train.optim import build_scheduler
@@ -130,6 +131,24 @@ def save_mid_epoch(run: TrainRun, state: TrainState, epoch: int, batches_done: i
     state.steps_since_save = 0
     LOGGER.info(f"Saved {run.last} at epoch {epoch + 1} batch {batches_done}")
     return run.last
+
+
+def open_run_dir(cfg: TrainConfig, resuming: bool, ctx: DistContext) -> tuple[Path, RunFolderLock | None]:
+    """Create the run folder (or reopen it, resuming), lock it on rank 0 and write the run's options in it.
+
+    Every rank must call it. The lock (utils/runs.py) is held by rank 0 until the caller releases
+    it; a folder another run holds is a one-line ConfigError on every rank, before anything is
+    written in it. The lock (None on ranks other than 0) is released here if writing fails.
+    """
+    run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resuming, ctx, subdirs=("weights",))
+    folder_lock = run_on_main(lambda: lock_run_dir(run_dir), ctx, f"locking the run folder {run_dir}")
+    try:
+        run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx), ctx, f"writing the run folder {run_dir}")
+    except BaseException:
+        if folder_lock is not None:
+            folder_lock.release()
+        raise
+    return run_dir, folder_lock
 
 
 def prepare_run_dir(cfg: TrainConfig, run_dir: Path, ctx: DistContext) -> None:

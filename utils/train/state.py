@@ -14,6 +14,7 @@ from torch import nn
 from utils.callbacks import Callbacks
 from utils.data.data_config import DataConfig
 from utils.distributed import DistContext
+from utils.runs import RunFolderLock
 from utils.tasks import Task
 from utils.train.config import TrainConfig
 from utils.train.ema import ModelEMA
@@ -35,6 +36,7 @@ class TrainRun:
     datasets: Datasets
     run_dir: Path
     callbacks: Callbacks
+    folder_lock: RunFolderLock | None = None  # rank 0's hold on run_dir (utils/runs.py), released by close()
 
     @property
     def last(self) -> Path:
