@@ -114,6 +114,9 @@ def test_cuda_graph_needs_one_cuda_process_without_compile() -> None:
     compiled = config_from_args(build_train_parser().parse_args(["--cuda-graph", "--compile"]))
     with pytest.raises(ConfigError, match="--cuda-graph and --compile exclude each other"):
         validate(compiled, DistContext(device=cuda))
+    varied = config_from_args(build_train_parser().parse_args(["--cuda-graph", "--multi-scale"]))
+    with pytest.raises(ConfigError, match="--cuda-graph replays one input shape and --multi-scale changes it"):
+        validate(varied, DistContext(device=cuda))
 
 
 def test_cache_flag_without_value_means_ram() -> None:

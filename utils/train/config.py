@@ -72,6 +72,7 @@ class TrainConfig:
     amp: str = "auto"  # autocast: auto (fp16 on CUDA, off on CPU) | fp16 | bf16 | off
     save_period_steps: int = 0  # also write last.pt every N optimizer steps inside an epoch (0: epoch ends only)
     rect: bool = False
+    multi_scale: bool = False  # --multi-scale: each batch at 0.5-1.5x imgsz (utils/train/multi_scale.py)
     close_mosaic: int = QUICKSTART_CLOSE_MOSAIC
     single_cls: bool = False
     sync_bn: bool = False
@@ -216,6 +217,12 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
         help="also write last.pt every N optimizer steps within an epoch, to resume mid-epoch (0: off)",
     )
     parser.add_argument("--rect", action="store_true", help="rectangular training batches (disables mosaic)")
+    parser.add_argument(
+        "--multi-scale",
+        action="store_true",
+        help="train each batch at a size drawn from 0.5-1.5x --imgsz (a multiple of the model's stride; the same on "
+        "every rank), as YOLOv5's --multi-scale; validation stays at --imgsz. Up to 2.25x the activation memory",
+    )
     parser.add_argument(
         "--close-mosaic",
         type=int,
@@ -381,6 +388,8 @@ def _check_cuda_graph(cfg: TrainConfig, ctx: DistContext) -> None:
         )
     if cfg.compile_mode:
         raise ConfigError("--cuda-graph and --compile exclude each other (--compile reduce-overhead has its own)")
+    if cfg.multi_scale:
+        raise ConfigError("--cuda-graph replays one input shape and --multi-scale changes it every batch; drop one")
 
 
 def save_run_config(cfg: TrainConfig, run_dir: Path, ctx: DistContext) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -41,6 +42,7 @@ from utils.train.config import TrainConfig
 from utils.train.cuda_graph import graphed_forward
 from utils.train.ema import ModelEMA
 from utils.train.mlflow_logger import MLflowLogger, mlflow_wanted
+from utils.train.multi_scale import multi_scale_size, resize_batch
 from utils.train.optim import (
     Warmup,
     accumulate_steps,
@@ -163,6 +165,8 @@ def _forward_backward(
     loss is counted (on the device) for `_agree_before_step`, not read here.
     """
     images = inputs.pop("images")
+    if state.input_size_at is not None:
+        images = resize_batch(images, state.input_size_at(iteration), state.stride)
     state.warmup.apply(state.optimizer, iteration, state.lr_fn(epoch))
     sync_context = state.ddp.no_sync() if ctx.is_distributed and not is_step else contextlib.nullcontext()
     with sync_context:
@@ -261,6 +265,7 @@ def build_train_state(
     loss_fn = training.build_loss(model, cfg)
     warmup = Warmup.from_hyp(cfg.hyp, warmup_iterations(cfg.hyp.warmup_epochs, batches))
     loss_inputs = training.task.loss_inputs
+    stride = int(model.stride.max())  # the largest: every level's grid stays whole at a multiple of it
     return TrainState(
         model,
         ddp,
@@ -276,7 +281,16 @@ def build_train_state(
         amp_dtype,
         train_loss=compiled_loss(loss_fn, cfg),
         keep_grads=cfg.cuda_graph,
+        input_size_at=_multi_scale_sizes(cfg, stride),
+        stride=stride,
     )
+
+
+def _multi_scale_sizes(cfg: TrainConfig, stride: int) -> Callable[[int], int] | None:
+    """--multi-scale's (iteration) -> long side of the batch; None without the flag (the loader's size)."""
+    if not cfg.multi_scale:
+        return None
+    return functools.partial(multi_scale_size, imgsz=cfg.imgsz, stride=stride, seed=cfg.seed)
 
 
 def compiled_forward(forward: nn.Module, cfg: TrainConfig) -> nn.Module:
@@ -354,7 +368,7 @@ def _start_run(
     plan = plan_run(cfg, training, ctx)
     cfg, resume_ckpt, data, family = plan.cfg, plan.resume, plan.data, plan.family
     seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
-    if ctx.device.type == "cuda" and not cfg.deterministic and not cfg.rect:
+    if ctx.device.type == "cuda" and not cfg.deterministic and not cfg.rect and not cfg.multi_scale:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: cuDNN times its kernels once and keeps the best
     bundle = build_model_bundle(plan, ctx)
     # Before the run folder too: a --callbacks module that does not import fails the run before it writes anything.

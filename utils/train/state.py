@@ -78,6 +78,9 @@ class TrainState:
     amp_dtype: torch.dtype | None  # autocast dtype (fp16 with a GradScaler, bf16 without), None: fp32
     train_loss: Callable[..., Any]  # the step's loss call: loss_fn, or it compiled (engine.compiled_loss)
     keep_grads: bool = False  # zero gradients in place instead of dropping them (--cuda-graph: GraphedForward)
+    # --multi-scale: (iteration) -> the batch's long side, and the stride its sides are multiples of; None: fixed
+    input_size_at: Callable[[int], int] | None = None
+    stride: int = 32
     last_opt_step: int = -1
     best_fitness: float = 0.0
     start_epoch: int = 0
