@@ -1,4 +1,4 @@
-"""--multi-scale: sizes drawn from the iteration (rank- and resume-proof), the batch resize, a run using them."""
+"""--multi-scale (sizes from the iteration, the batch resize, a run using them) and --noautoanchor."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import segment.train
 import train
 from tests.conftest import make_tiny_dataset
 from utils.data.synthetic import SyntheticSpec
-from utils.train import engine
+from utils.train import engine, records
 from utils.train.multi_scale import multi_scale_size, resize_batch
 
 
@@ -52,3 +52,17 @@ def test_multi_scale_training_feeds_the_model_several_sizes(
     assert result.last.is_file()
     assert len(seen) == 8 and len(set(seen)) > 1  # 4 batches x 2 epochs, not all one size
     assert all(h % 32 == 0 and w % 32 == 0 and 32 <= max(h, w) <= 96 for h, w in seen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", [[], ["--noautoanchor"]])
+def test_noautoanchor_skips_the_from_scratch_anchor_check(
+    flag: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Beside --multi-scale: the other YOLOv5 train.py flag of this kind that users pass.
+    data = make_tiny_dataset(tmp_path / "data", SyntheticSpec(num_train=4, num_val=2, max_objects=2))
+    checked: list[int] = []
+    monkeypatch.setattr(records, "check_anchors", lambda labels_wh, model, **kwargs: checked.append(len(labels_wh)))
+    args = ["--data", str(data), "--cfg", "yolov5n", "--imgsz", "64", "--epochs", "1", "--batch-size", "2", *flag]
+    train.main([*args, "--device", "cpu", "--workers", "0", "--project", str(tmp_path / "runs"), "--noplots"])
+    assert len(checked) == (0 if flag else 1)

@@ -73,6 +73,7 @@ class TrainConfig:
     save_period_steps: int = 0  # also write last.pt every N optimizer steps inside an epoch (0: epoch ends only)
     rect: bool = False
     multi_scale: bool = False  # --multi-scale: each batch at 0.5-1.5x imgsz (utils/train/multi_scale.py)
+    noautoanchor: bool = False  # --noautoanchor: a YOLOv5 model from scratch keeps its --cfg anchors
     close_mosaic: int = QUICKSTART_CLOSE_MOSAIC
     single_cls: bool = False
     sync_bn: bool = False
@@ -222,6 +223,12 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="train each batch at a size drawn from 0.5-1.5x --imgsz (a multiple of the model's stride; the same on "
         "every rank), as YOLOv5's --multi-scale; validation stays at --imgsz. Up to 2.25x the activation memory",
+    )
+    parser.add_argument(
+        "--noautoanchor",
+        action="store_true",
+        help="YOLOv5 models from scratch: keep the --cfg anchors even when fewer than 98%% of the labels fit them "
+        "(AutoAnchor off); anchor-free models have none",
     )
     parser.add_argument(
         "--close-mosaic",

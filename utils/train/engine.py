@@ -389,7 +389,7 @@ def _start_run(
         raise
     run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir, callbacks, folder_lock)
     try:  # from here on the callbacks are open (a TensorBoard writer): a failure is their teardown too
-        if plan.from_scratch:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
+        if plan.from_scratch and not cfg.noautoanchor:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
             family.prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx)
         # Warmup and the step count run over whole epochs: not len(), which a mid-epoch start shortens.
         batches_per_epoch = datasets.train_loader.batches_per_epoch
