@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/ablation.py`
 from benchmarks.recipes import Candidate, run_candidate, synthetic_data  # noqa: E402
 from utils.config import DEFAULT_DATA  # noqa: E402
 from utils.data.data_config import load_data_config  # noqa: E402
-from utils.data.labels import list_image_files  # noqa: E402
+from utils.data.image_files import list_image_files  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 
 OUR_HYP = ROOT / "data" / "hyps" / "hyp.anchor-free.quickstart.yaml"

@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/cache_memory.py`
     sys.path.insert(0, str(ROOT))
 
 from utils.data.cache import available_memory_bytes, resized_hw  # noqa: E402  (needs the sys.path line above)
-from utils.data.labels import list_image_files  # noqa: E402
+from utils.data.image_files import list_image_files  # noqa: E402
 from utils.data.scan import scan_labels  # noqa: E402
 from utils.data.shm_cache import segment_path  # noqa: E402
 from utils.data.synthetic import SyntheticSpec, ensure_synthetic_dataset  # noqa: E402

@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/predict.py`
 from segment.task import SEGMENT  # noqa: E402
 from utils.config import DEFAULT_DATA  # noqa: E402  (needs the repository root on sys.path)
 from utils.data.data_config import load_data_config  # noqa: E402
-from utils.data.labels import list_image_files  # noqa: E402
+from utils.data.image_files import list_image_files  # noqa: E402
 from utils.distributed import DistContext, select_device  # noqa: E402
 from utils.predict.config import PredictConfig  # noqa: E402
 from utils.predict.predictor import PredictResult, predict  # noqa: E402

@@ -51,7 +51,7 @@ from utils.config import (  # noqa: E402
     QUICKSTART_IMGSZ,
 )
 from utils.data.data_config import load_data_config  # noqa: E402
-from utils.data.labels import list_image_files  # noqa: E402
+from utils.data.image_files import list_image_files  # noqa: E402
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.eval.coco import EVAL_FILE  # noqa: E402

@@ -12,12 +12,8 @@ import pytest
 from PIL import Image
 
 import utils.data.scan as scan_module
-from utils.data.labels import (
-    image_to_label_path,
-    label_cache_path,
-    list_image_files,
-    verify_image_label,
-)
+from utils.data.image_files import image_to_label_path, list_image_files
+from utils.data.labels import label_cache_path, verify_image_label
 from utils.data.scan import scan_labels
 from utils.distributed import DistContext
 from utils.errors import ConfigError, exit_on_user_error

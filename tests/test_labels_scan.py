@@ -21,13 +21,12 @@ import utils.data.scan as scan_module
 from tests.dist_helpers import run_distributed
 from utils.config import DEFAULT_HYP
 from utils.data.data_config import load_data_config
+from utils.data.image_files import image_to_label_path, list_image_files
 from utils.data.labels import (
     LabelIndex,
     build_index,
     files_hash,
-    image_to_label_path,
     label_cache_path,
-    list_image_files,
     load_label_cache,
     verify_image_label,
 )

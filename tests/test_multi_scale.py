@@ -28,6 +28,7 @@ def test_a_batch_is_resized_to_the_long_side_with_strided_sides() -> None:
     assert resized.shape == (2, 3, 128, 192)
     assert resize_batch(images, 160, 32).shape == (2, 3, 128, 160)  # 64 * 160/96 = 106.7: up to the next 32
     assert resize_batch(images, 96, 32) is images  # already that size: no copy
+    assert resize_batch(torch.rand(1, 3, 608, 608), 672, 32).shape[-2:] == (672, 672)  # no float round-up
     flat = torch.full((1, 3, 64, 64), 0.25)
     assert torch.allclose(resize_batch(flat, 32, 32), torch.full((1, 3, 32, 32), 0.25))  # bilinear, no new values
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import train
 from tests.conftest import make_tiny_dataset
 from tests.dist_helpers import PROCESS_TIMEOUT_S
+from utils import runs
 from utils.data.synthetic import SyntheticSpec
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -68,6 +72,54 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
     lock.release()
 
 
+def test_a_file_where_the_run_folder_goes_is_one_line_not_a_loop(tmp_path: Path) -> None:
+    (tmp_path / "exp").write_text("not a folder")
+    with pytest.raises(ConfigError, match="exists and is not a folder"):
+        create_run_dir(tmp_path, "exp", True, DistContext())
+    assert create_run_dir(tmp_path, "exp", False, DistContext()) == tmp_path / "exp2"  # numbering goes past it
+
+
+def _wait_after_starting(started: Any) -> None:
+    started.set()
+    time.sleep(30)
+
+
+def test_a_forked_child_does_not_keep_the_lock_after_its_parent_releases_it(tmp_path: Path) -> None:
+    held = lock_run_dir(tmp_path)
+    assert held is not None
+    fork = multiprocessing.get_context("fork")
+    started = fork.Event()
+    child = fork.Process(target=_wait_after_starting, args=(started,))  # as a loader worker is forked
+    child.start()
+    try:
+        assert started.wait(PROCESS_TIMEOUT_S)  # its fork handlers have run
+        held.release()
+        again = lock_run_dir(tmp_path)  # the child's inherited descriptor was closed at the fork
+        assert again is not None
+        again.release()
+    finally:
+        child.kill()
+        child.join(PROCESS_TIMEOUT_S)
+
+
+def test_a_restarted_job_waits_for_its_last_attempts_lock_then_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # On NFS a lost node's lock outlives it until the server's lease ends: the restart must not fail on it.
+    monkeypatch.setattr(runs, "RESTART_LOCK_WAIT_S", 0.0)
+    held = lock_run_dir(tmp_path, job="job42")
+    assert held is not None
+    try:
+        with pytest.raises(ConfigError, match="job job42"):  # not a restart: refused like any other holder
+            lock_run_dir(tmp_path, job="job42")
+        with pytest.raises(ConfigError, match="in use by"):  # another job's restart: refused
+            lock_run_dir(tmp_path, job="job7", restarted=True)
+        assert lock_run_dir(tmp_path, job="job42", restarted=True) is None
+        assert "still locked by this job's last attempt" in caplog.text
+    finally:
+        held.release()
+
+
 @pytest.mark.slow
 def test_training_into_a_folder_another_run_holds_is_refused_before_writing(tmp_path: Path) -> None:
     data = make_tiny_dataset(tmp_path / "data", SyntheticSpec(num_train=4, num_val=2, max_objects=2))
@@ -75,7 +127,7 @@ def test_training_into_a_folder_another_run_holds_is_refused_before_writing(tmp_
     run_dir.mkdir(parents=True)
     held = lock_run_dir(run_dir)
     args = ["--data", str(data), "--cfg", "yolov8n", "--imgsz", "64", "--epochs", "1", "--batch-size", "2"]
-    args += ["--device", "cpu", "--workers", "0", "--project", str(tmp_path / "runs"), "--name", "held"]
+    args += ["--device", "cpu", "--workers", "2", "--project", str(tmp_path / "runs"), "--name", "held"]
     try:
         with pytest.raises(ConfigError, match="in use by process"):
             train.main([*args, "--exist-ok", "--noplots"])

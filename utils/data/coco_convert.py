@@ -17,7 +17,8 @@ from utils.data.coco_node import load_coco_parse
 from utils.data.coco_reader import CocoParse
 from utils.data.copy_paste import is_box_outline
 from utils.data.data_config import DataConfig, load_data_config
-from utils.data.labels import LabelIndex, image_to_label_path, list_image_files
+from utils.data.image_files import image_to_label_path, list_image_files
+from utils.data.labels import LabelIndex
 from utils.data.scan import scan_labels
 from utils.distributed import DistContext
 from utils.errors import ConfigError, exit_on_user_error

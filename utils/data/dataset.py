@@ -27,7 +27,8 @@ from utils.data.cache import CACHE_MODES, ImageCache, rank_shard, read_image, re
 from utils.data.coco_labels import CocoSource, scan_coco_labels
 from utils.data.colour import IDENTITY_GAINS, apply_hsv, draw_hsv_gains
 from utils.data.copy_paste import copy_paste, is_box_outline
-from utils.data.labels import LabelIndex, list_image_files
+from utils.data.image_files import list_image_files
+from utils.data.labels import LabelIndex
 from utils.data.masks import polygons_to_masks, polygons_to_overlap_mask
 from utils.data.scan import check_same_image_files, scan_labels
 from utils.data.shm_cache import ShmImageCache, open_shm_cache

@@ -317,9 +317,7 @@ class TrainLoader:
         """
         iteration, self._iteration = self._iteration, None
         self.loader._iterator = None  # the DataLoader's own reference to its persistent workers' iteration
-        shutdown = getattr(iteration, "_shutdown_workers", None)  # None without workers
-        if shutdown is not None:
-            shutdown()
+        _stop_workers(iteration)
 
     def __len__(self) -> int:
         """The batches the next iteration yields: after a mid-epoch start, only those left in that epoch."""
@@ -438,6 +436,11 @@ class EvalLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.unreadable = UnreadableImages("left out of validation")
 
+    def close(self) -> None:
+        """Stop the persistent workers now (a second call does nothing); the next pass starts new ones."""
+        iteration, self._iterator = self._iterator, None
+        _stop_workers(iteration)
+
     def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]  # a generator over DataLoader's iterator
         """Yield the pass's batches that hold an image; unreadable images are warned about once each and counted."""
         count = 0
@@ -446,6 +449,13 @@ class EvalLoader(DataLoader):
             if batch["paths"]:
                 yield batch
         self.unreadable.summarise(count, "validation")
+
+
+def _stop_workers(iteration: Any) -> None:
+    """Shut down the workers of a DataLoader iteration now (nothing for None or one without workers)."""
+    shutdown = getattr(iteration, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
 
 
 def build_val_loader(dataset: Any, per_rank_batch: int, num_workers: int, ctx: DistContext) -> EvalLoader:

@@ -21,12 +21,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from utils.data.image_files import ImageFiles, image_to_label_path
 from utils.data.labels import (
     STATUSES,
-    ImageFiles,
     LabelIndex,
     files_hash,
-    image_to_label_path,
     label_cache_path,
     load_label_cache,
     save_label_cache,

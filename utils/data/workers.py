@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from utils.distributed import DistContext, local_cpu_share
-from utils.errors import STOP_GRACE_S
+from utils.errors import STOP_SIGNALS
 
 LOGGER = logging.getLogger(__name__)
 
@@ -64,18 +64,12 @@ def init_worker(worker_id: int, seed: int, rank: int, stops_handled: ctypes.c_bo
 # any worker exists and handed to each by `worker_init`: the workers read what the training process sets.
 _STOPS_HANDLED = multiprocessing.RawValue(ctypes.c_bool, False)
 
-# How long a loader worker lives on after a stop signal when nobody shuts it down: the training process's
-# own deadline after that signal (STOP_GRACE_S), plus time for it to shut its workers down.
-WORKER_STOP_GRACE_S = int(STOP_GRACE_S) + 30
 
-# What each signal does to a worker when no training loop handles it: SIGTERM and SIGUSR1 end it, SIGINT raises
-# KeyboardInterrupt (which DataLoader's worker loop catches and leaves quietly).
-_OWN_ACTIONS = {"SIGTERM": signal.SIG_DFL, "SIGUSR1": signal.SIG_DFL, "SIGINT": signal.default_int_handler}
-
-
-def set_stops_handled(handled: bool) -> None:
-    """Tell every loader worker of this process whether a stop signal is now handled by saving (training's loop)."""
+def set_stops_handled(handled: bool) -> bool:
+    """Tell every loader worker of this process whether a stop signal now ends in a save; return the previous value."""
+    previous = bool(_STOPS_HANDLED.value)
     _STOPS_HANDLED.value = handled
+    return previous
 
 
 def outlast_stop_signals(stops_handled: ctypes.c_bool) -> None:
@@ -85,28 +79,27 @@ def outlast_stop_signals(stops_handled: ctypes.c_bool) -> None:
     step and a terminal's Ctrl-C reaches its whole foreground group, so the workers get the signal
     with the training process. Killed by it, a worker takes the run down with it (the DataLoader
     raises "worker killed by signal") before the checkpoint the training process saves at its next
-    optimizer step. So while `stops_handled` is set, a worker that gets one of the signals arms an
-    alarm instead: if it is still alive WORKER_STOP_GRACE_S later (its process never shut it down),
-    SIGALRM's default action ends it. At any other time (validation alone, a run that is failing
-    or exiting, whose exit handlers stop daemonic workers with SIGTERM) the signal does what it
-    always does. Without SIGALRM (Windows), nothing changes.
+    optimizer step. So while `stops_handled` is set, a worker ignores those signals: the training
+    process stops it once it has saved, or, if that process dies first, DataLoader's own watchdog
+    in the worker sees its parent gone and ends it. At any other time (validation alone, a run
+    that is failing or exiting, whose exit handlers stop daemonic workers with SIGTERM) the signal
+    does what it always does. A signal the worker was started with ignored stays ignored.
     """
-    if not hasattr(signal, "SIGALRM"):
-        return
-    for name, own_action in _OWN_ACTIONS.items():
+    for name in STOP_SIGNALS:
         number = getattr(signal, name, None)
-        if number is not None and signal.getsignal(number) is not signal.SIG_IGN:  # ignored stays ignored
+        if number is not None and signal.getsignal(number) is not signal.SIG_IGN:
+            # A worker forked inside the training loop inherits its handler: give it the default's action instead.
+            own_action = signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL
             handler = functools.partial(_on_stop_signal, stops_handled=stops_handled, own_action=own_action)
             signal.signal(number, handler)
 
 
 def _on_stop_signal(signum: int, frame: FrameType | None, stops_handled: ctypes.c_bool, own_action: Any) -> None:
     if stops_handled.value:
-        signal.alarm(WORKER_STOP_GRACE_S)
         return
     signal.signal(signum, own_action)  # this signal now acts as it would have, and this one acts so at once
     if callable(own_action):
-        own_action(signum, frame)
+        own_action(signum, frame)  # SIGINT: KeyboardInterrupt, which DataLoader's worker loop ends quietly on
     else:
         signal.raise_signal(signum)
 

@@ -13,7 +13,7 @@ import cv2
 import numpy as np
 
 from utils.data.cache import read_image as decode_image
-from utils.data.labels import IMAGE_SUFFIXES
+from utils.data.image_files import IMAGE_SUFFIXES
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 

@@ -197,7 +197,7 @@ def _agree_before_step(
 
     Every rank must call it at each optimizer step. After a bad loss the pending step is not
     taken, so the weights, the EMA and the checkpoints saved so far stay finite. The first value
-    returned is True on every rank when any rank received a stop signal (SIGTERM / SIGUSR1); the
+    returned is True on every rank when any rank received a stop signal (SIGTERM, SIGUSR1, Ctrl-C); the
     second is this rank's `loss_sum` (float64 on the device) read on the host. Both travel in one
     copy: on a GPU each host read waits for the queued work, so the step reads once, not twice.
     """
@@ -351,8 +351,9 @@ def fit(cfg: TrainConfig, training: TrainingTask, ctx: DistContext, callbacks: C
 
 
 def _end_run(run: TrainRun, error: BaseException | None) -> None:
-    """Stop the loader's workers (after a stop too: they would otherwise run on), tear down, free the folder."""
+    """Stop the loaders' workers (after a stop too: they would otherwise run on), tear down, free the folder."""
     run.datasets.train_loader.close()
+    run.datasets.val_loader.close()
     try:
         run.fire("teardown", error=error)
     finally:
@@ -389,8 +390,8 @@ def _start_run(
         raise
     run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir, callbacks, folder_lock)
     try:  # from here on the callbacks are open (a TensorBoard writer): a failure is their teardown too
-        if plan.from_scratch and not cfg.noautoanchor:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
-            family.prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx)
+        if plan.from_scratch:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
+            family.prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx, not cfg.noautoanchor)
         # Warmup and the step count run over whole epochs: not len(), which a mid-epoch start shortens.
         batches_per_epoch = datasets.train_loader.batches_per_epoch
         state = build_train_state(bundle, cfg, training, ctx, batches_per_epoch)

@@ -47,13 +47,14 @@ class StopSignals:
         self.received: str | None = None
         self._previous: dict[int, object] = {}
         self._watchdog: threading.Timer | None = None
+        self._workers_told: bool | None = None  # the workers' flag before __enter__ set it (None: not set)
 
     def request(self, name: str) -> None:
         """Ask the loop to stop at its next optimizer step, as signal `name` would.
 
-        A watchdog then ends the process after STOP_GRACE_S in any case: a rank whose peer died
-        can sit in a collective that never returns, and a launcher that sent the signal may be
-        waiting for exactly this process to go.
+        For SIGTERM and SIGUSR1 a watchdog then ends the process after STOP_GRACE_S, saved or not: a
+        rank whose peer died can sit in a collective that never returns, and a launcher that sent
+        the signal may be waiting for exactly this process to go. Ctrl-C starts none (see the class).
         """
         if self.received is None and name == "SIGINT":
             LOGGER.warning("Ctrl-C: saving a checkpoint at the next optimizer step, then exiting (Ctrl-C again: now)")
@@ -77,17 +78,21 @@ class StopSignals:
                 # SIGINT, so that Ctrl-C stops the script in the foreground and not it.
                 if number is not None and signal.getsignal(number) is not signal.SIG_IGN:
                     self._previous[number] = signal.signal(number, self._handle)
-            set_stops_handled(True)
+            self._workers_told = set_stops_handled(True)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         # The loop has left: no save is coming, so a signal from now on (an exit handler stopping the workers
-        # with SIGTERM, a launcher's) ends the workers as usual.
-        set_stops_handled(False)
+        # with SIGTERM, a launcher's) ends the workers as usual; an enclosing loop's setting comes back.
+        if self._workers_told is not None:
+            set_stops_handled(self._workers_told)
+            self._workers_told = None
         if self._watchdog is not None:  # the stop went through
             self._watchdog.cancel()
+        if kind is None and self.received is not None:  # the loop ended without another optimizer step to stop at
+            LOGGER.warning(f"{self.received} came after the run's last optimizer step: its epochs are saved; finishing")
         if kind is not None and os.environ.get("TORCHELASTIC_RUN_ID") and self._previous:
             # Left by an error under torchrun, whose agent now sends SIGTERM to every rank of the group (this
             # error is often a peer's death seen in a collective). The default action would end this rank

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -31,8 +29,9 @@ def resize_batch(images: torch.Tensor, long_side: int, stride: int) -> torch.Ten
     already that size is returned as it is.
     """
     height, width = images.shape[-2:]
-    factor = long_side / max(height, width)
-    size = [math.ceil(side * factor / stride) * stride for side in (height, width)]
+    longest = max(height, width)
+    # ceil(side * long_side / longest / stride) in integers: float rounding would add a stride now and then
+    size = [-(-side * long_side // (longest * stride)) * stride for side in (height, width)]
     if size == [height, width]:
         return images
     return F.interpolate(images, size=size, mode="bilinear", align_corners=False)

@@ -18,7 +18,7 @@ from utils import checkpoint as ckpt_io
 from utils.config import AUTO
 from utils.convert import load_weights
 from utils.data.data_config import DataConfig, load_data_config
-from utils.data.labels import list_image_files
+from utils.data.image_files import list_image_files
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch, run_on_main
 from utils.errors import ConfigError
 from utils.families import checkpoint_family, family_of, segmentation_spec, spec_from_checkpoint

@@ -9,6 +9,7 @@ class in each task's `losses` (DETECT_TRAINING below, SEGMENT_TRAINING in segmen
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,15 +29,18 @@ from utils.train.dense_loss import DenseLoss
 from utils.train.loss import DetectionLoss
 from utils.train.recipe import YOLOV5_RECIPES, RecipeFiles
 
-PrepareRun = Callable[[nn.Module, Any, Hyp, int, DistContext], None]
+LOGGER = logging.getLogger(__name__)
+
+PrepareRun = Callable[[nn.Module, Any, Hyp, int, DistContext, bool], None]
 
 
 @dataclass(frozen=True)
 class FamilyTraining:
     """The training side of a model family (its `Family` has the same `name`).
 
-    - prepare_run(model, train_set, hyp, imgsz, ctx): per-run preparation from scratch, before DDP and the
-      EMA copy (every rank calls it): YOLOv5's AutoAnchor, nothing for anchor-free models
+    - prepare_run(model, train_set, hyp, imgsz, ctx, autoanchor): per-run preparation from scratch, before
+      DDP and the EMA copy (every rank calls it): YOLOv5's AutoAnchor (unless `autoanchor` is False:
+      --noautoanchor), nothing for anchor-free models
     - hyp_keys: the family-only Hyp keys its losses read (Hyp fields that default to None)
     - recipe_files: the short-run (AdamW) and long-run (SGD) hyp files `--optimizer auto` chooses from
     - search_space: tune.py's default search space over this family's hyp (data/hyps/space.*.yaml)
@@ -59,11 +63,17 @@ class FamilyTraining:
             )
 
 
-def run_anchor_check(model: nn.Module, train_set: Any, hyp: Hyp, imgsz: int, ctx: DistContext) -> None:
+def run_anchor_check(
+    model: nn.Module, train_set: Any, hyp: Hyp, imgsz: int, ctx: DistContext, autoanchor: bool = True
+) -> None:
     """AutoAnchor: check (and if poor, refit) the anchors on rank 0 and give every rank rank 0's anchors.
 
-    `train_set` is the LoadImagesAndLabels the run trains on; every rank must call this.
+    `train_set` is the LoadImagesAndLabels the run trains on; every rank must call this. Without
+    `autoanchor` (--noautoanchor) the model keeps the anchors of its --cfg, as in YOLOv5.
     """
+    if not autoanchor:
+        LOGGER.info("--noautoanchor: the anchors of --cfg are kept, unchecked")
+        return
     head = unwrap_model(model).head
     labels_wh = train_set.label_wh_at(imgsz)
     # run_on_main: a failure on rank 0 reaches every rank instead of leaving them in the broadcast below.
@@ -73,7 +83,9 @@ def run_anchor_check(model: nn.Module, train_set: Any, hyp: Hyp, imgsz: int, ctx
     head.anchors.copy_(anchors.to(head.anchors.device))
 
 
-def prepare_nothing(model: nn.Module, train_set: Any, hyp: Hyp, imgsz: int, ctx: DistContext) -> None:
+def prepare_nothing(
+    model: nn.Module, train_set: Any, hyp: Hyp, imgsz: int, ctx: DistContext, autoanchor: bool = True
+) -> None:
     """Anchor-free models need no per-run preparation: points come from the strides, not from the labels."""
 
 

@@ -141,7 +141,9 @@ def open_run_dir(cfg: TrainConfig, resuming: bool, ctx: DistContext) -> tuple[Pa
     written in it. The lock (None on ranks other than 0) is released here if writing fails.
     """
     run_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok or resuming, ctx, subdirs=("weights",))
-    folder_lock = run_on_main(lambda: lock_run_dir(run_dir), ctx, f"locking the run folder {run_dir}")
+    restarted = ctx.generation > 0 or ctx.restart_count > 0  # a torchrun restart: its last attempt may hold it
+    lock = lambda: lock_run_dir(run_dir, ctx.run_id, restarted)  # noqa: E731
+    folder_lock = run_on_main(lock, ctx, f"locking the run folder {run_dir}")
     try:
         run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx), ctx, f"writing the run folder {run_dir}")
     except BaseException:

@@ -89,7 +89,7 @@ class TrainState:
     # This rank's NaN/inf losses since the last optimizer step: a device tensor (or 0), read once per step.
     nonfinite_losses: torch.Tensor | int = 0
     steps_since_save: int = 0  # optimizer steps since the last mid-epoch checkpoint
-    stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM / SIGUSR1 received (fit() installs it)
+    stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM, SIGUSR1 or Ctrl-C received (fit() installs it)
     startup: StartupClock = field(default_factory=StartupClock)  # logs when the first optimizer step came
 
 
