@@ -143,6 +143,8 @@ def test_stop_signals_set_a_flag_and_restore_the_handlers() -> None:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.received == "SIGUSR1"
     assert signal.getsignal(signal.SIGUSR1) is before
+    stop.release_workers()  # what fit() does once its loaders are closed
+    assert not workers._STOPS_HANDLED.value
 
 
 def test_after_an_error_under_torchrun_one_stop_signal_lets_the_exit_finish(
@@ -206,6 +208,7 @@ def test_at_other_times_a_stop_signal_ends_a_loader_worker_at_once(name: str, ex
     assert worker.exitcode == exitcode and results.empty()
 
 
+@pytest.mark.usefixtures("terminal_sigint")
 def test_at_other_times_ctrl_c_interrupts_a_loader_worker() -> None:
     results = FORK.Queue()
     worker = FORK.Process(target=_signal_self_then_report, args=("SIGINT", False, results))
@@ -234,6 +237,10 @@ def test_a_first_ctrl_c_asks_for_a_stop_and_a_second_interrupts() -> None:
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # A worker may still run its handler for that stop late: the flag stays set until the loaders are closed.
+    assert workers._STOPS_HANDLED.value
+    stop.release_workers()
+    assert not workers._STOPS_HANDLED.value
 
 
 def test_a_signal_the_process_ignores_stays_ignored() -> None:

@@ -348,6 +348,7 @@ def fit(cfg: TrainConfig, training: TrainingTask, ctx: DistContext, callbacks: C
         raise
     finally:
         _end_run(run, error)
+        state.stop.release_workers()  # the loaders are closed: no worker is left to keep a stop signal from
 
 
 def _end_run(run: TrainRun, error: BaseException | None) -> None:

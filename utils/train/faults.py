@@ -84,11 +84,10 @@ class StopSignals:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        # The loop has left: no save is coming, so a signal from now on (an exit handler stopping the workers
-        # with SIGTERM, a launcher's) ends the workers as usual; an enclosing loop's setting comes back.
-        if self._workers_told is not None:
-            set_stops_handled(self._workers_told)
-            self._workers_told = None
+        if self.received is None:  # no stop came: the workers may act on signals as usual again
+            self.release_workers()
+        # Else a worker may not have run its handler yet (busy in C code): it must still ignore that signal, so
+        # the flag stays set until the loaders are closed (release_workers).
         if self._watchdog is not None:  # the stop went through
             self._watchdog.cancel()
         if kind is None and self.received is not None:  # the loop ended without another optimizer step to stop at
@@ -102,6 +101,16 @@ class StopSignals:
                 signal.signal(number, self._finish_exit)
             return
         self._restore()
+
+    def release_workers(self) -> None:
+        """Give the workers' flag back the value it had before __enter__ (call once the run's loaders are closed).
+
+        From then on a signal ends the workers as usual (an exit handler stopping them with SIGTERM, a
+        launcher's), and an enclosing loop's setting comes back. A second call does nothing.
+        """
+        if self._workers_told is not None:
+            set_stops_handled(self._workers_told)
+            self._workers_told = None
 
     def _restore(self) -> None:
         for number, handler in self._previous.items():
