@@ -11,7 +11,7 @@ import segment.train
 import train
 from tests.conftest import make_tiny_dataset
 from utils.data.synthetic import SyntheticSpec
-from utils.train import engine, records
+from utils.train import multi_scale, records
 from utils.train.multi_scale import multi_scale_size, resize_batch
 
 
@@ -46,7 +46,7 @@ def test_multi_scale_training_feeds_the_model_several_sizes(
         seen.append(tuple(resized.shape[-2:]))
         return resized
 
-    monkeypatch.setattr(engine, "resize_batch", recording_resize)
+    monkeypatch.setattr(multi_scale, "resize_batch", recording_resize)
     main, model = (train.main, "yolov8n") if entry == "detect" else (segment.train.main, "yolov8n-seg")
     args = ["--data", str(data), "--cfg", model, "--imgsz", "64", "--epochs", "2", "--batch-size", "2", "--multi-scale"]
     result = main([*args, "--device", "cpu", "--workers", "0", "--project", str(tmp_path / "runs"), "--noplots"])

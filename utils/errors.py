@@ -18,10 +18,9 @@ USER_ERROR_EXIT_CODE = 2  # argparse's status for a bad command line
 # The signals a training process turns into "save a checkpoint at the next optimizer step, then exit with
 # REQUEUE_EXIT_CODE" (utils/train/faults.py): SLURM and Kubernetes end a job with SIGTERM, SLURM's
 # `--signal=USR1@N` warns with SIGUSR1, a user presses Ctrl-C (SIGINT; a second press interrupts at once).
-# Loader workers outlast them for as long as that takes (utils/data/workers.py): launchers and terminals
-# signal the whole process group.
+# Loader workers ignore them while the training process saves (utils/data/workers.py): launchers and
+# terminals signal the whole process group.
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
-STOP_GRACE_S = 60.0  # after a stop signal the process ends within this many seconds, saved or not
 
 
 class ConfigError(ValueError):

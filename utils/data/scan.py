@@ -312,7 +312,7 @@ def report_scan(index: LabelIndex, source: str, skipped: Sequence[str] = ()) -> 
     """Log the first bad files (or COCO entries) one per line, how many more there were, and the summary counts.
 
     Called on rank 0 by every label scan, so the txt and COCO JSON paths report alike. `skipped`
-    are the image-list entries left out before the scan (labels.ImageFiles.skipped): warned
+    are the image-list entries left out before the scan (image_files.ImageFiles.skipped): warned
     first and counted in the summary, so no listed image is lost without a word.
     """
     messages = [*skipped, *index.messages]
@@ -368,20 +368,20 @@ def _labels_folders_text(label_files: Sequence[str]) -> str:
     return f"{folders[0]}{more}" if folders else "(no label folder)"
 
 
-def check_labelled(index: LabelIndex, where: str, is_train: bool, ctx: DistContext) -> None:
+def check_labelled(index: LabelIndex, label_files: Sequence[str], is_train: bool, ctx: DistContext) -> None:
     """Stop a training split that has no label at all, and warn (rank 0) about another split without any.
 
     A train set of background images only trains the model to find nothing and ends with mAP 0
     after the whole run, so, as YOLOv5 does ("No labels found"), it is a one-line ConfigError
-    naming `where` (the labels folder looked in, or the COCO JSON). A val or test set without
-    labels can still be predicted on, so it gets one warning instead. Call it with the gathered
-    index (the same on every rank), so every rank decides alike.
+    naming the folder of `label_files` (where the labels were looked for). A val or test set
+    without labels can still be predicted on, so it gets one warning instead. Call it with the
+    gathered index (the same on every rank), so every rank decides alike.
     """
     if not len(index) or index.counts["found"]:
-        return
+        return  # the common case: the folder names (a pass over every path) are built only for the message
     c, split = index.counts, "train " if is_train else ""
     what = (
-        f"{where}: none of the {len(index)} {split}images has a label "
+        f"{_labels_folders_text(label_files)}: none of the {len(index)} {split}images has a label "
         f"({c['missing']} label files missing, {c['empty']} empty)"
     )
     if is_train:
@@ -441,5 +441,5 @@ def scan_labels(
     if not len(index):
         images = Path(image_files[0]).parent
         raise ConfigError(f"{images}: no usable images (all {index.counts['corrupt']} are corrupt; see the warnings)")
-    check_labelled(index, _labels_folders_text(label_files), require_labels, ctx)
+    check_labelled(index, label_files, require_labels, ctx)
     return index

@@ -45,18 +45,17 @@ def worker_init(seed: int, rank: int) -> Callable[[int], None]:
     return functools.partial(init_worker, seed=seed, rank=rank, stops_handled=_STOPS_HANDLED)
 
 
-def init_worker(worker_id: int, seed: int, rank: int, stops_handled: ctypes.c_bool | None = None) -> None:
+def init_worker(worker_id: int, seed: int, rank: int, stops_handled: ctypes.c_bool) -> None:
     """`worker_init_fn` of every loader: one OpenCV thread, lower CPU priority, stop signals, then seeding.
 
     The workers are the parallelism: OpenCV's own thread pool in each of them (as many threads as
     cores, like torch's, which DataLoader already sets to 1 in a worker) only adds threads that
     wait for each other's cores. `stops_handled` is the flag `set_stops_handled` sets (`worker_init`
-    passes it, so it is shared under any start method); without it the signals keep their actions.
+    passes it, so it is shared under any start method).
     """
     cv2.setNumThreads(0)  # 0: run OpenCV functions in the calling thread
     lower_cpu_priority(WORKER_NICENESS)
-    if stops_handled is not None:
-        outlast_stop_signals(stops_handled)
+    outlast_stop_signals(stops_handled)
     seed_worker(worker_id, seed, rank)
 
 

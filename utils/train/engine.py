@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import re
 import time
@@ -42,7 +41,7 @@ from utils.train.config import TrainConfig
 from utils.train.cuda_graph import graphed_forward
 from utils.train.ema import ModelEMA
 from utils.train.mlflow_logger import MLflowLogger, mlflow_wanted
-from utils.train.multi_scale import multi_scale_size, resize_batch
+from utils.train.multi_scale import multi_scale_resizer
 from utils.train.optim import (
     Warmup,
     accumulate_steps,
@@ -165,8 +164,8 @@ def _forward_backward(
     loss is counted (on the device) for `_agree_before_step`, not read here.
     """
     images = inputs.pop("images")
-    if state.input_size_at is not None:
-        images = resize_batch(images, state.input_size_at(iteration), state.stride)
+    if state.resize_input is not None:
+        images = state.resize_input(images, iteration)
     state.warmup.apply(state.optimizer, iteration, state.lr_fn(epoch))
     sync_context = state.ddp.no_sync() if ctx.is_distributed and not is_step else contextlib.nullcontext()
     with sync_context:
@@ -265,7 +264,6 @@ def build_train_state(
     loss_fn = training.build_loss(model, cfg)
     warmup = Warmup.from_hyp(cfg.hyp, warmup_iterations(cfg.hyp.warmup_epochs, batches))
     loss_inputs = training.task.loss_inputs
-    stride = int(model.stride.max())  # the largest: every level's grid stays whole at a multiple of it
     return TrainState(
         model,
         ddp,
@@ -281,16 +279,9 @@ def build_train_state(
         amp_dtype,
         train_loss=compiled_loss(loss_fn, cfg),
         keep_grads=cfg.cuda_graph,
-        input_size_at=_multi_scale_sizes(cfg, stride),
-        stride=stride,
+        # Sides in multiples of the largest stride, so every level's grid stays whole.
+        resize_input=multi_scale_resizer(cfg.imgsz, int(model.stride.max()), cfg.seed) if cfg.multi_scale else None,
     )
-
-
-def _multi_scale_sizes(cfg: TrainConfig, stride: int) -> Callable[[int], int] | None:
-    """--multi-scale's (iteration) -> long side of the batch; None without the flag (the loader's size)."""
-    if not cfg.multi_scale:
-        return None
-    return functools.partial(multi_scale_size, imgsz=cfg.imgsz, stride=stride, seed=cfg.seed)
 
 
 def compiled_forward(forward: nn.Module, cfg: TrainConfig) -> nn.Module:

@@ -19,11 +19,12 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from utils.data.workers import set_stops_handled
-from utils.errors import REQUEUE_EXIT_CODE, STOP_GRACE_S, STOP_SIGNALS
+from utils.errors import REQUEUE_EXIT_CODE, STOP_SIGNALS
 
 LOGGER = logging.getLogger(__name__)
 
 RUN_ID_FILE = ".torchelastic_run_id"  # in the run folder: the torchrun job that created it
+STOP_GRACE_S = 60.0  # after SIGTERM / SIGUSR1 the process ends within this many seconds, saved or not
 
 
 def _exit_after_grace(name: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -35,3 +38,12 @@ def resize_batch(images: torch.Tensor, long_side: int, stride: int) -> torch.Ten
     if size == [height, width]:
         return images
     return F.interpolate(images, size=size, mode="bilinear", align_corners=False)
+
+
+def multi_scale_resizer(imgsz: int, stride: int, seed: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """The training step's (images, iteration) -> images of --multi-scale: resized to that iteration's size."""
+    return functools.partial(_resize_for_iteration, imgsz=imgsz, stride=stride, seed=seed)
+
+
+def _resize_for_iteration(images: torch.Tensor, iteration: int, imgsz: int, stride: int, seed: int) -> torch.Tensor:
+    return resize_batch(images, multi_scale_size(iteration, imgsz, stride, seed), stride)

@@ -36,7 +36,7 @@ class TrainRun:
     datasets: Datasets
     run_dir: Path
     callbacks: Callbacks
-    folder_lock: RunFolderLock | None = None  # rank 0's hold on run_dir (utils/runs.py), released by close()
+    folder_lock: RunFolderLock | None = None  # rank 0's hold on run_dir (utils/runs.py); engine._end_run frees it
 
     @property
     def last(self) -> Path:
@@ -78,9 +78,8 @@ class TrainState:
     amp_dtype: torch.dtype | None  # autocast dtype (fp16 with a GradScaler, bf16 without), None: fp32
     train_loss: Callable[..., Any]  # the step's loss call: loss_fn, or it compiled (engine.compiled_loss)
     keep_grads: bool = False  # zero gradients in place instead of dropping them (--cuda-graph: GraphedForward)
-    # --multi-scale: (iteration) -> the batch's long side, and the stride its sides are multiples of; None: fixed
-    input_size_at: Callable[[int], int] | None = None
-    stride: int = 32
+    # --multi-scale: (images, iteration) -> the images at that iteration's size (utils/train/multi_scale.py)
+    resize_input: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     last_opt_step: int = -1
     best_fitness: float = 0.0
     start_epoch: int = 0
