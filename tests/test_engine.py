@@ -13,7 +13,7 @@ from utils.config import DEFAULT_HYP
 from utils.errors import ConfigError
 from utils.hyp import load_hyp
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV
-from utils.train.setup import augment_params, epoch_steps_line, freeze_layers
+from utils.train.setup import augment_params, epoch_batches_line, freeze_layers
 
 YOLOV5_LOSS_NAMES = ("box", "obj", "cls")  # the items of the YOLOv5 family's detection loss
 
@@ -72,14 +72,14 @@ def test_start_up_line_says_where_a_resumed_epoch_goes_on() -> None:
     ctx = DistContext()
     loader = build_train_loader(FakeDataset(10, ctx), 4, 0, ctx, seed=0)  # 3 batches of 4, 4, 2
     loader.start(15, 0)
-    assert epoch_steps_line(loader, epochs=20) == "3 steps/epoch"
+    assert epoch_batches_line(loader, epochs=20) == "3 batches/epoch"
     loader.start(15, 1)
-    assert epoch_steps_line(loader, epochs=20) == "3 steps/epoch (resumed epoch 16 goes on at batch 2, 2 left)"
+    assert epoch_batches_line(loader, epochs=20) == "3 batches/epoch (resumed epoch 16 goes on at batch 2, 2 left)"
     loader.start(15, 3)  # stopped at the epoch's last (short) batch: nothing of epoch 16 is left to train
-    assert epoch_steps_line(loader, epochs=20) == (
-        "3 steps/epoch (resumed epoch 16 has no batch left: it is validated and saved, then epoch 17 starts)"
+    assert epoch_batches_line(loader, epochs=20) == (
+        "3 batches/epoch (resumed epoch 16 has no batch left: it is validated and saved, then epoch 17 starts)"
     )
-    assert epoch_steps_line(loader, epochs=16).endswith("it is validated and saved, which ends the run)")
+    assert epoch_batches_line(loader, epochs=16).endswith("it is validated and saved, which ends the run)")
     loader.close()
 
 

@@ -123,7 +123,7 @@ def test_a_stop_signal_mid_epoch_then_resume_is_bit_identical(
     where = f"goes on at batch {batches_done + 1}, {total - batches_done} left"
     if batches_done == total:
         where = "has no batch left: it is validated and saved, then epoch 2 starts"
-    assert f"{total} steps/epoch (resumed epoch 1 {where})" in caplog.text
+    assert f"{total} batches/epoch (resumed epoch 1 {where})" in caplog.text
     assert _epochs(resumed.run_dir) == ["1", "2"]
     _assert_identical(uninterrupted.last, resumed.last)
     if batch != 4:  # the resume from epoch1.pt below does not depend on where the stop came: once is enough
