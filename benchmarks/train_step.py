@@ -62,10 +62,10 @@ from utils.distributed import DistContext  # noqa: E402
 from utils.hyp import load_hyp  # noqa: E402
 from utils.train.config import COMPILE_MODES, TrainConfig  # noqa: E402
 from utils.train.cuda_graph import graphed_forward  # noqa: E402
-from utils.train.engine import compiled_loss  # noqa: E402
 from utils.train.plan import RunPlan, plan_model  # noqa: E402
 from utils.train.records import DETECT_TRAINING, TrainingTask, family_training  # noqa: E402
 from utils.train.setup import build_datasets, build_model_bundle  # noqa: E402
+from utils.train.state import compiled_loss  # noqa: E402
 
 LAYOUTS = {"nhwc": True, "nchw": False}
 PHASES = ("forward", "loss", "backward", "optimizer")

@@ -16,7 +16,6 @@ from utils.data.data_config import DataConfig
 from utils.distributed import DistContext
 from utils.hyp import load_hyp
 from utils.train.config import TrainConfig, config_from_dict, save_run_config, train_config_from_argv
-from utils.train.engine import build_train_state
 from utils.train.optim import accumulate_steps
 from utils.train.plan import resolve_run_recipe
 from utils.train.recipe import (
@@ -33,6 +32,7 @@ from utils.train.recipe import (
 )
 from utils.train.records import DETECT_TRAINING
 from utils.train.setup import ModelBundle
+from utils.train.state import build_train_state
 
 OPTIMIZER_KEYS = {"lr0", "momentum", "warmup_epochs", "nbs"}  # what the two recipe files may differ in
 

@@ -88,7 +88,7 @@ class DenseLoss:
         self.gains = gains
         self.label_smoothing = label_smoothing
         self.align = align or AlignOptions()
-        self.one_graph = self.align.static_shapes  # torch.compile traces it whole (engine.compiled_loss)
+        self.one_graph = self.align.static_shapes  # torch.compile traces it whole (state.compiled_loss)
         self._points = ShapeCache(self._anchor_points)
         # A 0-d CPU tensor, not a float: under torch.compile a float is a constant of the graph, and its
         # change every epoch would compile the loss again; a tensor is an input. Multiplying a device

@@ -13,13 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from models.model_info import memory_format
 from utils import checkpoint as ckpt_io
 from utils.callbacks import Callbacks, load_callback_modules
-from utils.config import AUTO
 from utils.data.loader import TrainLoader, images_on_device
 from utils.distributed import (
     DistContext,
@@ -29,7 +27,6 @@ from utils.distributed import (
     broadcast_object,
     run_on_main,
     seed_everything,
-    smart_ddp,
 )
 from utils.errors import Preempted
 from utils.eval.coco import check_coco_target, coco_evaluate
@@ -38,32 +35,19 @@ from utils.families import build_model
 from utils.logs import tqdm_disabled
 from utils.plots import batch_drawer, plot_run, plot_start, val_batch_drawer
 from utils.train.config import TrainConfig
-from utils.train.cuda_graph import graphed_forward
-from utils.train.ema import ModelEMA
 from utils.train.mlflow_logger import MLflowLogger, mlflow_wanted
-from utils.train.multi_scale import multi_scale_resizer
-from utils.train.optim import (
-    Warmup,
-    accumulate_steps,
-    build_optimizer,
-    build_scheduler,
-    lr_lambda,
-    scaled_weight_decay,
-    warmup_iterations,
-)
 from utils.train.plan import plan_run
 from utils.train.prefetch import DevicePrefetcher, WaitTimer
 from utils.train.records import TrainingTask
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV, loss_columns, lr_columns
 from utils.train.saving import open_run_dir, restore_state, resume_position, save_epoch, save_mid_epoch
 from utils.train.setup import (
-    ModelBundle,
     build_datasets,
     build_model_bundle,
     log_startup,
     verify_identical_weights,
 )
-from utils.train.state import FitResult, TrainedEpoch, TrainRun, TrainState
+from utils.train.state import FitResult, TrainedEpoch, TrainRun, TrainState, build_train_state
 from utils.train.tensorboard import TensorBoardLogger
 from utils.train.wandb_logger import WandbLogger, wandb_wanted
 
@@ -237,87 +221,6 @@ def _optimizer_step(state: TrainState) -> None:
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=not state.keep_grads)
     state.ema.update(state.model)
-
-
-def build_train_state(
-    bundle: ModelBundle, cfg: TrainConfig, training: TrainingTask, ctx: DistContext, batches: int
-) -> TrainState:
-    """Wrap the model for DDP, then create optimizer, LR schedule, scaler, EMA and loss identically on every rank.
-
-    `cfg` must name a concrete optimizer and hyp (fit() resolves `auto` first: resolve_run_recipe).
-    """
-    assert cfg.hyp is not None and cfg.optimizer != AUTO, "build_train_state: resolve the recipe first"
-    model = bundle.model
-    nominal = int(cfg.hyp.nbs)
-    accumulate = accumulate_steps(cfg.batch_size, nominal)
-    # Accumulation (also during warmup's ramp) uses no_sync(), which static_graph does not support.
-    ddp = compiled_forward(smart_ddp(model, ctx, sync_bn=cfg.sync_bn, static_graph=cfg.batch_size >= nominal), cfg)
-    amp_dtype = autocast_dtype(cfg.amp, ctx.device)
-    ddp = graphed_forward(ddp, cfg.cuda_graph, amp_dtype)  # one process only (validate)
-    weight_decay = scaled_weight_decay(cfg.hyp.weight_decay, cfg.batch_size, accumulate, nominal)
-    optimizer = build_optimizer(model, cfg.optimizer, cfg.hyp.lr0, cfg.hyp.momentum, weight_decay)
-    lr_fn = lr_lambda(cfg.epochs, cfg.hyp.lrf, cfg.cos_lr)
-    scheduler = build_scheduler(optimizer, lr_fn)
-    # bf16 has fp32's exponent range: no loss scaling needed. fp16 needs the GradScaler.
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
-    ema = ModelEMA(model)
-    loss_fn = training.build_loss(model, cfg)
-    warmup = Warmup.from_hyp(cfg.hyp, warmup_iterations(cfg.hyp.warmup_epochs, batches))
-    loss_inputs = training.task.loss_inputs
-    return TrainState(
-        model,
-        ddp,
-        optimizer,
-        scheduler,
-        scaler,
-        ema,
-        loss_fn,
-        loss_inputs,
-        accumulate,
-        warmup,
-        lr_fn,
-        amp_dtype,
-        train_loss=compiled_loss(loss_fn, cfg),
-        keep_grads=cfg.cuda_graph,
-        # Sides in multiples of the largest stride, so every level's grid stays whole.
-        resize_input=multi_scale_resizer(cfg.imgsz, int(model.stride.max()), cfg.seed) if cfg.multi_scale else None,
-    )
-
-
-def compiled_forward(forward: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """`forward` (the DDP module, or the model in one process) under torch.compile with --compile's mode.
-
-    The training forward is one graph for every family (no data-dependent Python); the loss is compiled
-    apart, and only when it is one graph too (`compiled_loss`). Compiling the DDP module lets dynamo
-    split the graph at DDP's gradient buckets, so the all-reduce still overlaps backward. The bare model
-    stays what the EMA, validation and checkpoints use, so saved weights carry no `_orig_mod.` prefix
-    and resume either way.
-    """
-    if not cfg.compile_mode:
-        return forward
-    LOGGER.info(f"torch.compile (mode {cfg.compile_mode}) of the training forward: the first steps compile")
-    return torch.compile(forward, mode=cfg.compile_mode)
-
-
-def compiled_loss(loss_fn: Any, cfg: TrainConfig) -> Any:
-    """The training step's loss call: `loss_fn`, under torch.compile with --compile's mode when it is one graph.
-
-    A loss is one graph (`loss_fn.one_graph`) with --static-loss-shapes and no mask term: the default
-    candidate search's `nonzero` has data-dependent shapes, which break the graph and recompile as label
-    counts change. The label count is a dynamic size after its second value, so the loss compiles twice.
-    Evaluation and the engine's bookkeeping (item names, start_epoch) use `loss_fn` itself.
-    """
-    if not cfg.compile_mode or not getattr(loss_fn, "one_graph", False):
-        return loss_fn
-    LOGGER.info(f"torch.compile (mode {cfg.compile_mode}) of the training loss (--static-loss-shapes)")
-    return torch.compile(loss_fn, mode=cfg.compile_mode)
-
-
-def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
-    """--amp as an autocast dtype: auto is fp16 on CUDA (YOLOv5's AMP) and fp32 (None) elsewhere."""
-    if amp == "auto":
-        return torch.float16 if device.type == "cuda" else None
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
 
 
 def fit(cfg: TrainConfig, training: TrainingTask, ctx: DistContext, callbacks: Callbacks | None = None) -> FitResult:

@@ -290,7 +290,7 @@ class DetectionLoss:
         self.cls_pw = cls_pw
         self.obj_pw = obj_pw
         self.static_shapes = static_shapes
-        self.one_graph = static_shapes  # torch.compile traces it whole (engine.compiled_loss)
+        self.one_graph = static_shapes  # torch.compile traces it whole (state.compiled_loss)
         self._grid_tables = ShapeCache(grid_tables)
 
     @classmethod

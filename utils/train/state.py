@@ -1,7 +1,8 @@
-"""The records of one training run: TrainRun (fixed for the run), TrainState (what epochs mutate), their results."""
+"""The records of one training run: TrainRun (fixed for the run), TrainState (what epochs mutate), how it is built."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,16 +13,30 @@ import torch
 from torch import nn
 
 from utils.callbacks import Callbacks
+from utils.config import AUTO
 from utils.data.data_config import DataConfig
-from utils.distributed import DistContext
+from utils.distributed import DistContext, smart_ddp
 from utils.runs import RunFolderLock
 from utils.tasks import Task
 from utils.train.config import TrainConfig
+from utils.train.cuda_graph import graphed_forward
 from utils.train.ema import ModelEMA
 from utils.train.faults import StopSignals
-from utils.train.optim import Warmup
+from utils.train.multi_scale import multi_scale_resizer
+from utils.train.optim import (
+    Warmup,
+    accumulate_steps,
+    build_optimizer,
+    build_scheduler,
+    lr_lambda,
+    scaled_weight_decay,
+    warmup_iterations,
+)
+from utils.train.records import TrainingTask
 from utils.train.setup import Datasets, ModelBundle
 from utils.train.startup import StartupClock
+
+LOGGER = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,7 +91,7 @@ class TrainState:
     warmup: Warmup
     lr_fn: Callable[[int], float]
     amp_dtype: torch.dtype | None  # autocast dtype (fp16 with a GradScaler, bf16 without), None: fp32
-    train_loss: Callable[..., Any]  # the step's loss call: loss_fn, or it compiled (engine.compiled_loss)
+    train_loss: Callable[..., Any]  # the step's loss call: loss_fn, or it compiled (state.compiled_loss)
     keep_grads: bool = False  # zero gradients in place instead of dropping them (--cuda-graph: GraphedForward)
     # --multi-scale: (images, iteration) -> the images at that iteration's size (utils/train/multi_scale.py)
     resize_input: Callable[[torch.Tensor, int], torch.Tensor] | None = None
@@ -121,3 +136,84 @@ class FitResult:
     last: Path
     metrics: dict[str, float]
     epochs_run: int
+
+
+def build_train_state(
+    bundle: ModelBundle, cfg: TrainConfig, training: TrainingTask, ctx: DistContext, batches: int
+) -> TrainState:
+    """Wrap the model for DDP, then create optimizer, LR schedule, scaler, EMA and loss identically on every rank.
+
+    `cfg` must name a concrete optimizer and hyp (fit() resolves `auto` first: resolve_run_recipe).
+    """
+    assert cfg.hyp is not None and cfg.optimizer != AUTO, "build_train_state: resolve the recipe first"
+    model = bundle.model
+    nominal = int(cfg.hyp.nbs)
+    accumulate = accumulate_steps(cfg.batch_size, nominal)
+    # Accumulation (also during warmup's ramp) uses no_sync(), which static_graph does not support.
+    ddp = compiled_forward(smart_ddp(model, ctx, sync_bn=cfg.sync_bn, static_graph=cfg.batch_size >= nominal), cfg)
+    amp_dtype = autocast_dtype(cfg.amp, ctx.device)
+    ddp = graphed_forward(ddp, cfg.cuda_graph, amp_dtype)  # one process only (validate)
+    weight_decay = scaled_weight_decay(cfg.hyp.weight_decay, cfg.batch_size, accumulate, nominal)
+    optimizer = build_optimizer(model, cfg.optimizer, cfg.hyp.lr0, cfg.hyp.momentum, weight_decay)
+    lr_fn = lr_lambda(cfg.epochs, cfg.hyp.lrf, cfg.cos_lr)
+    scheduler = build_scheduler(optimizer, lr_fn)
+    # bf16 has fp32's exponent range: no loss scaling needed. fp16 needs the GradScaler.
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
+    ema = ModelEMA(model)
+    loss_fn = training.build_loss(model, cfg)
+    warmup = Warmup.from_hyp(cfg.hyp, warmup_iterations(cfg.hyp.warmup_epochs, batches))
+    loss_inputs = training.task.loss_inputs
+    return TrainState(
+        model,
+        ddp,
+        optimizer,
+        scheduler,
+        scaler,
+        ema,
+        loss_fn,
+        loss_inputs,
+        accumulate,
+        warmup,
+        lr_fn,
+        amp_dtype,
+        train_loss=compiled_loss(loss_fn, cfg),
+        keep_grads=cfg.cuda_graph,
+        # Sides in multiples of the largest stride, so every level's grid stays whole.
+        resize_input=multi_scale_resizer(cfg.imgsz, int(model.stride.max()), cfg.seed) if cfg.multi_scale else None,
+    )
+
+
+def compiled_forward(forward: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """`forward` (the DDP module, or the model in one process) under torch.compile with --compile's mode.
+
+    The training forward is one graph for every family (no data-dependent Python); the loss is compiled
+    apart, and only when it is one graph too (`compiled_loss`). Compiling the DDP module lets dynamo
+    split the graph at DDP's gradient buckets, so the all-reduce still overlaps backward. The bare model
+    stays what the EMA, validation and checkpoints use, so saved weights carry no `_orig_mod.` prefix
+    and resume either way.
+    """
+    if not cfg.compile_mode:
+        return forward
+    LOGGER.info(f"torch.compile (mode {cfg.compile_mode}) of the training forward: the first steps compile")
+    return torch.compile(forward, mode=cfg.compile_mode)
+
+
+def compiled_loss(loss_fn: Any, cfg: TrainConfig) -> Any:
+    """The training step's loss call: `loss_fn`, under torch.compile with --compile's mode when it is one graph.
+
+    A loss is one graph (`loss_fn.one_graph`) with --static-loss-shapes and no mask term: the default
+    candidate search's `nonzero` has data-dependent shapes, which break the graph and recompile as label
+    counts change. The label count is a dynamic size after its second value, so the loss compiles twice.
+    Evaluation and the engine's bookkeeping (item names, start_epoch) use `loss_fn` itself.
+    """
+    if not cfg.compile_mode or not getattr(loss_fn, "one_graph", False):
+        return loss_fn
+    LOGGER.info(f"torch.compile (mode {cfg.compile_mode}) of the training loss (--static-loss-shapes)")
+    return torch.compile(loss_fn, mode=cfg.compile_mode)
+
+
+def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    """--amp as an autocast dtype: auto is fp16 on CUDA (YOLOv5's AMP) and fp32 (None) elsewhere."""
+    if amp == "auto":
+        return torch.float16 if device.type == "cuda" else None
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
