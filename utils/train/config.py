@@ -152,6 +152,7 @@ def build_train_parser(task: str = "detect") -> argparse.ArgumentParser:
     )
     _add_model_flags(parser, task)
     _add_training_flags(parser)
+    _add_speed_flags(parser)
     _add_run_flags(parser, task)
     if task == "segment":
         parser.add_argument(
@@ -181,7 +182,7 @@ def _add_model_flags(parser: argparse.ArgumentParser, task: str) -> None:
 
 
 def _add_training_flags(parser: argparse.ArgumentParser) -> None:
-    """How it is trained: schedule, batch, cache, optimizer, augmentation switches, precision."""
+    """How it is trained: schedule, batch, cache, optimizer, seeds, mid-epoch saves, augmentation switches."""
     parser.add_argument("--epochs", type=int, default=QUICKSTART_EPOCHS)
     parser.add_argument("--batch-size", type=int, default=QUICKSTART_BATCH, help="GLOBAL batch, summed over all ranks")
     parser.add_argument(
@@ -204,13 +205,6 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--freeze", nargs="+", type=int, default=[], help="freeze first N layers (one value) or a list")
     parser.add_argument("--seed", type=int, default=0, help="global seed; each rank augments with seed + rank")
     parser.add_argument("--deterministic", action="store_true", help="use deterministic algorithms (slower)")
-    parser.add_argument(
-        "--amp",
-        choices=AMP_MODES,
-        default="auto",
-        help="mixed precision: auto (fp16 with loss scaling on CUDA, as YOLOv5; fp32 on CPU), fp16, bf16 (no loss "
-        "scaling; Ampere and newer GPUs), off",
-    )
     parser.add_argument(
         "--save-period-steps",
         type=int,
@@ -235,6 +229,17 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=QUICKSTART_CLOSE_MOSAIC,
         help="train the last N epochs without mosaic and mixup (0: mosaic throughout, as YOLOv5)",
+    )
+
+
+def _add_speed_flags(parser: argparse.ArgumentParser) -> None:
+    """How each step runs on the device: precision, SyncBatchNorm, torch.compile, static loss shapes, CUDA graphs."""
+    parser.add_argument(
+        "--amp",
+        choices=AMP_MODES,
+        default="auto",
+        help="mixed precision: auto (fp16 with loss scaling on CUDA, as YOLOv5; fp32 on CPU), fp16, bf16 (no loss "
+        "scaling; Ampere and newer GPUs), off",
     )
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs (CUDA and DDP only)")
     parser.add_argument(
