@@ -1,0 +1,90 @@
+"""Verify one image file without decoding more than needed: format, size, EXIF orientation, truncated JPEGs."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+from PIL import Image
+
+PIL_FORMATS = frozenset({"BMP", "JPEG", "MPO", "PNG", "TIFF", "WEBP"})
+MIN_IMAGE_SIDE = 10
+
+
+class BadInputError(ValueError):
+    """An image or label file that cannot be used; the message says why."""
+
+
+def image_orientation(image: Image.Image) -> int:
+    """Return the EXIF orientation tag (1 = upright) without decoding pixels.
+
+    PIL's PNG getexif() decodes the whole image to look for a trailing eXIf chunk; we read only
+    an eXIf chunk placed before the pixel data, which is where writers (and the PNG spec) put it.
+    """
+    if image.format == "PNG":
+        raw = image.info.get("exif")
+        if not raw:
+            return 1
+        exif = Image.Exif()
+        exif.load(raw)
+        return int(exif.get(0x0112, 1))
+    return int(image.getexif().get(0x0112, 1))
+
+
+def _decodes_without_end_marker(path: str) -> bool:
+    """Whether a JPEG that lacks its end-of-image marker still holds all of its scan data.
+
+    The file is decoded three times with an end marker appended: right after its bytes, and
+    after two different runs of filler bytes. A complete scan ignores the filler (the decoder
+    has every block already); a truncated one decodes the filler as image data, so the pixels
+    differ. PIL, not OpenCV: libjpeg's warnings would otherwise go to stderr once per file.
+    """
+    with open(path, "rb") as file:
+        data = file.read()
+    decoded = []
+    for filler in (b"", b"\x00" * 64, b"\x55" * 64):
+        try:
+            with Image.open(io.BytesIO(data + filler + b"\xff\xd9")) as image:
+                decoded.append(np.asarray(image))
+        except Exception:  # any decoder failure means "not fully decodable"
+            return False
+    return all(np.array_equal(decoded[0], other) for other in decoded[1:])
+
+
+def check_image(path: str) -> tuple[tuple[int, int], str]:
+    """Return the EXIF-corrected (width, height) of an image and a note ('' or what was tolerated).
+
+    Raises BadInputError saying why an image is unusable.
+    """
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            raise BadInputError("empty (0-byte) file")
+        with Image.open(path) as image:
+            image.verify()  # structural check; the object is unusable afterwards
+        with Image.open(path) as image:
+            image_format, (width, height) = image.format, image.size
+            orientation = image_orientation(image)
+    except BadInputError:
+        raise
+    except FileNotFoundError:  # a .txt image list can name files that are not there
+        raise BadInputError("file not found") from None
+    except Exception as error:  # PIL raises many types for bad bytes; all mean "not an image"
+        raise BadInputError(f"not a readable image ({type(error).__name__}: {error})") from error
+    if image_format not in PIL_FORMATS:
+        raise BadInputError(f"unsupported image format {image_format}")
+    note = ""
+    if image_format in ("JPEG", "MPO"):
+        with open(path, "rb") as file:
+            file.seek(max(0, size - 64))
+            has_end_marker = b"\xff\xd9" in file.read()  # 0xFFD9 cannot occur inside entropy-coded data
+        if not has_end_marker and not _decodes_without_end_marker(path):
+            raise BadInputError("truncated JPEG (no end-of-image marker, and image data is missing)")
+        if not has_end_marker:
+            note = "JPEG without end-of-image marker, but its image data is complete; kept"
+    if orientation in (5, 6, 7, 8):  # rotated by 90 degrees: the decoder swaps width and height
+        width, height = height, width
+    if min(width, height) < MIN_IMAGE_SIDE:
+        raise BadInputError(f"image size {width}x{height} is below {MIN_IMAGE_SIDE} pixels")
+    return (width, height), note
