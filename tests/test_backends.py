@@ -20,7 +20,7 @@ from segment import predict as segment_predict
 from segment import val as segment_val
 from segment.task import SEGMENT
 from tests.conftest import make_tiny_dataset
-from utils.backends import BackendRequest, leave_cores_to_runtime, load_backend, resolve_imgsz
+from utils.backends import AugmentedBackend, BackendRequest, leave_cores_to_runtime, load_backend, resolve_imgsz
 from utils.backends.exported import rows_from_detections, run_in_chunks
 from utils.backends.metadata import read_metadata
 from utils.boxes import best_detections, top_detections
@@ -321,6 +321,11 @@ def test_torch_steps_back_to_one_thread_only_beside_a_runtime_with_its_own(files
         for runs_in_torch in (checkpoint, torchscript):  # torch does the inference: it keeps its threads
             leave_cores_to_runtime(runs_in_torch)
             assert torch.get_num_threads() == 2
+        leave_cores_to_runtime(AugmentedBackend(checkpoint))
+        assert torch.get_num_threads() == 2
+        leave_cores_to_runtime(AugmentedBackend(onnx))  # --augment's passes run in the runtime too
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
         leave_cores_to_runtime(onnx)
         assert torch.get_num_threads() == 1
     finally:
@@ -367,3 +372,34 @@ def test_end_to_end_detections_become_rows_the_top_score_selector_reads_as_the_c
         for expected, found in zip(want, got, strict=True):
             assert len(found) == len(expected) == options["max_det"]
             np.testing.assert_allclose(found.numpy(), expected.numpy(), atol=1e-4)
+
+
+def test_augment_runs_a_fixed_shape_file_as_its_checkpoint(files: dict[str, dict[str, Path]], tmp_path: Path) -> None:
+    weights = Path(shutil.copy(files["yolov5n"]["pt"], tmp_path / "best.pt"))  # three anchors per grid point
+    (exported,) = export_checkpoint(ExportConfig(weights, ("onnx",)), TASKS, DistContext())
+    static = load_backend(exported.path, _request(augment=True))
+    checkpoint = load_backend(weights, _request(augment=True))
+    assert static.info.fixed_shape and not checkpoint.info.fixed_shape
+    images = torch.rand(2, 3, IMGSZ, IMGSZ, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, got = checkpoint(images)[0], static(images)[0]
+    # At 64 px both pad the shrunk passes back to 64 (the stride's multiple): the same inputs, the same rows.
+    # Grid points per pass: 8x8 + 4x4 (no 2x2 level at full size), 8x8 + 4x4 + 2x2, 4x4 + 2x2 (no 8x8 at 0.67x).
+    assert want.shape[1] == 3 * ((64 + 16) + (64 + 16 + 4) + (16 + 4))
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-3, rtol=1e-3)
+    with pytest.raises(ConfigError, match="--augment is for detection models"):
+        load_backend(files["yolov8n-seg"]["pt"], _request("segment", augment=True))
+
+
+@pytest.mark.slow
+def test_val_and_detect_take_augment(files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path) -> None:
+    weights = files["yolov8n"]["onnx"]
+    plain, augmented = (_val(val, weights, tiny_data, tmp_path / kind, *extra) for kind, extra in
+                        (("plain", ()), ("augmented", ("--augment",))))  # fmt: skip
+    want, got = _predictions_by_image(plain), _predictions_by_image(augmented)
+    assert want.keys() == got.keys() and all(len(rows) for rows in got.values())
+    assert any(got[path].shape != rows.shape or not np.allclose(got[path], rows) for path, rows in want.items())
+    source = tiny_data.parent / "shapes" / "images" / "val"
+    argv = ["--weights", str(weights), "--source", str(source), "--device", "cpu", "--conf-thres", "0.001",
+            "--save-txt", "--nosave", "--augment", "--project", str(tmp_path / "detect")]  # fmt: skip
+    assert len(_read_labels(detect.main(argv).save_dir / "labels")) == TINY.num_val

@@ -90,6 +90,22 @@ def test_hub_model_returns_what_detect_py_writes(task, tmp_path: Path) -> None:
             assert found.masks.shape == (len(found), 96, 128) and found.masks.dtype == bool
 
 
+@pytest.mark.slow  # runs detect.py's entry point
+def test_hub_augment_returns_what_detect_py_augment_writes(detector_file: Path, tmp_path: Path) -> None:
+    image = write_image(tmp_path / "images" / "img.jpg", seed=4, hw=(96, 128))
+    result = detect.run(weights=detector_file, source=image, imgsz=64, device="cpu", save_txt=True, save_conf=True,
+                        augment=True, project=tmp_path / "runs")  # fmt: skip
+    written = (result.save_dir / "labels" / "img.txt").read_text().splitlines()
+    model = _hub("custom", path=str(detector_file), device="cpu")
+    [augmented], [plain] = model(image, size=64, augment=True), model(image, size=64)
+    assert written and augmented.txt_lines(save_conf=True) == written != plain.txt_lines(save_conf=True)
+    segmenter = _hub(
+        "custom", path=str(untrained_checkpoint(tmp_path / "seg.pt", SEGMENT, "yolov5n-seg")), device="cpu"
+    )
+    with pytest.raises(ConfigError, match="--augment is for detection models"):
+        segmenter(image, size=64, augment=True)
+
+
 def test_converted_yolov5_checkpoints_and_scratch_sizes_load_the_same_way(tmp_path: Path) -> None:
     path = tmp_path / "yolov5n.pt"
     v5.save_yolov5_checkpoint(v5.randomise(v5.DetectionModel(0.33, 0.25, nc=3)), str(path))

@@ -35,6 +35,11 @@ IMGSZ_FROM_CHECKPOINT_HELP = (
     "image size in pixels (default: the size the checkpoint was trained at, 640 for converted YOLOv5 / "
     "Ultralytics weights)"
 )
+# --augment of val.py and detect.py (utils/backends/augmented.py).
+AUGMENT_HELP = (
+    "test-time augmentation (detection): also run the image flipped at 0.83x and at 0.67x, pool the boxes "
+    "before NMS; three forwards per image"
+)
 QUICKSTART_EPOCHS = 20
 QUICKSTART_BATCH = 16
 QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)

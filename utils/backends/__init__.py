@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from utils.backends.augmented import AugmentedBackend
 from utils.backends.base import BackendInfo, BackendRequest, InferenceBackend, as_backend, resolve_imgsz
 from utils.backends.checkpoint import load_checkpoint_backend
 from utils.backends.exported import leave_cores_to_runtime
@@ -23,6 +24,7 @@ from utils.backends.torchscript import TorchScriptBackend
 from utils.errors import ConfigError
 
 __all__ = [
+    "AugmentedBackend",
     "BackendInfo",
     "BackendRequest",
     "InferenceBackend",
@@ -62,8 +64,9 @@ def loader_for(path: Path) -> Callable[[Path, BackendRequest], InferenceBackend]
 def load_backend(path: Path | str, request: BackendRequest) -> InferenceBackend:
     """Load `path` (checkpoint, .torchscript, .onnx, .engine or OpenVINO folder) for inference, in eval mode.
 
-    Task, half precision and --nms are checked against what the file holds (one-line ConfigErrors
-    naming it); the size to run at is checked by the caller with `resolve_imgsz`.
+    Task, half precision, --nms and --augment are checked against what the file holds (one-line
+    ConfigErrors naming it); the size to run at is checked by the caller with `resolve_imgsz`.
     """
     path = Path(path)
-    return loader_for(path)(path, request).eval()
+    backend = loader_for(path)(path, request)
+    return (AugmentedBackend(backend) if request.augment else backend).eval()

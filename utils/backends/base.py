@@ -50,6 +50,7 @@ class BackendRequest:
     half: bool = False  # fp16 inference (--half)
     channels_last: bool = True  # checkpoints only: NHWC memory layout
     nms: bool = False  # --nms: an end-to-end model's one-to-many head and NMS
+    augment: bool = False  # --augment: test-time augmentation (utils/backends/augmented.py), detection only
 
 
 class InferenceBackend(nn.Module):

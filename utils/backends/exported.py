@@ -175,7 +175,8 @@ def leave_cores_to_runtime(backend: InferenceBackend) -> None:
     val and detect call this after loading; their run restores the thread count (utils/cli/entry.py).
     torch.hub does not: the caller's process keeps its own settings.
     """
-    if isinstance(backend, HostRuntimeBackend) and backend.device.type == "cpu" and torch.get_num_threads() > 1:
+    runs_on_host = any(isinstance(module, HostRuntimeBackend) for module in backend.modules())  # --augment wraps it
+    if runs_on_host and backend.device.type == "cpu" and torch.get_num_threads() > 1:
         LOGGER.info(f"{backend.info.path.name}: torch on 1 thread beside {backend.info.file_format}'s own threads")
         torch.set_num_threads(1)
 

@@ -6,7 +6,14 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from utils.config import DEFAULT_DATA, IMGSZ_FROM_CHECKPOINT_HELP, ROOT, add_common_flags, check_dist_timeout
+from utils.config import (
+    AUGMENT_HELP,
+    DEFAULT_DATA,
+    IMGSZ_FROM_CHECKPOINT_HELP,
+    ROOT,
+    add_common_flags,
+    check_dist_timeout,
+)
 from utils.distributed import DEFAULT_TIMEOUT_MINUTES
 from utils.errors import ConfigError
 
@@ -35,6 +42,7 @@ class ValConfig:
     channels_last: bool = True
     multi_label: bool = True  # see TrainConfig.multi_label
     nms: bool = False  # end-to-end models: the one-to-many head and NMS instead of the one-to-one head
+    augment: bool = False  # test-time augmentation: flipped and shrunk passes pooled before NMS (detection)
     dist_timeout: float = DEFAULT_TIMEOUT_MINUTES  # see TrainConfig.dist_timeout
     project: Path = ROOT / "runs" / "val"
     name: str = "exp"
@@ -61,6 +69,7 @@ def build_val_parser(task: str = "detect") -> argparse.ArgumentParser:
         action="store_true",
         help="end-to-end models (yolo26): NMS on the one-to-many head instead of the NMS-free one-to-one head",
     )
+    parser.add_argument("--augment", action="store_true", help=AUGMENT_HELP)
     parser.add_argument(
         "--plots", action="store_true", help="write PR/F1/P/R curves and the confusion matrix to the run folder"
     )

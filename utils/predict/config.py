@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from utils.config import IMGSZ_FROM_CHECKPOINT_HELP, ROOT
+from utils.config import AUGMENT_HELP, IMGSZ_FROM_CHECKPOINT_HELP, ROOT
 from utils.errors import ConfigError
 
 MAX_STRIDE = 32  # the largest model stride: input sides must be multiples of it
@@ -45,6 +45,7 @@ class PredictConfig:
     classes: tuple[int, ...] | None = None  # keep only these class ids
     agnostic_nms: bool = False
     nms: bool = False  # end-to-end models: the one-to-many head and NMS instead of the one-to-one head
+    augment: bool = False  # test-time augmentation: flipped and shrunk passes pooled before NMS (detection)
     device: str = ""
     half: bool = False  # FP16 on CUDA; ignored with a warning on CPU
     channels_last: bool = True
@@ -83,6 +84,7 @@ def build_predict_parser(task: str = "detect") -> argparse.ArgumentParser:
         action="store_true",
         help="end-to-end models (yolo26): NMS on the one-to-many head instead of the NMS-free one-to-one head",
     )
+    add("--augment", action="store_true", help=AUGMENT_HELP)
     add("--half", action="store_true", help="FP16 inference (CUDA only)")
     add("--channels-last", action=argparse.BooleanOptionalAction, default=True, help="NHWC layout (faster on CPU)")
     add("--vid-stride", type=int, default=1, help="video frame-rate stride")
@@ -129,6 +131,7 @@ def predict_config_from_args(args: argparse.Namespace) -> PredictConfig:
         classes=tuple(args.classes) if args.classes is not None else None,
         agnostic_nms=args.agnostic_nms,
         nms=args.nms,
+        augment=args.augment,
         device=args.device,
         half=args.half,
         channels_last=args.channels_last,

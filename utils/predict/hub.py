@@ -24,7 +24,14 @@ import torch
 from PIL import ImageOps
 from torch import nn
 
-from utils.backends import BackendRequest, InferenceBackend, as_backend, load_backend, resolve_imgsz
+from utils.backends import (
+    AugmentedBackend,
+    BackendRequest,
+    InferenceBackend,
+    as_backend,
+    load_backend,
+    resolve_imgsz,
+)
 from utils.distributed import select_device
 from utils.errors import ConfigError
 from utils.eval.coco import predictions_to_coco
@@ -124,10 +131,11 @@ class Detector(nn.Module):
             raise ConfigError(f"{path}: unknown task {backend.info.task!r}")
         return cls(backend, tasks[backend.info.task], backend.info.names, size=max(backend.info.imgsz))
 
-    def forward(self, images: Any, size: int | None = None) -> list[ImageResult]:
+    def forward(self, images: Any, size: int | None = None, augment: bool = False) -> list[ImageResult]:
         """Detect in a path, a list of paths, (H, W, 3) uint8 RGB numpy arrays or PIL images (or a list of them).
 
         Pass BGR arrays (OpenCV's) as `image[..., ::-1]`. An unreadable path raises ConfigError naming it.
+        `augment`: test-time augmentation, as val.py's --augment (detection models only).
         """
         items = images if isinstance(images, list | tuple) else [images]
         side = size or self.size
@@ -137,7 +145,7 @@ class Detector(nn.Module):
             max_det=self.max_det, classes=tuple(self.classes) if self.classes is not None else None,
             agnostic_nms=self.agnostic,
         )  # fmt: skip
-        predictor = FramePredictor(self.model, self.task, config)
+        predictor = FramePredictor(AugmentedBackend(self.model) if augment else self.model, self.task, config)
         results = []
         for index, item in enumerate(items):
             source, bgr = _as_bgr(item, index)

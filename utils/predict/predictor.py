@@ -264,7 +264,13 @@ def load_predictor_model(
     exported at; a fixed-size export refuses another. --classes is checked against the model's classes.
     """
     request = BackendRequest(
-        task=task.name, script="predict", device=ctx.device, half=cfg.half, channels_last=cfg.channels_last, nms=cfg.nms
+        task=task.name,
+        script="predict",
+        device=ctx.device,
+        half=cfg.half,
+        channels_last=cfg.channels_last,
+        nms=cfg.nms,
+        augment=cfg.augment,
     )
     backend = load_backend(cfg.weights, request)
     names = backend.info.names
