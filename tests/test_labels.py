@@ -362,6 +362,29 @@ def test_jpeg_missing_only_its_end_marker_is_kept_and_a_truncated_one_is_not(tmp
     assert cut.status == "corrupt" and "truncated JPEG" in cut.message
 
 
+def test_every_image_the_scan_keeps_is_one_opencv_decodes(tmp_path: Path) -> None:
+    """PIL checks the files, OpenCV decodes them for training: a TIFF of 32-bit samples opens in one, not the other."""
+    gray = np.random.default_rng(3).integers(0, 256, (40, 50)).astype(np.float64)
+    images = tmp_path / "images"
+    images.mkdir()
+    kinds = {
+        "float32.tif": Image.fromarray(gray.astype(np.float32)), "int32.tif": Image.fromarray(gray.astype(np.int32)),
+        "uint16.tif": Image.fromarray((gray * 257).astype(np.uint16)),
+        "uint16.png": Image.fromarray((gray * 257).astype(np.uint16)),
+        "gray.tif": Image.fromarray(gray.astype(np.uint8)),
+        "cmyk.jpg": Image.fromarray(np.dstack([gray] * 3).astype(np.uint8)).convert("CMYK"),
+        "rgba.png": Image.fromarray(np.dstack([gray] * 4).astype(np.uint8)),
+    }  # fmt: skip
+    for name, image in kinds.items():
+        image.save(images / name)
+        record = verify_image_label(str(images / name), str(tmp_path / "labels" / "none.txt"), 1)
+        decodes = cv2.imread(str(images / name), cv2.IMREAD_COLOR) is not None
+        assert (record.status != "corrupt") == decodes, name
+        if not decodes:
+            assert "32-bit samples" in record.message and name in record.message
+    assert sum(cv2.imread(str(images / name)) is None for name in kinds) == 2  # float32 and int32
+
+
 def test_file_names_that_are_not_utf8_are_scanned_and_read(tmp_path: Path) -> None:
     from utils.data.cache import read_image
 

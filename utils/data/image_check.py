@@ -10,6 +10,7 @@ from PIL import Image
 
 PIL_FORMATS = frozenset({"BMP", "JPEG", "MPO", "PNG", "TIFF", "WEBP"})
 MIN_IMAGE_SIDE = 10
+WIDE_TIFF_MODES = frozenset({"F", "I"})  # PIL's modes of 32-bit float and integer samples
 
 
 class BadInputError(ValueError):
@@ -64,7 +65,7 @@ def check_image(path: str) -> tuple[tuple[int, int], str]:
         with Image.open(path) as image:
             image.verify()  # structural check; the object is unusable afterwards
         with Image.open(path) as image:
-            image_format, (width, height) = image.format, image.size
+            image_format, mode, (width, height) = image.format, image.mode, image.size
             orientation = image_orientation(image)
     except BadInputError:
         raise
@@ -74,6 +75,8 @@ def check_image(path: str) -> tuple[tuple[int, int], str]:
         raise BadInputError(f"not a readable image ({type(error).__name__}: {error})") from error
     if image_format not in PIL_FORMATS:
         raise BadInputError(f"unsupported image format {image_format}")
+    if image_format == "TIFF" and mode in WIDE_TIFF_MODES:  # PIL reads them; OpenCV, which decodes for training, not
+        raise BadInputError(f"TIFF with 32-bit samples (mode {mode}) that OpenCV cannot decode; save it as 8 or 16 bit")
     note = ""
     if image_format in ("JPEG", "MPO"):
         with open(path, "rb") as file:
