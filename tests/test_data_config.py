@@ -66,3 +66,29 @@ def test_yaml_python_tags_are_not_executed(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_data_config(yaml_file, DistContext())
     assert not Path("pwned").exists()
+
+
+def test_a_roboflow_export_loads_as_it_is(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Roboflow writes '../' paths, a test entry it may not ship, and a metadata block beside the data.yaml."""
+    dataset = tmp_path / "export"
+    for split in ("train", "valid"):
+        (dataset / split / "images").mkdir(parents=True)
+    yaml_file = dataset / "data.yaml"
+    yaml_file.write_text(
+        "train: ../train/images\nval: ../valid/images\ntest: ../test/images\nnc: 2\nnames: ['a', 'b']\n"
+        "roboflow:\n  workspace: w\n  project: p\n  version: 1\n  license: CC BY 4.0\n"
+    )
+    with caplog.at_level("INFO", logger="utils.data.data_config"):
+        data = load_data_config(yaml_file, DistContext())
+    assert data.split("train") == ((dataset / "train" / "images").resolve(),)
+    assert data.split("val") == ((dataset / "valid" / "images").resolve(),)
+    with pytest.raises(ConfigError, match=r"'test' path .*test/images does not exist"):
+        data.split("test")  # only a run that uses the test split needs it
+    assert "'roboflow' (Roboflow's export metadata) is not read" in caplog.text
+    assert f"'train' ../train/images is not there; reading {dataset / 'train' / 'images'}" in caplog.text
+    # A '../' path that is there is read as written; a missing train or val split still stops at once.
+    (tmp_path / "train" / "images").mkdir(parents=True)
+    assert load_data_config(yaml_file, DistContext()).split("train") == ((tmp_path / "train" / "images").resolve(),)
+    yaml_file.write_text("train: ../train/images\nval: ../nothing/images\nnames: ['a']\n")
+    with pytest.raises(ConfigError, match=r"'val' path .*nothing/images does not exist"):
+        load_data_config(yaml_file, DistContext())

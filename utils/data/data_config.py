@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from utils.data.coco_labels import CocoSource
@@ -25,6 +25,8 @@ KNOWN_KEYS = {
     "builtin",
     "download",
 }
+# Keys other tools write that say nothing about the data: read past with one note (any other unknown key is an error).
+METADATA_KEYS = {"roboflow": "Roboflow's export metadata"}
 BUILTIN_DATASETS = ("synthetic",)
 MAX_KEYS_NAMED = 5  # 'names' keys listed in an error, of each kind (missing, unexpected)
 LOGGER = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class DataConfig:
     names: tuple[str, ...]
     annotations: dict[str, Path]
     category_ids: tuple[int, ...] | None = None
+    absent: dict[str, Path] = field(default_factory=dict)  # an optional split (test) whose path is not there
 
     @property
     def num_classes(self) -> int:
@@ -56,6 +59,8 @@ class DataConfig:
 
     def split(self, name: str) -> tuple[Path, ...]:
         """Return the sources of split `name`, or raise ConfigError naming the YAML when it is absent."""
+        if name in self.absent:
+            raise ConfigError(f"{self.yaml_file}: '{name}' path {self.absent[name]} does not exist")
         if name not in self.splits:
             raise ConfigError(f"{self.yaml_file}: no '{name}' split defined")
         return self.splits[name]
@@ -128,14 +133,24 @@ def parse_category_ids(raw: dict, yaml_file: Path, num_classes: int) -> tuple[in
     return tuple(ids)
 
 
-def _resolve(entry: object, root: Path, yaml_file: Path, key: str) -> tuple[Path, ...]:
+def _resolve(entry: object, root: Path, yaml_file: Path, key: str, notes: list[str]) -> tuple[Path, ...]:
+    """A YAML entry (a path or a list of them) as absolute paths under `root`.
+
+    A relative entry starting with '../' that is not there but is without that prefix (Roboflow's
+    exports write `train: ../train/images` beside a data.yaml in the dataset folder) is read without
+    it, as Ultralytics reads it, and a line saying so is added to `notes`.
+    """
     entries = entry if isinstance(entry, list) else [entry]
     out = []
     for item in entries:
         if not isinstance(item, str):
             raise ConfigError(f"{yaml_file}: '{key}' entries must be paths, got {item!r}")
         path = Path(item).expanduser()
-        out.append(path if path.is_absolute() else (root / path).resolve())
+        resolved = path if path.is_absolute() else (root / path).resolve()
+        if not resolved.exists() and item.startswith("../") and (root / item[3:]).exists():
+            resolved = (root / item[3:]).resolve()
+            notes.append(f"{yaml_file}: '{key}' {item} is not there; reading {resolved} (the path without '../')")
+        out.append(resolved)
     return tuple(out)
 
 
@@ -156,13 +171,16 @@ def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
 
     Nothing in the YAML is executed: `builtin: synthetic` names a generator this project ships, and
     YOLOv5's `download` (a URL or a Python script) is ignored with one warning on rank 0.
-    A missing key or split path is a ConfigError naming the file.
+    A missing key, an unknown key (METADATA_KEYS aside) or a missing train or val path is a
+    ConfigError naming the file; a missing test path is one only when the test split is used
+    (`DataConfig.split`), as exports often name a test folder they do not ship.
     """
     yaml_file = Path(yaml_file).resolve()
     raw = read_yaml_mapping(yaml_file)
-    unknown = sorted(set(raw) - KNOWN_KEYS)
+    unknown = sorted(set(raw) - KNOWN_KEYS - set(METADATA_KEYS))
     if unknown:
         raise ConfigError(f"{yaml_file}: unknown key '{unknown[0]}' (known: {', '.join(sorted(KNOWN_KEYS))})")
+    notes = [f"{yaml_file}: '{key}' ({what}) is not read" for key, what in METADATA_KEYS.items() if key in raw]
     if raw.get("download") and ctx.is_main:
         # YOLOv5 runs this (a URL, or Python code) when a split is missing; we never download or execute anything.
         LOGGER.warning(
@@ -175,17 +193,21 @@ def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
     root = root_raw if root_raw.is_absolute() else (yaml_file.parent / root_raw).resolve()
     if raw.get("builtin"):
         ensure_builtin(str(raw["builtin"]), root, yaml_file, ctx)
-    splits = {key: _resolve(raw[key], root, yaml_file, key) for key in ("train", "val", "test") if raw.get(key)}
+    splits = {key: _resolve(raw[key], root, yaml_file, key, notes) for key in ("train", "val", "test") if raw.get(key)}
     hint = " ('download' is not run: fetch the dataset yourself)" if raw.get("download") else ""
-    for key, sources in splits.items():
-        for source in sources:
-            if not source.exists():
-                raise ConfigError(f"{yaml_file}: '{key}' path {source} does not exist{hint}")
+    absent = {}
+    for key, sources in list(splits.items()):
+        missing = next((source for source in sources if not source.exists()), None)
+        if missing is not None and key == "test":
+            absent[key] = missing
+            del splits[key]
+        elif missing is not None:
+            raise ConfigError(f"{yaml_file}: '{key}' path {missing} does not exist{hint}")
     annotations = {}
     for key in ("train", "val", "test"):
         ann = raw.get(f"{key}_annotations")
-        if ann:
-            annotations[key] = _resolve(ann, root, yaml_file, f"{key}_annotations")[0]
+        if ann and key not in absent:
+            annotations[key] = _resolve(ann, root, yaml_file, f"{key}_annotations", notes)[0]
             sources = splits.get(key, ())
             if len(sources) != 1 or not sources[0].is_dir():
                 raise ConfigError(
@@ -196,7 +218,11 @@ def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
         names = names_from_categories(raw, annotations, yaml_file, ctx)
     else:
         names = parse_names(raw, yaml_file)
-    return DataConfig(yaml_file, root, splits, names, annotations, parse_category_ids(raw, yaml_file, len(names)))
+    if ctx.is_main:
+        for note in notes:
+            LOGGER.info(note)
+    category_ids = parse_category_ids(raw, yaml_file, len(names))
+    return DataConfig(yaml_file, root, splits, names, annotations, category_ids, absent)
 
 
 def names_from_categories(
