@@ -403,3 +403,26 @@ def test_val_and_detect_take_augment(files: dict[str, dict[str, Path]], tiny_dat
     argv = ["--weights", str(weights), "--source", str(source), "--device", "cpu", "--conf-thres", "0.001",
             "--save-txt", "--nosave", "--augment", "--project", str(tmp_path / "detect")]  # fmt: skip
     assert len(_read_labels(detect.main(argv).save_dir / "labels")) == TINY.num_val
+
+
+@pytest.mark.slow
+def test_val_single_cls_scores_a_multi_class_model_as_one_class(
+    files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path
+) -> None:
+    result = _val(val, files["yolov8n"]["pt"], tiny_data, tmp_path, "--single-cls")
+    assert result.metrics.class_ids.tolist() == [0]
+    assert all((item.detections[:, 5] == 0).all() for item in result.predictions)  # the one class, id 0
+    assert sum(len(item.detections) for item in result.predictions) > 0
+
+
+def test_a_class_count_mismatch_says_what_would_fit() -> None:
+    from utils.eval.checkpoint_val import check_class_count
+    from utils.eval.config import ValConfig
+
+    cfg = ValConfig(weights=Path("w.pt"), data=Path("d.yaml"))
+    with pytest.raises(ConfigError, match=r"^w.pt was trained on 1 class but d.yaml has 6 classes; add --single-cls"):
+        check_class_count(cfg, 1, 6)
+    with pytest.raises(ConfigError, match=r"^w.pt was trained on 6 classes but d.yaml has 2 classes$"):
+        check_class_count(cfg, 6, 2)
+    for trained, in_yaml in ((1, 6), (6, 6), (6, 2)):  # --single-cls scores any model as one class
+        check_class_count(dataclasses.replace(cfg, single_cls=True), trained, in_yaml)

@@ -65,6 +65,22 @@ def test_multi_label_is_the_default_and_the_confusion_matrix_keeps_one_class_per
         np.testing.assert_array_equal(matrix, [[0, 1, 0], [0, 0, 0], [0, 0, 0]])
 
 
+def test_class_agnostic_scoring_counts_each_box_once_as_class_0() -> None:
+    # A box scored for both classes over a label of class 1, scored as one class (val --single-cls): the labels
+    # are class 0 there (the dataset's single_cls), and the box must be one detection of class 0, not two.
+    model = _FixedPredictions([32.0, 32.0, 32.0, 32.0, 1.0, 0.6, 0.35])
+    options = EvalOptions(num_classes=1, class_agnostic=True, collect_predictions=True, confusion=True)
+    result = DETECT.evaluate(model, [_batch(label_cls=0)], options, DistContext())
+    [image] = result.predictions
+    np.testing.assert_allclose(image.detections[:, 4:], [[0.6, 0.0]])  # its best class's score, class 0
+    assert result.metrics.map50 == pytest.approx(1.0) and result.metrics.precision == pytest.approx(1.0)
+    np.testing.assert_array_equal(result.confusion.matrix, [[1, 0], [0, 0]])
+    # Scored per class, multi-label NMS keeps the box once per class.
+    options = EvalOptions(num_classes=2, collect_predictions=True)
+    [image] = DETECT.evaluate(model, [_batch(label_cls=1)], options, DistContext()).predictions
+    np.testing.assert_allclose(image.detections[:, 4:], [[0.6, 0.0], [0.35, 1.0]])
+
+
 def test_val_flag_chooses_the_nms() -> None:
     from utils.eval.config import build_val_parser, val_config_from_args
 

@@ -50,7 +50,11 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="dataset YAML")
     parser.add_argument("--device", default="", help="cuda device, e.g. 0 or 0,1, or cpu (default: GPU if present)")
     parser.add_argument("--workers", type=int, default=4, help="max dataloader workers per rank")
-    parser.add_argument("--single-cls", action="store_true", help="train/validate as a single-class dataset")
+    parser.add_argument(
+        "--single-cls",
+        action="store_true",
+        help="treat every class as one: train a one-class model, or score any model class-agnostic",
+    )
     parser.add_argument(
         "--multi-label",
         action=argparse.BooleanOptionalAction,

@@ -69,6 +69,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
         iou_thres=cfg.iou_thres,
         max_det=cfg.max_det,
         multi_label=cfg.multi_label,
+        class_agnostic=cfg.single_cls and len(setup.model.info.names) > 1,
         collect_predictions=cfg.save_json or cfg.save_txt,
         collect_masks=cfg.save_json,  # --save-txt writes boxes only
         confusion=cfg.plots,
@@ -88,6 +89,22 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     if setup.save_dir is not None and ctx.is_main:
         LOGGER.info(f"Results saved to {setup.save_dir}")
     return result
+
+
+def check_class_count(cfg: ValConfig, trained: int, in_yaml: int) -> None:
+    """Refuse a model whose classes the dataset's do not match, in one line saying what would fit.
+
+    With --single-cls any model fits: a multi-class one is scored class-agnostic (`class_agnostic`).
+    A one-class model (trained with --single-cls) on a multi-class dataset needs --single-cls here too.
+    """
+    if cfg.single_cls or trained == in_yaml:
+        return
+    hint = "; add --single-cls to score every class as one" if trained == 1 else ""
+    raise ConfigError(f"{cfg.weights} was trained on {_classes(trained)} but {cfg.data} has {_classes(in_yaml)}{hint}")
+
+
+def _classes(count: int) -> str:
+    return f"{count} class" if count == 1 else f"{count} classes"
 
 
 def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup:
@@ -112,9 +129,7 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     data = load_data_config(cfg.data, ctx)
     coco_target = check_coco_target(data, cfg.split, ctx, cfg.single_cls) if cfg.save_json else None
     names = ("item",) if cfg.single_cls else data.names
-    if len(names) != len(model.info.names):
-        trained = len(model.info.names)
-        raise ConfigError(f"{cfg.weights} was trained on {trained} classes but {cfg.data} has {len(names)}")
+    check_class_count(cfg, len(model.info.names), len(data.names))
     wants_dir = cfg.save_json or cfg.save_txt or cfg.plots
     save_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok, ctx) if wants_dir else None
     options = DatasetOptions.for_evaluation(

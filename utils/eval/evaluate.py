@@ -41,6 +41,9 @@ class EvalOptions:
     # mAP: a box is kept once per class scoring above conf_thres (YOLOv5's and Ultralytics' validators);
     # False keeps only each box's best class, as a deployed detector reports it.
     multi_label: bool = True
+    # Every class scored as one (val --single-cls with a multi-class model, as YOLOv5's): each box once, with
+    # its best class's score, suppressed across classes, and its class set to 0.
+    class_agnostic: bool = False
     collect_predictions: bool = False  # keep per-image boxes in original pixels (COCO JSON, --save-txt)
     collect_masks: bool = True  # with collect_predictions: also keep RLE masks (segmentation, COCO JSON)
     confusion: bool = False  # also count a box confusion matrix (conf > 0.25, IoU > 0.45), summed over ranks
@@ -258,13 +261,16 @@ def evaluate(
             loss_sum += loss_fn(loss_input, **loss_inputs(batch, device))[1]
             seen[1] += 1
         targets[:, 2:6] *= torch.tensor(images.shape[2:], device=device).flip(0).repeat(2)  # to input pixels (W, H)
-        nms = functools.partial(select, decoded.float(), iou_thres=options.iou_thres, max_det=options.max_det)
-        outputs = nms(options.conf_thres, num_masks=scorer.num_masks, multi_label=options.multi_label)
+        nms = functools.partial(
+            _select, select, decoded.float(), iou_thres=options.iou_thres, max_det=options.max_det,
+            num_masks=scorer.num_masks, agnostic=options.class_agnostic,
+        )  # fmt: skip
+        outputs = nms(options.conf_thres, multi_label=options.multi_label and not options.class_agnostic)
         after_nms = time.perf_counter()
         timings += (after_pre - start, after_inference - before_inference, after_nms - after_inference)
         if confusion is not None:  # in input pixels: letterboxing scales both axes alike, so IoU is the same
             # The deployment picture: one class per box, whatever the mAP used.
-            single = outputs if not options.multi_label else nms(confusion.conf, num_masks=scorer.num_masks)
+            single = outputs if not options.multi_label else nms(confusion.conf)
             _count_confusion(confusion, single, targets)
         keep_masks = options.collect_predictions and options.collect_masks
         scores = scorer.score_batch(outputs, loss_input, targets, batch, keep_masks)
@@ -280,6 +286,16 @@ def evaluate(
         confusion.matrix = all_reduce_sum(matrix, ctx).cpu().numpy()
         result.confusion = confusion
     return result
+
+
+def _select(select: Callable[..., list[torch.Tensor]], decoded: torch.Tensor, conf_thres: float, *, agnostic: bool,
+            **options: Any) -> list[torch.Tensor]:  # fmt: skip
+    """`select`'s detections (NMS or top scores); `agnostic`: suppressed across classes, every class then 0."""
+    outputs = select(decoded, conf_thres, agnostic=agnostic, **options)
+    if agnostic:
+        for detections in outputs:
+            detections[:, 5] = 0
+    return outputs
 
 
 def _collect(
