@@ -123,6 +123,24 @@ def test_image_list_entries_without_an_image_suffix_are_warned_once_and_counted(
         list_image_files(listing)
 
 
+def test_repeated_image_paths_are_used_once_warned_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ds"
+    images = [_image(root / "images" / "train" / f"00000{i}.jpg") for i in range(2)]
+    listing = root / "train.txt"
+    listing.write_text("images/train/000000.jpg\nimages/train/000000.jpg\nimages/train/000000.jpg\n")
+    files = list_image_files([listing, root / "images" / "train"])  # the folder holds 000000 once more
+    assert files == [str(path) for path in images]
+    where = f"{listing}, {root / 'images' / 'train'}"
+    repeat = f"{images[0]} is listed 4 times in {where}; used once (each image is sampled once per epoch)"
+    assert files.skipped == [repeat] * 3  # one line per extra entry: the summary counts entries
+    caplog.set_level(logging.INFO)
+    scan_labels(files, 1, CTX)
+    assert "0 found, 2 missing (background), 0 empty, 0 corrupt, 3 image list entries left out" in caplog.text
+    assert list_image_files(root / "images" / "train").skipped == []
+
+
 def test_image_to_label_path_replaces_last_images_folder() -> None:
     assert image_to_label_path("/d/images/set/images/x.jpeg") == "/d/images/set/labels/x.txt"
     assert image_to_label_path("/d/pics/x.png") == "/d/pics/x.txt"

@@ -51,6 +51,9 @@ def list_image_files(sources: str | Path | Sequence[str | Path]) -> ImageFiles:
     (relative ones resolve against the .txt file's folder), or a list of those. Raises
     FileNotFoundError naming a missing source and a one-line ConfigError naming the sources when
     nothing is found. A listed path that does not exist is kept: the label scan counts it as corrupt.
+    A path found more than once (a list naming it twice, a list and a folder holding it) is kept once,
+    and each extra entry is one line of `skipped`: an epoch samples every image once, so repeating a
+    path cannot oversample it, and dropping the repeats silently would hide that.
     """
     source_list = [sources] if isinstance(sources, str | Path) else list(sources)
     files: list[str] = []
@@ -70,7 +73,23 @@ def list_image_files(sources: str | Path | Sequence[str | Path]) -> ImageFiles:
         where = ", ".join(map(str, source_list))
         first = f"; {len(skipped)} list entries left out, first: {skipped[0]}" if skipped else ""
         raise ConfigError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) found in {where}{first}")
-    return ImageFiles(sorted(set(files)), skipped)
+    unique = sorted(set(files))
+    if len(unique) < len(files):
+        skipped += _repeated_entries(files, source_list)
+    return ImageFiles(unique, skipped)
+
+
+def _repeated_entries(files: list[str], sources: Sequence[str | Path]) -> list[str]:
+    """One note per extra occurrence of a path in `files`, naming the path and how often it came."""
+    counts: dict[str, int] = {}
+    for path in files:
+        counts[path] = counts.get(path, 0) + 1
+    where = ", ".join(map(str, sources))
+    return [
+        f"{path} is listed {count} times in {where}; used once (each image is sampled once per epoch)"
+        for path, count in counts.items()
+        for _ in range(count - 1)
+    ]
 
 
 def image_to_label_path(path: str | Path) -> str:
