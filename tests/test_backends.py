@@ -426,3 +426,25 @@ def test_a_class_count_mismatch_says_what_would_fit() -> None:
         check_class_count(cfg, 6, 2)
     for trained, in_yaml in ((1, 6), (6, 6), (6, 2)):  # --single-cls scores any model as one class
         check_class_count(dataclasses.replace(cfg, single_cls=True), trained, in_yaml)
+
+
+@pytest.mark.slow
+def test_val_save_txt_writes_label_files_and_save_conf_adds_the_score(
+    files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path
+) -> None:
+    from utils.data.labels import verify_image_label
+
+    rows = {}
+    for name, extra in (("plain", ()), ("conf", ("--save-conf",))):
+        result = _val(val, files["yolov8n"]["pt"], tiny_data, tmp_path / name, "--conf-thres", "0.002", *extra)
+        written = sorted((tmp_path / name / "exp" / "labels").glob("*.txt"))
+        assert len(written) == TINY.num_val
+        rows[name] = [line.split() for path in written for line in path.read_text().splitlines()]
+    assert rows["plain"] and {len(row) for row in rows["plain"]} == {5}
+    assert [row[:5] for row in rows["conf"]] == rows["plain"] and {len(row) for row in rows["conf"]} == {6}
+    scores = sorted(detection[4] for item in result.predictions for detection in item.detections)
+    assert sorted(float(row[5]) for row in rows["conf"]) == pytest.approx(scores, abs=1e-5)
+    # Without scores the files are labels the dataset scanner reads (boxes clipped to the image may repeat).
+    image = result.predictions[0].path
+    record = verify_image_label(image, str(tmp_path / "plain" / "exp" / "labels" / f"{Path(image).stem}.txt"), 6)
+    assert record.status == "found" and len(record.labels) > 0 and "column" not in record.message

@@ -83,7 +83,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
         )
     report(result, setup.names, cfg, ctx, setup.data.annotations.get(cfg.split))
     if cfg.save_txt and setup.save_dir is not None:
-        save_txt(result, setup.save_dir / "labels")
+        save_txt(result, setup.save_dir / "labels", cfg.save_conf)
     if cfg.plots and setup.save_dir is not None and ctx.is_main:
         plot_evaluation(result, setup.names, setup.save_dir)
     if setup.save_dir is not None and ctx.is_main:
@@ -200,17 +200,19 @@ def metric_source_text(result: EvalResult, save_json: bool, annotations: Path | 
     return internal
 
 
-def save_txt(result: EvalResult, folder: Path) -> None:
-    """Write each image's detections as YOLO-format lines `cls cx cy w h conf` (normalised), one file per image.
+def save_txt(result: EvalResult, folder: Path, save_conf: bool = False) -> None:
+    """Write each image's detections as YOLO-format lines `cls cx cy w h` (normalised), one file per image.
 
-    Every rank writes the images it evaluated; shards are disjoint, so no file is written twice.
+    With `save_conf` each line ends with the score (YOLOv5's --save-conf); without it the files are
+    label files a dataset can use as they are. Every rank writes the images it evaluated; shards are
+    disjoint, so no file is written twice.
     """
     folder.mkdir(parents=True, exist_ok=True)
     for item in result.predictions:
         height, width = item.orig_hw
         boxes = xyxy_to_xywhn(item.detections[:, :4].copy(), width, height, clip=True)
         lines = [
-            f"{int(det[5])} {b[0]:.6f} {b[1]:.6f} {b[2]:.6f} {b[3]:.6f} {det[4]:.5f}"
+            f"{int(det[5])} {b[0]:.6f} {b[1]:.6f} {b[2]:.6f} {b[3]:.6f}" + (f" {det[4]:.5f}" if save_conf else "")
             for det, b in zip(item.detections, boxes, strict=True)
         ]
         (folder / f"{Path(item.path).stem}.txt").write_text("\n".join(lines) + ("\n" if lines else ""))

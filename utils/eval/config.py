@@ -38,6 +38,7 @@ class ValConfig:
     half: bool = False
     save_json: bool = False
     save_txt: bool = False
+    save_conf: bool = False  # --save-txt lines end with the score
     plots: bool = False
     channels_last: bool = True
     multi_label: bool = True  # see TrainConfig.multi_label
@@ -64,6 +65,7 @@ def build_val_parser(task: str = "detect") -> argparse.ArgumentParser:
     parser.add_argument("--half", action="store_true", help="FP16 inference (CUDA only)")
     parser.add_argument("--save-json", action="store_true", help="write COCO-format predictions.json")
     parser.add_argument("--save-txt", action="store_true", help="write YOLO-format predictions per image")
+    parser.add_argument("--save-conf", action="store_true", help="end each --save-txt line with its score")
     parser.add_argument(
         "--nms",
         action="store_true",
