@@ -448,3 +448,52 @@ def test_val_save_txt_writes_label_files_and_save_conf_adds_the_score(
     image = result.predictions[0].path
     record = verify_image_label(image, str(tmp_path / "plain" / "exp" / "labels" / f"{Path(image).stem}.txt"), 6)
     assert record.status == "found" and len(record.labels) > 0 and "column" not in record.message
+
+
+def test_other_class_names_in_the_yaml_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    from utils.eval.checkpoint_val import warn_on_other_names
+    from utils.eval.config import ValConfig
+
+    cfg = ValConfig(weights=Path("w.pt"), data=Path("d.yaml"))
+    with caplog.at_level("WARNING"):
+        warn_on_other_names(cfg, ("cat", "dog", "cow"), ("cat", "dog", "cow"))
+        warn_on_other_names(cfg, (), ("cat", "dog"))  # nothing recorded to compare
+        assert not caplog.records
+        warn_on_other_names(cfg, ("cat", "dog", "cow"), ("cat", "car", "bus"))
+    assert caplog.messages == [
+        "w.pt was trained on other class names than d.yaml lists (2 of 3 differ, first class 1: 'dog' vs 'car'); "
+        "is --data the dataset it was trained on?"
+    ]
+
+
+def test_without_data_val_scores_the_dataset_the_checkpoint_was_trained_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from utils.config import DEFAULT_DATA
+    from utils.eval.checkpoint_val import default_data
+
+    recorded = tmp_path / "mine.yaml"
+    info = dataclasses.replace(load_backend(_save_random_checkpoint("yolov8n", DETECT, tmp_path / "a.pt"),
+                                            _request()).info, trained_data=recorded)  # fmt: skip
+    ctx = DistContext()
+    with caplog.at_level("INFO"):
+        assert default_data(tmp_path / "given.yaml", info, ctx) == tmp_path / "given.yaml"
+        assert default_data(None, info, ctx) == DEFAULT_DATA  # recorded, but not there any more
+        recorded.write_text("")
+        assert default_data(None, info, ctx) == recorded
+        assert default_data(None, dataclasses.replace(info, trained_data=None), ctx) == DEFAULT_DATA
+    assert caplog.messages == [
+        f"No --data: scoring {info.path} on {DEFAULT_DATA}, the built-in dataset ({recorded}, which it records, "
+        "is not there)",
+        f"No --data: scoring {info.path} on {recorded}, the dataset it was trained on",
+        f"No --data: scoring {info.path} on {DEFAULT_DATA}, the built-in dataset",
+    ]
+
+
+def test_a_checkpoint_backend_reports_the_dataset_it_was_trained_on(tmp_path: Path) -> None:
+    weights = _save_random_checkpoint("yolov5n", DETECT, tmp_path / "a.pt")  # records no dataset
+    assert load_backend(weights, _request()).info.trained_data is None
+    checkpoint = torch.load(weights, weights_only=False)
+    checkpoint["train_config"]["data"] = str(tmp_path / "d.yaml")
+    torch.save(checkpoint, weights)
+    assert load_backend(weights, _request()).info.trained_data == tmp_path / "d.yaml"

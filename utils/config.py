@@ -45,9 +45,11 @@ QUICKSTART_BATCH = 16
 QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)
 
 
-def add_common_flags(parser: argparse.ArgumentParser) -> None:
+def add_common_flags(
+    parser: argparse.ArgumentParser, data_default: Path | None = DEFAULT_DATA, data_help: str = "dataset YAML"
+) -> None:
     """Flags shared by training and validation entry points (--imgsz differs: see each parser)."""
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="dataset YAML")
+    parser.add_argument("--data", type=Path, default=data_default, help=data_help)
     parser.add_argument("--device", default="", help="cuda device, e.g. 0 or 0,1, or cpu (default: GPU if present)")
     parser.add_argument("--workers", type=int, default=4, help="max dataloader workers per rank")
     parser.add_argument(

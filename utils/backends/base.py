@@ -38,6 +38,7 @@ class BackendInfo:
     num_masks: int  # mask coefficients per row (0 for detection)
     end_to_end: bool  # rows need only the top scores (an end-to-end head), not NMS
     precision: str = "fp32"  # what computes inside: "fp32" | "fp16" | "int8" (an INT8 or FP16 IR takes FP32 input)
+    trained_data: Path | None = None  # the dataset YAML a checkpoint of ours was trained on, as it recorded it
 
 
 @dataclass(frozen=True)

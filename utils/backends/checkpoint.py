@@ -28,5 +28,9 @@ def load_checkpoint_backend(path: Path, request: BackendRequest) -> ModuleBacken
     stored = checkpoint["names"]
     names = tuple(str(stored[key]) for key in sorted(stored)) if isinstance(stored, dict) else tuple(map(str, stored))
     size = ckpt_io.trained_imgsz(checkpoint)
-    info = module_info(model, path=path, task=checkpoint["task"], names=names, imgsz=(size, size))
+    recorded = (checkpoint.get("train_config") or {}).get("data")
+    trained_data = Path(recorded) if isinstance(recorded, str) and recorded else None
+    info = module_info(
+        model, path=path, task=checkpoint["task"], names=names, imgsz=(size, size), trained_data=trained_data
+    )
     return ModuleBackend(model, info)

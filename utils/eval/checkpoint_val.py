@@ -19,6 +19,7 @@ from utils.backends import (
     resolve_imgsz,
 )
 from utils.boxes import xyxy_to_xywhn
+from utils.config import DEFAULT_DATA
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
 from utils.data.loader import build_val_loader
@@ -91,6 +92,23 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
     return result
 
 
+def default_data(given: Path | None, info: BackendInfo, ctx: DistContext) -> Path:
+    """--data, else the dataset YAML the checkpoint was trained on when it is still there, else the built-in one.
+
+    Rank 0 says which it took: a run folder's best.pt is scored on its own data with no flag, and
+    a file that records none (an export, YOLOv5's weights) falls back to the built-in set visibly.
+    """
+    if given is not None:
+        return given
+    recorded = info.trained_data
+    chosen = recorded if recorded is not None and recorded.is_file() else DEFAULT_DATA
+    if ctx.is_main:
+        why = "the dataset it was trained on" if chosen == recorded else "the built-in dataset"
+        gone = f" ({recorded}, which it records, is not there)" if recorded is not None and chosen != recorded else ""
+        LOGGER.info(f"No --data: scoring {info.path} on {chosen}, {why}{gone}")
+    return chosen
+
+
 def check_class_count(cfg: ValConfig, trained: int, in_yaml: int) -> None:
     """Refuse a model whose classes the dataset's do not match, in one line saying what would fit.
 
@@ -101,6 +119,22 @@ def check_class_count(cfg: ValConfig, trained: int, in_yaml: int) -> None:
         return
     hint = "; add --single-cls to score every class as one" if trained == 1 else ""
     raise ConfigError(f"{cfg.weights} was trained on {_classes(trained)} but {cfg.data} has {_classes(in_yaml)}{hint}")
+
+
+def warn_on_other_names(cfg: ValConfig, trained: tuple[str, ...], in_yaml: tuple[str, ...]) -> None:
+    """Warn on rank 0 when the model's class names are not the dataset's, naming the first that differs.
+
+    The per-class table would print the YAML's names over the scores of the model's classes: a --data
+    of another dataset with as many classes. A model that records no names is not checked.
+    """
+    differing = [index for index, (ours, theirs) in enumerate(zip(trained, in_yaml, strict=False)) if ours != theirs]
+    if trained and differing:
+        first = differing[0]
+        LOGGER.warning(
+            f"{cfg.weights} was trained on other class names than {cfg.data} lists ({len(differing)} of "
+            f"{len(in_yaml)} differ, first class {first}: {trained[first]!r} vs {in_yaml[first]!r}); is --data "
+            "the dataset it was trained on?"
+        )
 
 
 def _classes(count: int) -> str:
@@ -126,10 +160,13 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     )
     model = load_backend(cfg.weights, request)
     imgsz = val_imgsz(model.info, cfg.imgsz)
+    cfg = dataclasses.replace(cfg, data=default_data(cfg.data, model.info, ctx))
     data = load_data_config(cfg.data, ctx)
     coco_target = check_coco_target(data, cfg.split, ctx, cfg.single_cls) if cfg.save_json else None
     names = ("item",) if cfg.single_cls else data.names
     check_class_count(cfg, len(model.info.names), len(data.names))
+    if ctx.is_main and not cfg.single_cls:
+        warn_on_other_names(cfg, model.info.names, data.names)
     wants_dir = cfg.save_json or cfg.save_txt or cfg.plots
     save_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok, ctx) if wants_dir else None
     options = DatasetOptions.for_evaluation(

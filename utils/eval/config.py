@@ -23,7 +23,7 @@ class ValConfig:
     """Options of val.py, resolved once from the command line."""
 
     weights: Path
-    data: Path = DEFAULT_DATA
+    data: Path | None = None  # None: the dataset the checkpoint was trained on, else the built-in one
     batch_size: int = 32  # global
     imgsz: int | None = None  # None: the size the checkpoint was trained at (utils/checkpoint.py: trained_imgsz)
     conf_thres: float = 0.001
@@ -53,7 +53,12 @@ class ValConfig:
 def build_val_parser(task: str = "detect") -> argparse.ArgumentParser:
     """Return the argparse parser of val.py (and segment/val.py)."""
     parser = argparse.ArgumentParser(description=f"Validate a YOLO {task} checkpoint on a dataset")
-    add_common_flags(parser)
+    add_common_flags(
+        parser,
+        data_default=None,
+        data_help="dataset YAML (default: the one the checkpoint was trained on when it is there, else "
+        f"{DEFAULT_DATA.relative_to(ROOT)})",
+    )
     parser.add_argument("--weights", type=Path, required=True, help="checkpoint path (best.pt / last.pt)")
     parser.add_argument("--imgsz", "--img", "--img-size", type=int, default=None, help=IMGSZ_FROM_CHECKPOINT_HELP)
     parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch size, summed over all ranks")
