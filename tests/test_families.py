@@ -29,7 +29,7 @@ from utils.families import (
 from utils.hyp import load_hyp
 from utils.tasks import DETECT
 from utils.train.config import TrainConfig
-from utils.train.records import DETECT_TRAINING, YOLOV5_TRAINING
+from utils.train.records import DETECT_TRAINING, FAMILY_TRAINING, YOLOV5_TRAINING
 from utils.train.results import EpochSummary
 
 
@@ -86,6 +86,14 @@ def test_family_loss_keys_may_be_absent_from_a_file_but_the_family_checks_its_ow
     with pytest.raises(ConfigError, match=r"hyp\.noanchor\.yaml: missing hyperparameter 'anchor_t', which yolov5"):
         YOLOV5_TRAINING.check_hyp(hyp, path)
     YOLOV5_TRAINING.check_hyp(load_hyp(DEFAULT_HYP), DEFAULT_HYP)  # YOLOv5's own file has every key
+    # YOLOv5's file given to an anchor-free model: the error says which files fit instead.
+    with pytest.raises(ConfigError) as error:
+        FAMILY_TRAINING["anchor_free"].check_hyp(load_hyp(DEFAULT_HYP), DEFAULT_HYP)
+    assert str(error.value) == (
+        f"{DEFAULT_HYP}: missing hyperparameter 'dfl', which anchor_free models need (dfl); a hyp file made for "
+        "other models (YOLOv5's fit yolov5* models) does not fit: use --hyp auto, or start from "
+        "data/hyps/hyp.anchor-free.scratch.yaml or data/hyps/hyp.anchor-free.quickstart.yaml"
+    )
 
 
 def test_yolov5_family_builds_the_yolov5_loss_with_its_items() -> None:

@@ -57,9 +57,12 @@ class FamilyTraining:
         missing = hyp.missing(self.hyp_keys)
         if missing:
             where = source if source is not None else "the hyp"
+            recipes = (self.recipe_files.long, self.recipe_files.short)
+            files = " or ".join(str(path.relative_to(ROOT)) for path in recipes)
             raise ConfigError(
                 f"{where}: missing hyperparameter '{missing[0]}', which {self.name} models need "
-                f"({', '.join(self.hyp_keys)})"
+                f"({', '.join(self.hyp_keys)}); a hyp file made for other models (YOLOv5's fit yolov5* models) "
+                f"does not fit: use --hyp auto, or start from {files}"
             )
 
 
