@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import train
 from tests.conftest import make_tiny_dataset
@@ -155,5 +156,7 @@ def test_a_file_store_named_by_the_environment(
     run_id = torch.load(result.last, weights_only=True)["callback_state"]["mlflow"]["run_id"]
     run = MlflowClient(store.as_uri()).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params["seed"] == "1"
+    assert run.data.params["mlflow"] == "True"  # what ran, though no --mlflow was given; opt.yaml says so too
+    assert yaml.safe_load((result.run_dir / "opt.yaml").read_text())["mlflow"] is True
     assert "metrics/mAP50-95" in run.data.metrics and "final/fitness" in run.data.metrics
     assert list(store.rglob("best.pt")) and list(store.rglob("results.csv"))  # artifacts inside the store

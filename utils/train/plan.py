@@ -25,8 +25,10 @@ from utils.families import checkpoint_family, family_of, segmentation_spec, spec
 from utils.tasks import Task
 from utils.train.config import TrainConfig, config_from_dict
 from utils.train.faults import find_restarted_run
+from utils.train.mlflow_logger import mlflow_wanted
 from utils.train.recipe import RecipeFiles, needs_image_count, resolve_recipe, restored_recipe_line
 from utils.train.records import FamilyTraining, TrainingTask, family_training
+from utils.train.wandb_logger import wandb_wanted
 
 LOGGER = logging.getLogger(__name__)
 
@@ -101,6 +103,8 @@ def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunP
     broadcasts what it found. Problems are one-line ConfigErrors raised before any run folder exists.
     """
     cfg, resume = resolve_resume(cfg, ctx)
+    # opt.yaml, the checkpoint and the loggers' own records say what runs: a logger the environment turns on is on.
+    cfg = dataclasses.replace(cfg, mlflow=mlflow_wanted(cfg.mlflow), wandb=wandb_wanted(cfg.wandb))
     data = load_data_config(cfg.data, ctx)
     names = ("item",) if cfg.single_cls else tuple(data.names)
     spec, weights = plan_model(cfg, training.task, names, resume)
