@@ -108,3 +108,12 @@ def test_verbose_table_counts_per_class_the_images_holding_that_class() -> None:
     assert result.num_images == 4 and result.class_counts.tolist() == [3, 1] and result.class_images.tolist() == [2, 1]
     rows = [line.split() for line in format_results(result, ("circle", "square"), verbose=True).splitlines()[1:]]
     assert [row[:3] for row in rows] == [["all", "4", "4"], ["circle", "2", "3"], ["square", "1", "1"]]
+
+
+def test_the_segmentation_table_keeps_its_column_titles_apart() -> None:
+    metrics = SimpleNamespace(precision=0.5, recall=0.4, map50=0.3, map50_95=0.2, class_ids=np.array([]))
+    result = SimpleNamespace(metrics=metrics, mask_metrics=metrics, num_images=3, num_instances=4)
+    header, row = format_results(result, (), verbose=False).splitlines()
+    titles = [f"{title}({kind})" for kind in "BM" for title in ("P", "R", "mAP50", "mAP50-95")]
+    assert header.split() == ["Class", "Images", "Instances", *titles]
+    assert row.split() == ["all", "3", "4", *["0.500", "0.400", "0.300", "0.200"] * 2]

@@ -356,10 +356,11 @@ def format_results(result: EvalResult, names: tuple[str, ...], verbose: bool) ->
     groups = [result.metrics] if result.mask_metrics is None else [result.metrics, result.mask_metrics]
     titles = ("P", "R", "mAP50", "mAP50-95")
     suffixes = ("",) if len(groups) == 1 else ("(B)", "(M)")
+    width = 11 if len(groups) == 1 else 12  # "mAP50-95(B)" fills 11: a column apart from the one before
     header = f"{'Class':>20}{'Images':>11}{'Instances':>11}" + "".join(
-        f"{title + suffix:>11}" for suffix in suffixes for title in titles
+        f"{title + suffix:>{width}}" for suffix in suffixes for title in titles
     )
-    row = "{:>20}{:>11}{:>11}" + "{:>11.3f}" * 4 * len(groups)
+    row = "{:>20}{:>11}{:>11}" + f"{{:>{width}.3f}}" * 4 * len(groups)
     overall = [value for m in groups for value in (m.precision, m.recall, m.map50, m.map50_95)]
     lines = [header, row.format("all", result.num_images, result.num_instances, *overall)]
     if verbose:
