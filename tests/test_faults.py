@@ -282,3 +282,50 @@ def test_a_stop_in_a_later_epoch_with_accumulation_resumes_bit_identical(tiny_da
     assert (checkpoint["epoch"], checkpoint["batches_done"]) == (0, 2)
     resumed = train.main(["--resume", str(stopped.value.checkpoint), "--device", "cpu", "--workers", "0"])
     _assert_identical(uninterrupted.last, resumed.last)
+
+
+@pytest.mark.slow
+def test_a_resume_on_another_batch_size_trains_the_rest_of_its_epoch_once(tiny_data: Path, tmp_path: Path) -> None:
+    # One optimizer step per batch of 4 (nbs 4, no warmup); a stop asked for after the second step is saved at
+    # the third: 12 of epoch 1's 16 images trained. With batches of 2, position 3 names other images: the rest
+    # of the epoch must be exactly the 4 it had not trained.
+    from utils.data.loader import TrainLoader
+
+    hyp = tmp_path / "hyp.yaml"
+    source = Path(train.__file__).parent / "data" / "hyps" / "hyp.scratch-low.yaml"
+    hyp.write_text(source.read_text().replace("warmup_epochs: 3.0", "warmup_epochs: 0.0").replace("nbs: 64", "nbs: 4"))
+    real_step, real_lent = engine._optimizer_step, TrainLoader.lent
+    steps, drawn = {"count": 0}, {"cut": [], "resumed": []}
+    attempt = "cut"
+
+    def step_then_stop(state: engine.TrainState) -> None:
+        real_step(state)
+        steps["count"] += 1
+        if steps["count"] == 2:
+            state.stop.request("SIGTERM")
+
+    def recording_lent(self: TrainLoader) -> Iterator[dict]:
+        for batch in real_lent(self):
+            drawn[attempt].append((self.sampler.epoch, list(batch["paths"])))
+            yield batch
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine, "_optimizer_step", step_then_stop)
+        patch.setattr(TrainLoader, "lent", recording_lent)
+        with pytest.raises(Preempted) as stopped:
+            train.main([*_args(tiny_data, tmp_path, "cut", 0), "--hyp", str(hyp)])
+        checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
+        patch.setattr(engine, "_optimizer_step", real_step)
+        attempt = "resumed"
+        resume = ["--resume", str(stopped.value.checkpoint), "--device", "cpu", "--workers", "0", "--batch-size", "2"]
+        train.main(resume)
+    assert (checkpoint["epoch"], checkpoint["batches_done"]) == (-1, 3)
+    assert checkpoint["epoch_geometry"]["per_rank_batch"] == 4 and len(checkpoint["epoch_seen"]) == 12
+    # The first three batches trained (the loop may have drawn a fourth before the stop).
+    trained_first = {path for epoch, paths in drawn["cut"][:3] for path in paths}
+    trained_after = [path for epoch, paths in drawn["resumed"] if epoch == 0 for path in paths]
+    every = {str(path) for path in (tiny_data.parent / "shapes" / "images" / "train").glob("*.jpg")}
+    assert len(trained_first) == 12 and len(every) == TINY.num_train
+    assert sorted(trained_after) == sorted(every - trained_first)  # each image of the epoch exactly once
+    assert [len(paths) for epoch, paths in drawn["resumed"] if epoch == 0] == [2, 2]
+    assert sorted(path for epoch, paths in drawn["resumed"] if epoch == 1 for path in paths) == sorted(every)

@@ -205,8 +205,12 @@ class EpochStream(Sampler[list[tuple[int, int]]]):
         self.start = (int(epoch), int(batch))
 
     def batches_per_epoch(self, skipped_samples: int = 0) -> int:
-        """Batches of one epoch after its first `skipped_samples` samples (the same on every rank)."""
+        """Batches of one whole epoch after its first `skipped_samples` samples (the same on every rank)."""
         return math.ceil((self.sampler.num_samples - skipped_samples) / self.batch_size)
+
+    def batches_in(self, epoch: int, skipped_samples: int = 0) -> int:
+        """Batches of `epoch` after its first `skipped_samples` samples: fewer for a remainder plan's epoch."""
+        return math.ceil((self.sampler.length_of(epoch) - skipped_samples) / self.batch_size)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch, batch = self.start  # read now, not when the DataLoader first draws from the generator
@@ -294,18 +298,39 @@ class TrainLoader:
         """
         # After the epoch's last batch (shorter than the others when the shard does not divide evenly)
         # the position is its end, num_samples, not batches x batch size.
-        start = min(start_batch * self.stream.batch_size, self.sampler.num_samples)
+        start = min(start_batch * self.stream.batch_size, self.sampler.length_of(epoch))
         self.sampler.set_epoch(epoch, start=start)
         self._wanted = self._position(epoch, start_batch)
 
-    def start(self, epoch: int, start_batch: int = 0) -> None:
+    def start(self, epoch: int, start_batch: int = 0, seen: np.ndarray | None = None) -> None:
         """`set_epoch`, and start the workers building that epoch's first batches now rather than at the first batch.
 
         For set-up: forking the workers and building their first batches then overlaps the work the
         training process still does before its first step (model summary, optimizer, EMA, callbacks).
+        `seen` (dataset indices `epoch` already trained, from a mid-epoch checkpoint) makes that epoch
+        the rest of it only (`SmartDistributedSampler.plan_remainder`); every rank must pass it.
         """
+        if seen is not None:
+            self.sampler.plan_remainder(epoch, seen)
         self.set_epoch(epoch, start_batch)
         self._iteration_at(self._wanted)
+
+    @property
+    def geometry(self) -> dict[str, int | bool]:
+        """What makes a position in an epoch name the same images: a mid-epoch checkpoint records it."""
+        sampler = self.sampler
+        return {
+            "world_size": sampler.world_size,
+            "per_rank_batch": self.stream.batch_size,
+            "shared_order": sampler.is_global,
+            "dataset_len": sampler.dataset_len,
+        }
+
+    def seen_after(self, epoch: int, batches_done: int) -> np.ndarray:
+        """Dataset indices of `epoch` trained by its first `batches_done` batches here, and any its plan had seen."""
+        trained = self.sampler.indices_of(epoch)[: batches_done * self.stream.batch_size]
+        before = self.sampler.plan_seen if epoch == self.sampler.plan_epoch else trained[:0]
+        return np.union1d(before, trained)
 
     def close(self) -> None:
         """Stop the workers now (a second call does nothing); the loader may be started again after.
@@ -321,7 +346,7 @@ class TrainLoader:
 
     def __len__(self) -> int:
         """The batches the next iteration yields: after a mid-epoch start, only those left in that epoch."""
-        return self.stream.batches_per_epoch(self.sampler.start)
+        return self.stream.batches_in(self.sampler.epoch, self.sampler.start)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -343,7 +368,7 @@ class TrainLoader:
 
     def _position(self, epoch: int, batch: int) -> tuple[int, int]:
         """(epoch, batch) with the position just past an epoch's last batch written as the next epoch's first."""
-        return (epoch + 1, 0) if batch >= self.stream.batches_per_epoch() else (epoch, batch)
+        return (epoch + 1, 0) if batch >= self.stream.batches_in(epoch) else (epoch, batch)
 
     def _iteration_at(self, position: tuple[int, int]) -> Iterator[Batch]:
         """The DataLoader's iteration, continued when it is at `position`, else (re)started there."""

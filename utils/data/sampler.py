@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from utils.distributed import DistContext
+from utils.distributed import DistContext, all_gather_objects
 
 
 def per_rank_length(dataset_len: int, world_size: int) -> int:
@@ -47,8 +47,11 @@ class SmartDistributedSampler(Sampler[int]):
       positions r, r + W, ..., so an epoch shows every image once (padding aside) and mosaic
       partners come from the whole dataset. With one process both cases give the same order.
     Call `set_epoch(epoch)` before each epoch to reshuffle; the same (seed, epoch) always gives
-    the same order, also after a resume. Every rank yields `num_samples` indices, default
-    `ceil(dataset_len / world_size)`, so DDP steps stay in lock-step without communication. A
+    the same order, also after a resume. `plan_remainder(epoch, seen)` makes one epoch yield only
+    the images a run interrupted in it had not trained yet: a resume on another number of ranks or
+    another per-rank batch, where the interrupted run's positions mean other images. Every rank
+    yields `num_samples` indices per epoch, default `ceil(dataset_len / world_size)`, so DDP steps
+    stay in lock-step without communication (a remainder plan gathers its lengths once). A
     `num_samples` below that truncates the epoch. Raises ValueError when the shard is neither
     of the two cases or when there are fewer items than ranks (a rank with nothing to sample).
     """
@@ -69,6 +72,13 @@ class SmartDistributedSampler(Sampler[int]):
         self.shuffle = shuffle
         self.epoch = 0
         self.start = 0  # samples of this epoch already seen (mid-epoch resume)
+        self.ctx = ctx
+        self.dataset_len = dataset_len
+        # plan_remainder: the epoch that yields only the unseen images, this rank's share of them, and the images
+        # that epoch had trained before (kept in mid-epoch checkpoints, so the plan can be made again).
+        self.plan_epoch: int | None = None
+        self.plan = np.zeros(0, np.int64)
+        self.plan_seen = np.zeros(0, np.int64)
         _check_shard(self.shard, dataset_len, ctx)
         self.is_global = len(self.shard) == dataset_len  # every rank reads every item: one shared permutation
         self.num_samples = per_rank_length(dataset_len, ctx.world_size) if num_samples is None else num_samples
@@ -82,8 +92,8 @@ class SmartDistributedSampler(Sampler[int]):
         after `start` samples (a mid-epoch resume): the order is the epoch's own, so the rest is
         exactly what the uninterrupted run would have seen.
         """
-        if not 0 <= start <= self.num_samples:
-            raise ValueError(f"start {start} is outside 0..{self.num_samples}")
+        if not 0 <= start <= self.length_of(epoch):
+            raise ValueError(f"start {start} is outside 0..{self.length_of(epoch)}")
         self.epoch = int(epoch)
         self.start = int(start)
 
@@ -92,42 +102,70 @@ class SmartDistributedSampler(Sampler[int]):
         return self.indices_of(self.epoch)
 
     def indices_of(self, epoch: int) -> np.ndarray:
-        """Return `epoch`'s dataset indices for this rank, (num_samples,) int64, padded from the same permutation.
+        """Return `epoch`'s dataset indices for this rank, (length_of(epoch),) int64, padded from the same permutation.
 
-        A pure function of (seed, epoch, rank): it neither reads nor changes the epoch `set_epoch`
-        selected, so a loader may draw later epochs' orders ahead of time (`EpochStream`).
+        A pure function of (seed, epoch, rank) and the remainder plan: it neither reads nor changes
+        the epoch `set_epoch` selected, so a loader may draw later epochs' orders ahead of time
+        (`EpochStream`).
         """
+        if epoch == self.plan_epoch:
+            return self.plan
+        order = self._order(epoch)
         if self.is_global:
-            return self._global_indices(epoch)
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(order_seed(self.seed, epoch, self.rank))
-            positions = torch.randperm(len(self.shard), generator=generator).numpy()
-            order = self.shard[positions]
-        else:
-            order = self.shard
-        repeats = math.ceil(self.num_samples / len(order))
-        return np.tile(order, repeats)[: self.num_samples]
+            return _deal(order, self.num_samples, self.rank, self.world_size)
+        return np.tile(order, math.ceil(self.num_samples / len(order)))[: self.num_samples]
 
-    def _global_indices(self, epoch: int) -> np.ndarray:
-        """This rank's deal of `epoch`'s permutation of the whole dataset (shuffled with rank 0's seed).
+    def length_of(self, epoch: int) -> int:
+        """The samples every rank draws in `epoch`: `num_samples`, or the remainder plan's length."""
+        return len(self.plan) if epoch == self.plan_epoch else self.num_samples
 
-        Seeded as rank 0's shard order is, so a single process samples exactly as without a
-        shared cache. Without shuffling the shard's own order (the dataset's; aspect-ratio order
-        with rect) is dealt out, so each batch still holds similar shapes.
+    def _order(self, epoch: int) -> np.ndarray:
+        """`epoch`'s unpadded order: of this rank's shard, or (shared) of the whole dataset with rank 0's seed.
+
+        The shared order is seeded as rank 0's shard order is, so a single process samples exactly as
+        without a shared cache. Without shuffling the shard's own order (the dataset's; aspect-ratio
+        order with rect) is kept, so each batch still holds similar shapes.
         """
-        order = self.shard  # every index, in the same order on every rank
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(order_seed(self.seed, epoch, 0))
-            order = order[torch.randperm(len(order), generator=generator).numpy()]
-        total = self.num_samples * self.world_size
-        dealt = np.tile(order, math.ceil(total / len(order)))[:total]
-        return dealt[self.rank :: self.world_size]
+        if not self.shuffle:
+            return self.shard
+        generator = torch.Generator().manual_seed(order_seed(self.seed, epoch, 0 if self.is_global else self.rank))
+        return self.shard[torch.randperm(len(self.shard), generator=generator).numpy()]
+
+    def plan_remainder(self, epoch: int, seen: np.ndarray) -> None:
+        """Make `epoch` yield only the images not in `seen` (dataset indices it already trained); every rank calls it.
+
+        Each rank keeps its own order of the epoch without the seen images (the shared order dealt
+        out, with a shared cache), padded by repeating its own items to the longest rank's count (a
+        gather of the counts: ranks must step together), so the rest of the epoch trains each unseen
+        image once and no seen one again, padding aside. A rank with nothing left pads with its own
+        items. The plan holds until another call; `plan_seen` keeps `seen` for the checkpoints.
+        """
+        is_seen = np.zeros(self.dataset_len, bool)
+        is_seen[np.asarray(seen, dtype=np.int64)] = True
+        order = self._order(epoch)
+        left = order[~is_seen[order]]
+        if self.is_global:
+            plan = (
+                _deal(left, math.ceil(len(left) / self.world_size), self.rank, self.world_size) if len(left) else left
+            )
+        else:
+            counts = all_gather_objects(len(left), self.ctx) if self.ctx.is_distributed else [len(left)]
+            longest = max(counts)
+            pool = left if len(left) else order
+            plan = np.tile(pool, math.ceil(longest / len(pool)))[:longest] if longest else left
+        self.plan_epoch, self.plan, self.plan_seen = int(epoch), plan.astype(np.int64), np.unique(seen).astype(np.int64)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.epoch_indices()[self.start :].tolist())
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return self.length_of(self.epoch) - self.start
+
+
+def _deal(order: np.ndarray, per_rank: int, rank: int, world_size: int) -> np.ndarray:
+    """Rank `rank`'s `per_rank` items of `order` dealt out to `world_size` ranks, `order` repeated to fill them."""
+    total = per_rank * world_size
+    return np.tile(order, math.ceil(total / len(order)))[:total][rank::world_size]
 
 
 def _check_shard(shard: np.ndarray, dataset_len: int, ctx: DistContext) -> None:

@@ -40,7 +40,7 @@ from utils.train.plan import plan_run
 from utils.train.prefetch import DevicePrefetcher, WaitTimer
 from utils.train.records import TrainingTask
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV, loss_columns, lr_columns
-from utils.train.saving import open_run_dir, restore_state, resume_position, save_epoch, save_mid_epoch
+from utils.train.saving import open_run_dir, restore_state, resume_point, save_epoch, save_mid_epoch
 from utils.train.setup import (
     build_datasets,
     build_model_bundle,
@@ -276,7 +276,8 @@ def _start_run(
     run_dir, folder_lock = open_run_dir(cfg, resume_ckpt is not None, ctx)
     try:
         # The workers start now and build the first batches while the rest of the set-up runs (not after it).
-        datasets.train_loader.start(*resume_position(resume_ckpt))
+        point = resume_point(resume_ckpt, datasets.train_loader.geometry)
+        datasets.train_loader.start(point.epoch, point.batch, point.seen)
         callbacks = _run_callbacks(cfg, run_dir, ctx, modules, callbacks)
     except BaseException:
         datasets.train_loader.close()
@@ -292,7 +293,7 @@ def _start_run(
         state = build_train_state(bundle, cfg, training, ctx, batches_per_epoch)
         verify_identical_weights(state.model, ctx)
         if resume_ckpt is not None:
-            restore_state(state, resume_ckpt, cfg, batches_per_epoch, ctx)
+            restore_state(state, resume_ckpt, cfg, batches_per_epoch, ctx, point.batch)
             callbacks.state.update(resume_ckpt.get("callback_state") or {})
             del resume_ckpt, plan  # the checkpoint's tensors are in the model and optimizer now
         log_startup(cfg, bundle, datasets, state.accumulate, ctx)

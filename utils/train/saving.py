@@ -4,10 +4,12 @@ and restoring them, including the exact mid-epoch position."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from utils import checkpoint as ckpt_io
 from utils.distributed import DistContext, all_gather_objects, run_on_main
@@ -24,14 +26,15 @@ LOGGER = logging.getLogger(__name__)
 
 
 def restore_state(
-    state: TrainState, checkpoint: dict[str, Any], cfg: TrainConfig, batches: int, ctx: DistContext
+    state: TrainState, checkpoint: dict[str, Any], cfg: TrainConfig, batches: int, ctx: DistContext, start_batch: int
 ) -> None:
     """Load model, optimizer, scaler, EMA, epoch and best fitness from a checkpoint into `state` (every rank).
 
     The LR schedule is rebuilt at the resumed epoch, so it continues where it stopped. A mid-epoch
     checkpoint also gives the batch to continue at and, per rank, the running mean loss and the
     buffers (BatchNorm statistics differ per rank without SyncBatchNorm), so the resumed run
-    continues exactly where the interrupted one stopped.
+    continues exactly where the interrupted one stopped. `start_batch` is the batch `resume_point`
+    chose (0 when the epoch goes on as a remainder plan: then no rank's running state applies).
     """
     state.start_epoch = ckpt_io.restore_training_state(
         checkpoint, state.model, state.optimizer, state.scaler, state.ema
@@ -40,25 +43,64 @@ def restore_state(
         raise ConfigError(f"--resume: the run already finished all {cfg.epochs} epochs; nothing to resume")
     state.scheduler = build_scheduler(state.optimizer, state.lr_fn, state.start_epoch)
     state.best_fitness = float(checkpoint.get("best_fitness", 0.0))
-    state.start_batch = resume_position(checkpoint)[1]
-    if state.start_batch:  # a mid-epoch checkpoint: this rank's own running mean and buffers, when the size matches
-        per_rank = checkpoint.get("rank_states") or []
-        own = per_rank[ctx.rank] if len(per_rank) == ctx.world_size else None
-        if own is not None:
-            state.resumed_mean_loss = np.asarray(own["mean_loss"], dtype=np.float64)
-            state.model.load_state_dict(own["model_buffers"], strict=False)
-            state.ema.ema.load_state_dict(own["ema_buffers"], strict=False)
+    state.start_batch = start_batch
+    per_rank = checkpoint.get("rank_states") or []
+    own = per_rank[ctx.rank] if len(per_rank) == ctx.world_size and start_batch else None
+    if own is not None:  # a mid-epoch checkpoint: this rank's own running mean and buffers
+        state.resumed_mean_loss = np.asarray(own["mean_loss"], dtype=np.float64)
+        state.model.load_state_dict(own["model_buffers"], strict=False)
+        state.ema.ema.load_state_dict(own["ema_buffers"], strict=False)
+    elif per_rank and ctx.is_main:
+        LOGGER.info(
+            f"The checkpoint's {len(per_rank)} per-rank running states (loss mean, BatchNorm buffers) do not apply "
+            "here: rank 0's buffers are used, and the epoch's train loss is the mean of the batches this run trains"
+        )
     state.last_opt_step = state.start_epoch * batches + state.start_batch - 1
 
 
-def resume_position(checkpoint: dict[str, Any] | None) -> tuple[int, int]:
-    """(epoch, batch) a run resumed from `checkpoint` starts at, as `restore_state` sets them; (0, 0) without one.
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run's loader starts: `batch` of `epoch`, in the epoch's order or, with `seen`, its remainder.
+
+    `seen` holds the dataset indices the epoch trained before the plan the batches count in
+    (SmartDistributedSampler.plan_remainder); None: the epoch's own order.
+    """
+
+    epoch: int = 0
+    batch: int = 0
+    seen: np.ndarray | None = None
+
+
+def resume_point(checkpoint: dict[str, Any] | None, geometry: dict[str, Any]) -> ResumePoint:
+    """Where a run resumed from `checkpoint` starts, for a loader of `geometry` (`TrainLoader.geometry`).
 
     Known before the model state is restored, so the train loader can start its workers there early.
+    A mid-epoch checkpoint of the same geometry goes on at its next batch, exactly as the stopped run
+    would have. Another world size or per-rank batch puts other images at that position: the epoch
+    then goes on with exactly the images it had not trained (the checkpoint's `epoch_seen`), as a
+    remainder plan from its batch 0. A dataset of another length restarts the epoch, with a warning.
     """
     if checkpoint is None:
-        return 0, 0
-    return int(checkpoint["epoch"]) + 1, int(checkpoint.get("batches_done", 0))
+        return ResumePoint()
+    epoch, done = int(checkpoint["epoch"]) + 1, int(checkpoint.get("batches_done", 0))
+    saved, plan_seen = checkpoint.get("epoch_geometry"), checkpoint.get("plan_seen")
+    if not done or saved is None or dict(saved) == geometry:  # older checkpoints record no geometry
+        return ResumePoint(epoch, done, None if plan_seen is None or not done else np.asarray(plan_seen))
+    where = (
+        f"epoch {epoch + 1} of the checkpoint ({saved['world_size']} rank(s), per-rank batch {saved['per_rank_batch']})"
+    )
+    if saved["dataset_len"] != geometry["dataset_len"]:
+        LOGGER.warning(
+            f"The train set has {geometry['dataset_len']} images, {where} had {saved['dataset_len']}: the images "
+            "it trained cannot be told apart, so that epoch restarts from its first batch"
+        )
+        return ResumePoint(epoch)
+    seen = np.asarray(checkpoint["epoch_seen"])
+    LOGGER.info(
+        f"Resuming {where} on {geometry['world_size']} rank(s) of batch {geometry['per_rank_batch']}: it goes on "
+        f"with the {geometry['dataset_len'] - len(seen)} of its {geometry['dataset_len']} images it had not trained"
+    )
+    return ResumePoint(epoch, 0, seen)
 
 
 def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Checkpoint:
@@ -115,16 +157,26 @@ def save_mid_epoch(run: TrainRun, state: TrainState, epoch: int, batches_done: i
     The checkpoint is the end of epoch - 1 plus `batches_done` and, per rank (gathered), the running
     mean loss and the model's and EMA's buffers, which restore_state gives back to each rank.
     """
+    loader = run.datasets.train_loader
     own = {
         "mean_loss": mean_loss.tolist(),
         "model_buffers": {name: buf.detach().cpu().clone() for name, buf in state.model.named_buffers()},
         "ema_buffers": {name: buf.detach().cpu().clone() for name, buf in state.ema.ema.named_buffers()},
     }
     rank_states = all_gather_objects(own, run.ctx)
+    # What the epoch trained on every rank, so a resume on another geometry can leave exactly those out.
+    seen = np.unique(np.concatenate(all_gather_objects(loader.seen_after(epoch, batches_done), run.ctx)))
+    plan_seen = loader.sampler.plan_seen if loader.sampler.plan_epoch == epoch else None
 
     def write() -> None:
         checkpoint = checkpoint_state(run, state, epoch - 1)
-        checkpoint.update(batches_done=batches_done, rank_states=rank_states)
+        checkpoint.update(
+            batches_done=batches_done,
+            rank_states=rank_states,
+            epoch_geometry=loader.geometry,
+            epoch_seen=torch.from_numpy(seen.astype(np.int64)),
+            plan_seen=None if plan_seen is None else torch.from_numpy(plan_seen),
+        )
         ckpt_io.save_checkpoint(checkpoint, run.last, run.ctx)
 
     run_on_main(write, run.ctx, "saving the mid-epoch checkpoint")

@@ -220,6 +220,8 @@ def epoch_batches_line(loader: TrainLoader, epochs: int) -> str:
     total = loader.batches_per_epoch
     left, epoch = len(loader), loader.sampler.epoch + 1  # the epoch `start` selected, 1-based
     line = f"{total} batches/epoch"
+    if loader.sampler.plan_epoch == loader.sampler.epoch:  # resumed on another geometry: the unseen images only
+        return f"{line} (resumed epoch {epoch}: {left} batch(es) of the images it had not trained)"
     if left == total:
         return line
     if left > 0:
