@@ -197,6 +197,11 @@ def test_a_study_runs_its_trials_and_writes_what_a_person_reads(tiny_data: Path,
     assert summary.best_number == best.number and summary.best_fitness == best.value
     assert summary.baseline_fitness == trials[0].value
     assert load_hyp(study_dir / "best_hyp.yaml").lr0 == pytest.approx(best.params["lr0"])
+    # The study's optimizer: the hyp file alone would pick one by its lr0, perhaps the other.
+    assert (
+        f"python train.py --hyp {study_dir / 'best_hyp.yaml'} --optimizer AdamW ("
+        in (study_dir / "best_hyp.yaml").read_text()
+    )
     rows = (study_dir / "trials.csv").read_text().splitlines()
     assert len(rows) == 6 and rows[0].startswith("trial,state,mAP50-95,epochs,seconds,baseline,worker,reason,run_dir")
     kept = sorted(p.parent.name for p in (study_dir / "trials").glob("*/weights"))
@@ -264,6 +269,16 @@ def test_a_study_resumed_with_other_settings_is_refused(tiny_data: Path, tmp_pat
     tune.run(**_flags(tiny_data, tmp_path, trials=1))
     with pytest.raises(ConfigError, match=r"study 'exp' was made with epochs 3, this command gives 4; give the same"):
         tune.run(**_flags(tiny_data, tmp_path, trials=2, epochs=4))
+    # Any training option that changes what a trial learns, not only the sizes.
+    for flags, message in (
+        ({"seed": 5}, "seed 3, this command gives 5"),
+        ({"rect": True}, "rect False"),
+        ({"cos_lr": True}, "cos_lr False"),
+        ({"cache": "shm"}, "cache_order 'per rank'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            tune.run(**_flags(tiny_data, tmp_path, trials=2, **flags))
+    tune.run(**_flags(tiny_data, tmp_path, trials=2, workers=1))  # how a trial runs may differ
 
 
 def test_the_same_command_again_adds_trials_up_to_the_new_count(tiny_data: Path, tmp_path: Path,
@@ -422,7 +437,7 @@ def test_sigterm_leaves_a_study_the_same_command_resumes(tiny_data: Path, tmp_pa
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 75, output[-3000:]
     assert "stopped: study 'exp' stopped; run the same command to resume it" in output
-    assert "tune: 3 trials (2 complete, 1 failed); best trial" in output, "the queued values are not counted as a trial"
+    assert "tune: 3 trials (2 complete, 1 interrupted); best trial" in output, "queued values are not a trial"
     trials = _study(tmp_path).get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL", "WAITING"]
     assert trials[2].user_attrs["reason"].startswith("interrupted")
@@ -435,7 +450,10 @@ def test_sigterm_leaves_a_study_the_same_command_resumes(tiny_data: Path, tmp_pa
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE", "COMPLETE"]
     assert trials[3].params == trials[2].params, "the interrupted trial's point is trained first"
     assert len({t.params["lr0"] for t in trials if t.state.name == "COMPLETE"}) == 4, "no trial repeated"
-    assert "tune: 5 trials (4 complete, 1 failed)" in output
+    assert "tune: 5 trials (4 complete, 1 interrupted)" in output
+    assert [row.split(",")[1] for row in (tmp_path / "exp" / "trials.csv").read_text().splitlines()[1:]] == [
+        "complete", "complete", "interrupted", "complete", "complete"
+    ]  # fmt: skip
 
 
 @pytest.mark.slow

@@ -17,8 +17,20 @@ import optuna
 import yaml
 
 from utils.tune.space import SearchSpace
+from utils.tune.study import NOT_COUNTED
 
 STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "waiting"}
+
+
+def state_name(trial: optuna.trial.FrozenTrial) -> str:
+    """What became of a trial, for people: Optuna's state, with an interrupted or lost one named so, not "failed".
+
+    Optuna records both as failed; their reason says which, and neither counts towards --trials.
+    """
+    reason = str(trial.user_attrs.get("reason", ""))
+    if trial.state == optuna.trial.TrialState.FAIL and reason.startswith(NOT_COUNTED):
+        return next(name for name in NOT_COUNTED if reason.startswith(name))
+    return STATES.get(trial.state.name, trial.state.name.lower())
 
 
 @dataclass(frozen=True)
@@ -55,15 +67,16 @@ def write_results(
     best = max(complete, key=lambda t: t.value) if complete else None
     baseline = next((t.value for t in complete if t.user_attrs.get("baseline")), None)
     if best is not None:
-        _write_best_hyp(best, space, study_dir / "best_hyp.yaml", fitness_key)
+        optimizer = str((study.user_attrs.get("settings") or {}).get("optimizer", ""))
+        _write_best_hyp(best, space, study_dir / "best_hyp.yaml", fitness_key, optimizer)
     if plots:
         from utils.tune.plots import plot_study  # matplotlib only when there is something to draw
 
         plot_study(trials, space, study_dir, fitness_key)
-    counts = {name: 0 for name in STATES.values() if name != "waiting"}
+    counts = {name: 0 for name in (*STATES.values(), *NOT_COUNTED) if name != "waiting"}
     for trial in trials:  # queued values (an interrupted trial's, the base recipe) are not trials yet
         if trial.state != optuna.trial.TrialState.WAITING:
-            counts[STATES.get(trial.state.name, trial.state.name.lower())] += 1
+            counts[state_name(trial)] += 1
     return StudySummary(
         counts={k: v for k, v in counts.items() if v},
         best_number=None if best is None else best.number,
@@ -82,7 +95,7 @@ def trial_row(trial: optuna.trial.FrozenTrial, space: SearchSpace, fitness_key: 
     value = _short(trial.value) if trial.value is not None and math.isfinite(trial.value) else ""
     row: dict[str, object] = {
         "trial": trial.number,
-        "state": STATES.get(trial.state.name, trial.state.name.lower()),
+        "state": state_name(trial),
         fitness_key: value,
         "epochs": trial.user_attrs.get("epochs", ""),
         "seconds": seconds,
@@ -111,12 +124,19 @@ def _write_trials_csv(trials: list, space: SearchSpace, path: Path, fitness_key:
     os.replace(tmp, path)
 
 
-def _write_best_hyp(best: optuna.trial.FrozenTrial, space: SearchSpace, path: Path, fitness_key: str) -> None:
-    """best_hyp.yaml: the base hyp with the best trial's values, loadable with --hyp (a comment says whence)."""
+def _write_best_hyp(
+    best: optuna.trial.FrozenTrial, space: SearchSpace, path: Path, fitness_key: str, optimizer: str
+) -> None:
+    """best_hyp.yaml: the base hyp with the best trial's values, loadable with --hyp (a comment says whence).
+
+    The command in the comment names the study's optimizer: a hyp file alone picks one by its lr0
+    (SGD from 0.003 up), and a tuned lr0 may land on the other side of that line.
+    """
     hyp = space.hyp_for({key: best.params[key] for key in space.keys if key in best.params}).to_dict()
+    flag = f" --optimizer {optimizer}" if optimizer else ""
     header = (
         f"# Best of study '{best.user_attrs.get('study', '')}': trial {best.number}, {fitness_key} {best.value:.4f}.\n"
-        f"# Train with it: python train.py --hyp {path} (the study's data and model; its epochs or more).\n"
+        f"# Train with it: python train.py --hyp {path}{flag} (the study's data and model; its epochs or more).\n"
     )
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(header + yaml.safe_dump(hyp, sort_keys=False), encoding="utf-8")

@@ -123,8 +123,8 @@ def open_study(cfg: TuneConfig, space: SearchSpace, settings: dict[str, Any]) ->
                            "the study starts without it")  # fmt: skip
         else:
             study.enqueue_trial(space.base_params, user_attrs={"baseline": True}, skip_if_exists=True)
-    elif recorded != settings:
-        key = next(k for k in sorted(set(recorded) | set(settings)) if recorded.get(k) != settings.get(k))
+    elif any(recorded[key] != settings.get(key) for key in recorded):  # keys an older study lacks are not checked
+        key = next(key for key in sorted(recorded) if recorded[key] != settings.get(key))
         raise ConfigError(
             f"{cfg.study_dir}: study '{study_name}' was made with {key} {recorded.get(key)!r}, this command gives "
             f"{settings.get(key)!r}; give the same flags to resume it, or another --name for a new study"

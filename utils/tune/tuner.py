@@ -117,10 +117,23 @@ def tune(cfg: TuneConfig, training: TrainingTask) -> StudySummary:
     return summary
 
 
+# Training options every trial must share besides data, model, size, batch, epochs and optimizer: each changes
+# what a trial learns (the seed its draws, --rect the batches, ...). Machine options (device, workers, AMP,
+# compile) and outputs (plots, saving, loggers) may differ between the tuners of one study.
+TRIAL_OPTIONS = (
+    "seed", "deterministic", "rect", "cos_lr", "close_mosaic", "freeze", "single_cls", "multi_scale",
+    "noautoanchor", "sync_bn", "multi_label", "patience", "overlap_mask", "mask_ratio", "cache_order",
+)  # fmt: skip
+
+
 def study_settings(cfg: TuneConfig, plan: RunPlan, space: SearchSpace) -> dict[str, Any]:
     """What makes two trials comparable; a study resumed or joined with other settings is refused."""
     train = plan.cfg
+    options = train.to_dict()
+    # --cache shm samples each epoch in one shared order, the others per rank: only that changes the batches.
+    options["cache_order"] = "shared" if train.cache == "shm" else "per rank"
     return {
+        **{key: options[key] for key in TRIAL_OPTIONS},
         "task": cfg.task,
         "data": str(Path(train.data).resolve()),
         "model": str(train.weights) if train.weights else str(train.model),
