@@ -255,6 +255,22 @@ def test_predict_folder_writes_images_video_labels_crops_and_skips_bad(
     assert any(line.startswith("Speed: ") and "per image at shape (1, 3, 64, 64)" in line for line in lines)
 
 
+def test_inputs_of_one_name_from_several_folders_get_their_own_outputs(
+    tmp_path: Path, det_weights: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for index, camera in enumerate(("cam1", "cam2", "cam3")):
+        write_image(tmp_path / "in" / camera / "0001.jpg", seed=index)
+    write_image(tmp_path / "in" / "cam1" / "0001_2.jpg", seed=7)  # comes first and holds the name 0001_2
+    save = SaveOptions(save_txt=True)
+    with caplog.at_level(logging.WARNING):
+        result = predict(config(det_weights, tmp_path / "in" / "**" / "*.jpg", tmp_path / "runs", save=save), DETECT,
+                         DistContext())  # fmt: skip
+    written = sorted(path.name for path in result.save_dir.glob("*.jpg"))
+    assert written == ["0001.jpg", "0001_2.jpg", "0001_3.jpg", "0001_4.jpg"]  # four inputs, four pictures
+    assert len(list((result.save_dir / "labels").glob("*.txt"))) == result.total.images == 4
+    assert "2 input(s) share a file name with an earlier one; their outputs are renamed (first: " in caplog.text
+
+
 def test_detect_predicts_at_the_size_the_checkpoint_was_trained_at_unless_told(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -207,7 +207,7 @@ class PredictionLoop:
         prefix = f"image {item.index + 1}/{self.total_inputs} {item.path}"
         annotated = self._picture(image, item.stem, prefix)
         if annotated is not None:
-            write_image(self.writer.save_dir / Path(item.path).name, annotated)
+            write_image(self.writer.save_dir / f"{item.stem}{Path(item.path).suffix}", annotated)
         self.tally.images += 1
         self.tally.processed.append(item.path)
 

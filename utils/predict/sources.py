@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 import math
 import os
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from utils.errors import ConfigError
 
 VIDEO_SUFFIXES = frozenset({".asf", ".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".ts", ".wmv"})
 DEFAULT_FPS = 30.0  # when a video or webcam reports none
+LOGGER = logging.getLogger(__name__)
 
 
 class UnreadableInputError(ValueError):
@@ -32,10 +34,13 @@ class InputItem:
     path: str  # file path; for a webcam its index ("0")
     kind: str  # "image", "video" or "webcam"
     index: int  # position in the whole run's list, for "image 3/10" lines on any rank
+    output_stem: str = ""  # set when an earlier input has the same file stem (a recursive glob): "<stem>_2", ...
 
     @property
     def stem(self) -> str:
-        """The base name its outputs take: the file's stem, or 'webcam0' for webcam 0."""
+        """The base name its outputs take: the file's stem (made unique in the run), or 'webcam0' for webcam 0."""
+        if self.output_stem:
+            return self.output_stem
         return f"webcam{self.path}" if self.kind == "webcam" else Path(self.path).stem
 
 
@@ -74,7 +79,36 @@ def discover_inputs(source: str) -> list[InputItem]:
         raise ConfigError(
             f"--source {source}: no images ({_suffixes(IMAGE_SUFFIXES)}) or videos ({_suffixes(VIDEO_SUFFIXES)}) found"
         )
-    return [InputItem(file, kind_of(file) or "image", index) for index, file in enumerate(files)]
+    stems = _unique_stems(files)
+    return [
+        InputItem(file, kind_of(file) or "image", index, stem if stem != Path(file).stem else "")
+        for index, (file, stem) in enumerate(zip(files, stems, strict=True))
+    ]
+
+
+def _unique_stems(files: list[str]) -> list[str]:
+    """Each file's output stem: its own, or with `_2`, `_3`... when an earlier file has it (one warning says so).
+
+    Outputs are named by stem (the annotated image, labels/<stem>.txt, crops), so two `000001.jpg`
+    from different folders of a `**` glob would otherwise overwrite each other's.
+    """
+    used: set[str] = set()
+    stems, renamed = [], []
+    for file in files:
+        stem = candidate = Path(file).stem
+        number = 2
+        while candidate in used:
+            candidate, number = f"{stem}_{number}", number + 1
+        used.add(candidate)
+        stems.append(candidate)
+        if candidate != stem:
+            renamed.append(f"{file} -> {candidate}")
+    if renamed:
+        LOGGER.warning(
+            f"{len(renamed)} input(s) share a file name with an earlier one; their outputs are renamed "
+            f"(first: {renamed[0]})"
+        )
+    return stems
 
 
 def _listed_files(list_file: Path) -> list[str]:
