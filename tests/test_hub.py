@@ -143,3 +143,32 @@ def test_a_pil_image_is_turned_upright_by_its_exif_orientation_as_its_path_is(tm
     assert from_path.shape == from_pil.shape == (16, 8, 3)
     assert np.abs(from_path.astype(int) - from_pil.astype(int)).max() <= 2  # the same decoder, same rotation
     assert from_pil[:3, :, 2].mean() > 200 and from_pil[-3:, :, 2].mean() < 50  # BGR: red on top, none at the bottom
+
+
+def test_a_file_exported_at_a_non_square_size_runs_at_it_as_detect_py_does(detector_file: Path, tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    from utils.distributed import DistContext
+    from utils.export import ExportConfig, export_checkpoint
+    from utils.predict.config import PredictConfig
+    from utils.predict.predictor import FramePredictor
+
+    weights = tmp_path / "det.pt"
+    weights.write_bytes(detector_file.read_bytes())
+    tasks = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
+    (static,) = export_checkpoint(ExportConfig(weights, ("onnx",), imgsz=(64, 96)), tasks, DistContext())
+    model = _hub("custom", path=str(static.path), device="cpu")
+    path = write_image(tmp_path / "a.jpg", seed=3, hw=(96, 128))
+    [found] = model(str(path))  # no size given: the file's own 64x96, not a 96x96 it cannot run
+    cfg = PredictConfig(weights=static.path, source="", imgsz=(64, 96), conf_thres=0.25)
+    prediction, input_hw, _ = FramePredictor(model.model, DETECT, cfg)(cv2.imread(str(path)))
+    assert input_hw == (64, 96) and len(found) > 0
+    np.testing.assert_array_equal(found.boxes, prediction.boxes_xyxy)
+    with pytest.raises(ConfigError, match="exported at a fixed 64x96, cannot run --imgsz 96x96"):
+        model(str(path), size=96)
+    assert len(model(str(path), size=(64, 96))) == 1
+    for bad in (100, -32, 0, (64,), (64, 100)):
+        with pytest.raises(ConfigError, match=r"give a multiple of 32, or an \(h, w\) pair of them"):
+            model(str(path), size=bad)
+    model.classes = [7]
+    with pytest.raises(ConfigError, match=r"classes \[7\]: the model has 6 \(0-5\)"):
+        model(str(path))

@@ -37,7 +37,7 @@ from utils.errors import ConfigError
 from utils.eval.coco import predictions_to_coco
 from utils.eval.evaluate import ImagePredictions
 from utils.families import build_model, segmentation_spec, spec_from_cfg
-from utils.predict.config import PredictConfig
+from utils.predict.config import MAX_STRIDE, PredictConfig
 from utils.predict.outputs import txt_lines
 from utils.predict.prediction import Prediction, class_name
 from utils.predict.predictor import FramePredictor
@@ -102,7 +102,9 @@ class Detector(nn.Module):
     Settings are attributes, as YOLOv5's hub models have them: `conf` (0.25), `iou` (0.45),
     `classes` (None: all), `agnostic` (False), `max_det` (1000), `size` (the long side: the size a
     loaded checkpoint was trained at or a file exported at, as detect.py uses it; 640 for a model
-    built from a size name). `model` is the inference backend (utils/backends) that runs it.
+    built from a size name). Left at that, a file exported at a non-square size runs at its own
+    (height, width), as detect.py runs it; another `size` is a multiple of 32 or an (h, w) pair of
+    them. `model` is the inference backend (utils/backends) that runs it.
     """
 
     def __init__(self, model: InferenceBackend | nn.Module, task: Task, names: Sequence[str], size: int = 640) -> None:
@@ -111,6 +113,7 @@ class Detector(nn.Module):
         self.task = task
         self.names = tuple(names)
         self.size, self.conf, self.iou, self.max_det = size, 0.25, 0.45, 1000
+        self._own_size = size  # `size` as loaded: the file's own (h, w) stands for it (`_imgsz`)
         self.classes: list[int] | None = None
         self.agnostic = False
 
@@ -131,15 +134,18 @@ class Detector(nn.Module):
             raise ConfigError(f"{path}: unknown task {backend.info.task!r}")
         return cls(backend, tasks[backend.info.task], backend.info.names, size=max(backend.info.imgsz))
 
-    def forward(self, images: Any, size: int | None = None, augment: bool = False) -> list[ImageResult]:
+    def forward(self, images: Any, size: int | Sequence[int] | None = None, augment: bool = False) -> list[ImageResult]:
         """Detect in a path, a list of paths, (H, W, 3) uint8 RGB numpy arrays or PIL images (or a list of them).
 
         Pass BGR arrays (OpenCV's) as `image[..., ::-1]`. An unreadable path raises ConfigError naming it.
         `augment`: test-time augmentation, as val.py's --augment (detection models only).
         """
         items = images if isinstance(images, list | tuple) else [images]
-        side = size or self.size
-        imgsz = resolve_imgsz(self.model.info, (side, side))  # a fixed-size export refuses another size
+        imgsz = resolve_imgsz(self.model.info, self._imgsz(size))  # a fixed-size export refuses another size
+        if self.classes is not None and not all(0 <= int(c) < len(self.names) for c in self.classes):
+            raise ConfigError(
+                f"classes {list(self.classes)}: the model has {len(self.names)} (0-{len(self.names) - 1})"
+            )
         config = PredictConfig(
             weights=Path(), source="", imgsz=imgsz, conf_thres=self.conf, iou_thres=self.iou,
             max_det=self.max_det, classes=tuple(self.classes) if self.classes is not None else None,
@@ -154,6 +160,20 @@ class Detector(nn.Module):
                 ImageResult(source, bgr.shape[:2], *dataclasses.astuple(prediction)[:3], self.names, prediction.masks)
             )
         return results
+
+    def _imgsz(self, size: int | Sequence[int] | None) -> tuple[int, int]:
+        """The (h, w) to run at: `size` (one side or an (h, w) pair), else `self.size`.
+
+        While `self.size` is still the size the file was loaded with, that means the file's own
+        (h, w), as detect.py runs it without --imgsz. Anything but multiples of 32 is a ConfigError.
+        """
+        if size is None and self.size == self._own_size:
+            return tuple(self.model.info.imgsz)  # type: ignore[return-value]
+        value = self.size if size is None else size
+        sides = [value] * 2 if isinstance(value, int) else list(value)
+        if len(sides) != 2 or not all(isinstance(s, int) and s >= MAX_STRIDE and s % MAX_STRIDE == 0 for s in sides):
+            raise ConfigError(f"size {value!r}: give a multiple of {MAX_STRIDE}, or an (h, w) pair of them")
+        return sides[0], sides[1]
 
 
 def _as_bgr(item: Any, index: int) -> tuple[str, np.ndarray]:
