@@ -456,13 +456,35 @@ def test_sigterm_leaves_a_study_the_same_command_resumes(tiny_data: Path, tmp_pa
     ]  # fmt: skip
 
 
+def _processes_naming(*texts: str) -> list[int]:
+    """Pids of live processes whose command line contains every one of `texts`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode() if entry.name.isdigit() else ""
+            if command and all(text in command for text in texts):
+                status = (entry / "status").read_text()
+                if "\nState:\tZ" not in status:  # a zombie has exited
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
 @pytest.mark.slow
 def test_a_killed_tuners_running_trial_is_lost_and_not_counted(tiny_data: Path, tmp_path: Path) -> None:
-    process = _tune_process(tiny_data, tmp_path, env={"FAKE_TRAINER": json.dumps({"trial_0001": "hang"})})
+    # A hanging trial trains 3 epochs of 10 s: long past the 5 s it has to die in below.
+    env = {"FAKE_TRAINER": json.dumps({"trial_0001": "hang"}), "FAKE_EPOCH_S": "0.2"}
+    process = _tune_process(tiny_data, tmp_path, env=env)
     run_dir = tmp_path / "exp" / "trials" / "trial_0001"
     _wait_for(run_dir / "argv.json", process)
-    process.kill()  # no handler runs: the trial stays RUNNING in the storage, its trainer orphaned
+    process.kill()  # no handler runs: the trial stays RUNNING in the storage
     process.communicate(timeout=60)
+    # Its trainer is not left training as an orphan: Linux sends it SIGTERM when the tuner's thread dies.
+    deadline = time.monotonic() + 5
+    while _processes_naming(str(tmp_path), "trial_0001") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_naming(str(tmp_path), "trial_0001"), "the killed tuner's trial trains on"
     resumed = _tune_process(tiny_data, tmp_path)
     output, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, output[-3000:]

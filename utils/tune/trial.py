@@ -41,7 +41,7 @@ class TrialCommand:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     cpus: tuple[int, ...] = ()  # cores the trial may use (empty: all); the tuner splits them between slots
-    die_with_parent: bool = False  # SIGTERM the trial when the process that started it dies (Ray's workers)
+    die_with_parent: bool = False  # SIGTERM the trial when the thread that started it dies (a killed tuner, Ray)
 
 
 @dataclass(frozen=True)

@@ -182,8 +182,12 @@ def trial_recipe(run: StudyRun) -> TrialRecipe:
 
 
 def trial_command(run: StudyRun, asked: AskedTrial, slot: Slot) -> TrialCommand:
-    """The trial's train.py command on `slot`'s devices and cores."""
-    return trial_recipe(run).command(asked.number, asked.params, slot.device, slot.env, slot.cpus)
+    """The trial's train.py command on `slot`'s devices and cores.
+
+    The trial dies with the worker thread that started it: a tuner killed outright (SIGKILL, out of
+    memory) leaves no trial training on as an orphan on devices the next tuner hands out again.
+    """
+    return trial_recipe(run).command(asked.number, asked.params, slot.device, slot.env, slot.cpus, die_with_parent=True)
 
 
 def _work(run: StudyRun, slot: Slot) -> None:
