@@ -35,6 +35,8 @@ LAUNCH_VARS = (
     "SLURM_LOCALID",
     "SLURM_NTASKS",
     "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_NODEID",
 )
 
 
@@ -71,6 +73,23 @@ def test_slurm_variables_used_without_torchrun(clean_env: pytest.MonkeyPatch) ->
     }.items():
         clean_env.setenv(name, value)
     assert read_launch_env() == (3, 1, 4, 2)
+
+
+@pytest.mark.parametrize(
+    ("tasks_per_node", "node", "local_world_size"),
+    [("1(x2)", "1", 1), ("4(x2),2", "0", 4), ("4(x2),2", "2", 2), ("3", "0", 3)],
+)
+def test_slurm_ranks_per_node_come_from_its_task_list_without_ntasks_per_node(
+    clean_env: pytest.MonkeyPatch, tasks_per_node: str, node: str, local_world_size: int
+) -> None:
+    # SLURM sets SLURM_TASKS_PER_NODE and SLURM_NODEID always, SLURM_NTASKS_PER_NODE only with --ntasks-per-node.
+    for name, value in {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "10",
+                        "SLURM_TASKS_PER_NODE": tasks_per_node, "SLURM_NODEID": node}.items():  # fmt: skip
+        clean_env.setenv(name, value)
+    assert read_launch_env() == (1, 0, 10, local_world_size)
+    clean_env.setenv("SLURM_TASKS_PER_NODE", "two")
+    with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE='two' is not a SLURM task list"):
+        read_launch_env()
 
 
 def test_select_device_cpu_and_missing_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
