@@ -89,6 +89,13 @@ def _write(path: Path, text: str) -> Path:
         ("lr0: [x0.1, xten]", r"'lr0': bound 'xten' must be a number or xF"),
         ("lr0: [a, 1]", r"'lr0': bound 'a' must be a finite number"),
         ("lr0: fixed", r"every key is fixed"),
+        ("lr0: [-0.01, -0.001]", r"'lr0': bounds \[-0.01, -0.001\] must be above 0"),
+        ("mosaic: [0.5, 3.0]", r"'mosaic': bounds \[0.5, 3\] leave its range \[0, 1\]"),
+        ("degrees: [-5, 5]", r"'degrees': bounds \[-5, 5\] must be 0 or more"),
+        (
+            "lr0: [0.001, 0.01]\nmixup: [0, 0.2]\nlr0: [0.01, 0.1]",
+            r"not valid YAML \(key 'lr0' given twice, the second",
+        ),
     ],
 )
 def test_a_bad_search_space_is_one_line_naming_the_file_and_key(tmp_path: Path, entry: str, message: str) -> None:
@@ -148,6 +155,15 @@ def test_train_flags_pass_to_trials_and_the_tuner_keeps_its_own() -> None:
 def test_study_flags_that_cannot_work_are_refused(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         tune_config_from_argv(argv)
+
+
+def test_a_storage_url_that_cannot_be_opened_is_one_line(tmp_path: Path) -> None:
+    from utils.tune.study import open_storage
+
+    cfg = tune_config_from_argv(["--storage", "foo://bar", "--project", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"^--storage foo://bar: cannot open it \(NoSuchModuleError: ") as error:
+        open_storage(cfg)
+    assert "\n" not in str(error.value)
 
 
 def test_train_evolve_is_tune_with_that_many_trials_in_runs_evolve() -> None:

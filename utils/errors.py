@@ -62,11 +62,32 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
 def read_yaml_mapping(path: Path) -> dict[str, Any]:
     """Read a YAML file that must hold a mapping, with safe_load (nothing in it is executed).
 
-    Raises ConfigError naming the file when it is missing, unparsable or not a mapping.
+    Raises ConfigError naming the file when it is missing, unparsable, not a mapping, or gives a
+    key twice in one mapping (YAML would keep the last silently: a hyp or search-space key set
+    twice is a mistake to point at, not to guess from).
     """
     return _read_mapping(
-        Path(path), _Format("YAML", yaml.safe_load, yaml.YAMLError), "file", "a mapping of keys to values"
+        Path(path), _Format("YAML", _load_unique_keys, yaml.YAMLError), "file", "a mapping of keys to values"
     )
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load's loader, refusing a mapping that gives one key twice."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, str | int | float | bool):
+                continue  # an unhashable or odd key: left to safe_load's own checks
+            if key in seen:
+                raise yaml.YAMLError(f"key {key!r} given twice, the second time at line {key_node.start_mark.line + 1}")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _load_unique_keys(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: nothing is executed
 
 
 def read_json_mapping(path: Path, what: str = "file", expected: str = "a JSON object") -> dict[str, Any]:

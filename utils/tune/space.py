@@ -71,7 +71,8 @@ def load_space(path: Path, base: Hyp, family_keys: tuple[str, ...]) -> SearchSpa
     Each entry is `fixed`, `[low, high]`, `[low, high, scale]` with scale linear | log | int, and a
     bound may be `xF`: F times the base value. Every problem is one ConfigError naming the file and
     the key: an unknown key, a key of another model family, a bound that is not a number, low >= high,
-    a log bound <= 0, int bounds that are not whole numbers, an unknown scale. Keys left out are fixed.
+    a log bound <= 0, int bounds that are not whole numbers, bounds outside the key's range (_check_range),
+    an unknown scale, a key given twice (read_yaml_mapping). Keys left out are fixed.
     """
     raw = read_yaml_mapping(Path(path))
     known = {field.name for field in dataclasses.fields(Hyp)}
@@ -92,6 +93,26 @@ def load_space(path: Path, base: Hyp, family_keys: tuple[str, ...]) -> SearchSpa
     return SearchSpace(Path(path), base, tuple(dimensions))
 
 
+# Where each key's value means something; bounds outside would fail (or do nonsense) only inside a trial, after
+# the study has started. Shares of images or channels, and momenta, lie in [0, 1]; rates and ratios above 0;
+# every other key (gains, angles, epochs) at 0 or above.
+UNIT_KEYS = frozenset({
+    "momentum", "warmup_momentum", "iou_t", "label_smoothing", "hsv_h", "hsv_s", "hsv_v", "translate", "flipud",
+    "fliplr", "mosaic", "mixup", "copy_paste",
+})  # fmt: skip
+POSITIVE_KEYS = frozenset({"lr0", "lrf", "nbs", "anchor_t"})
+
+
+def _check_range(where: str, key: str, low: float, high: float) -> None:
+    """Raise the one-line ConfigError for bounds outside the range where `key` means something."""
+    if key in UNIT_KEYS and (low < 0 or high > 1):
+        raise ConfigError(f"{where}: bounds [{low:g}, {high:g}] leave its range [0, 1]")
+    if key in POSITIVE_KEYS and low <= 0:
+        raise ConfigError(f"{where}: bounds [{low:g}, {high:g}] must be above 0")
+    if low < 0:
+        raise ConfigError(f"{where}: bounds [{low:g}, {high:g}] must be 0 or more")
+
+
 def _dimension(path: Path, key: str, value: Any, base_value: float | None) -> Dimension:
     """One entry's Dimension, checked (see load_space)."""
     where = f"{path}: '{key}'"
@@ -107,6 +128,7 @@ def _dimension(path: Path, key: str, value: Any, base_value: float | None) -> Di
         raise ConfigError(f"{where}: a log scale needs bounds above 0, got low {low:g}")
     if scale == "int" and not (low.is_integer() and high.is_integer()):
         raise ConfigError(f"{where}: an int scale needs whole-number bounds, got [{low:g}, {high:g}]")
+    _check_range(where, key, low, high)
     return Dimension(key, low, high, scale)
 
 

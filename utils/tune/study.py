@@ -41,7 +41,11 @@ def open_storage(cfg: TuneConfig) -> optuna.storages.BaseStorage | str:
         cfg.study_dir.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{(cfg.study_dir / 'study.db').resolve()}"
     if "://" in cfg.storage:
-        return cfg.storage
+        try:  # opened here: a bad URL (unknown scheme, no driver, no server) is one line, not a traceback
+            return optuna.storages.RDBStorage(cfg.storage)
+        except Exception as error:  # SQLAlchemy raises many types for a URL it cannot use
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(f"--storage {cfg.storage}: cannot open it ({type(error).__name__}: {reason})") from None
     from optuna.storages.journal import JournalFileBackend
 
     return optuna.storages.JournalStorage(JournalFileBackend(str(cfg.storage)))
