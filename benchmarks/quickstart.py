@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # task -> (script, minutes allowed, the mAP50 key that must reach TARGET_MAP50)
 TASKS = {"detect": ("train.py", 15.0, "mAP50"), "segment": ("segment/train.py", 20.0, "mask_mAP50")}
 TARGET_MAP50 = 0.5
-DONE_LINE = re.compile(r"Done: (?P<epochs>\d+) epochs\. Final (?P<scores>.+?)\. Best weights: (?P<best>.+)$")
+DONE_LINE = re.compile(
+    r"Done: (?P<epochs>\d+) epochs(?: \([^)]*\))?\. Final (?P<scores>.+?)\. Best weights: (?P<best>.+)$"
+)
 
 
 @dataclass(frozen=True)

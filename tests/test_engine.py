@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,3 +130,11 @@ def test_amp_modes_map_to_autocast_dtypes() -> None:
     assert autocast_dtype("auto", cpu) is None and autocast_dtype("auto", cuda) is torch.float16
     assert autocast_dtype("bf16", cpu) is torch.bfloat16 and autocast_dtype("fp16", cpu) is torch.float16
     assert autocast_dtype("off", cuda) is None
+
+
+def test_the_done_line_counts_the_runs_epochs_and_says_how_many_came_after_a_resume() -> None:
+    from utils.train.state import FitResult
+
+    fresh = FitResult(Path("r"), Path("b"), Path("l"), {}, epochs_run=3, epochs_done=3)
+    resumed = FitResult(Path("r"), Path("b"), Path("l"), {}, epochs_run=1, epochs_done=3)
+    assert fresh.describe_epochs() == "3 epochs" and resumed.describe_epochs() == "3 epochs (1 after the resume)"

@@ -147,7 +147,8 @@ def test_resume_under_torchrun_continues_from_saved_epoch(ddp_run, tmp_path: Pat
         writer.writerow(first_row)
     launch = _torchrun(tmp_path / "logs", "--resume", str(copy / "weights" / "epoch1.pt"))
     assert launch.returncode == 0, launch.launcher_output + "\n".join(launch.rank_stderr)
-    assert "Done: 1 epochs. Final mAP50" in launch.rank_stdout[0] and str(copy) in launch.rank_stdout[0]
+    assert "Done: 2 epochs (1 after the resume). Final mAP50" in launch.rank_stdout[0]
+    assert str(copy) in launch.rank_stdout[0]
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["ddp"], "resume writes into the copied folder"
     assert _epochs_in_csv(copy / "results.csv") == ["1", "2"]
     resumed = torch.load(copy / "weights" / "last.pt", weights_only=True)

@@ -47,7 +47,7 @@ def train_main(argv: list[str] | None, training: TrainingTask, callbacks: Callba
         result = fit(cfg, training, ctx, callbacks)
         if ctx.is_main:
             scores = " ".join(f"{key} {value:.4f}" for key, value in result.metrics.items() if "mAP" in key)
-            print(f"Done: {result.epochs_run} epochs. Final {scores}. Best weights: {result.best}")
+            print(f"Done: {result.describe_epochs()}. Final {scores}. Best weights: {result.best}")
         return result
 
     return entry.run_entry(cfg.device, body, datetime.timedelta(minutes=cfg.dist_timeout))

@@ -337,7 +337,7 @@ def _train_epochs(run: TrainRun, state: TrainState) -> FitResult:
         for path in plot_run(results, result, run.bundle.names, run.run_dir):
             run.figure_written(path)
     metrics = {key: float(value) for key, value in result.as_dict().items()}
-    return FitResult(run.run_dir, validated, run.last, metrics, epoch + 1 - state.start_epoch)
+    return FitResult(run.run_dir, validated, run.last, metrics, epoch + 1 - state.start_epoch, epoch + 1)
 
 
 def _run_callbacks(

@@ -135,7 +135,13 @@ class FitResult:
     best: Path
     last: Path
     metrics: dict[str, float]
-    epochs_run: int
+    epochs_run: int  # epochs this call trained (after a resume, those it had left)
+    epochs_done: int = 0  # epochs the run has trained in all, before a resume too
+
+    def describe_epochs(self) -> str:
+        """'3 epochs', or after a resume '3 epochs (1 after the resume)'."""
+        resumed = f" ({self.epochs_run} after the resume)" if self.epochs_done != self.epochs_run else ""
+        return f"{self.epochs_done} epochs{resumed}"
 
 
 def build_train_state(

@@ -22,7 +22,7 @@ RESULT_FILE = "trial.json"
 def on_train_end(event: TrainEvent) -> None:
     """The run finished: its final metrics (best.pt validated once more), epochs run and weights."""
     result = event.result
-    _write(event.run_dir, {"metrics": dict(result.metrics), "epochs": result.epochs_run, "best": str(result.best)})
+    _write(event.run_dir, {"metrics": dict(result.metrics), "epochs": result.epochs_done, "best": str(result.best)})
 
 
 def teardown(event: TrainEvent) -> None:
