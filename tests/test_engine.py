@@ -138,3 +138,19 @@ def test_the_done_line_counts_the_runs_epochs_and_says_how_many_came_after_a_res
     fresh = FitResult(Path("r"), Path("b"), Path("l"), {}, epochs_run=3, epochs_done=3)
     resumed = FitResult(Path("r"), Path("b"), Path("l"), {}, epochs_run=1, epochs_done=3)
     assert fresh.describe_epochs() == "3 epochs" and resumed.describe_epochs() == "3 epochs (1 after the resume)"
+
+
+def test_callback_state_that_is_not_plain_data_is_left_out_and_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from utils.train.saving import _callback_state
+
+    warned: set[str] = set()
+    state = {"seen": 2, "handle": object()}
+    with caplog.at_level("WARNING"):
+        for _ in range(3):  # three saves
+            assert _callback_state(state, warned) == {"seen": 2}
+    assert caplog.messages == [
+        "callback state 'handle' not saved in checkpoints: cannot store a value of type object in a checkpoint; "
+        "convert it to plain data"
+    ]

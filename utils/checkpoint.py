@@ -112,7 +112,7 @@ def plain_data(value: Any) -> Any:
         return os.fspath(value)
     if isinstance(value, (np.generic, np.ndarray)):
         return value.tolist()
-    raise TypeError(f"cannot store a {type(value).__name__} in a checkpoint; convert it to plain data")
+    raise TypeError(f"cannot store a value of type {type(value).__name__} in a checkpoint; convert it to plain data")
 
 
 @functools.lru_cache(maxsize=1)

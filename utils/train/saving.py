@@ -118,18 +118,23 @@ def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Ch
         epoch=epoch,
         best_fitness=state.best_fitness,
     )
-    checkpoint["callback_state"] = _callback_state(run.callbacks.state)  # e.g. the MLflow run id, for a resume
+    checkpoint["callback_state"] = _callback_state(run.callbacks.state, run.unsaved_state)  # the MLflow run id, ...
     return checkpoint
 
 
-def _callback_state(state: dict[str, Any]) -> dict[str, Any]:
-    """The callbacks' records as checkpoint data; an entry that is not plain data is left out with a warning."""
+def _callback_state(state: dict[str, Any], warned: set[str]) -> dict[str, Any]:
+    """The callbacks' records as checkpoint data; an entry that is not plain data is left out.
+
+    Each such key is warned about once per run (added to `warned`), not at every save.
+    """
     kept = {}
     for key, value in state.items():
         try:
             kept[str(key)] = ckpt_io.plain_data(value)
         except TypeError as error:
-            LOGGER.warning(f"callback state {key!r} not saved in the checkpoint: {error}")
+            if str(key) not in warned:
+                warned.add(str(key))
+                LOGGER.warning(f"callback state {key!r} not saved in checkpoints: {error}")
     return kept
 
 

@@ -52,6 +52,7 @@ class TrainRun:
     run_dir: Path
     callbacks: Callbacks
     folder_lock: RunFolderLock | None = None  # rank 0's hold on run_dir (utils/runs.py); engine._end_run frees it
+    unsaved_state: set[str] = field(default_factory=set)  # callback state keys warned about as not saved (once each)
 
     @property
     def last(self) -> Path:
