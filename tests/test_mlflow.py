@@ -79,6 +79,7 @@ def test_local_store_gets_params_metrics_artifacts_and_a_resume_continues_the_ru
     assert torch.load(resumed.last, weights_only=True)["callback_state"]["mlflow"]["run_id"] == run_id
     assert _metric_steps(client, run_id, "metrics/mAP50-95") == [1, 2]
     assert _metric_steps(client, run_id, "train/box_loss") == [1, 2]
+    assert _metric_steps(client, run_id, "final/mAP50-95") == [1, 2]  # each end at its epoch count, not both at 0
     assert client.get_run(run_id).info.status == "FINISHED"
     assert len(client.search_runs([run.info.experiment_id])) == 1
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # its HTTP settings do not outlive the run

@@ -89,7 +89,9 @@ class MLflowLogger:
         files = [run_dir / name for name in ("results.csv", "opt.yaml", "hyp.yaml")]
         files += sorted(path for path in run_dir.iterdir() if path.suffix in FIGURE_SUFFIXES)
         now = int(time.time() * 1000)
-        final = [Metric(metric_name(f"final/{key}"), float(v), now, 0) for key, v in (event.metrics or {}).items()]
+        # At the run's epoch count: a run resumed to train more epochs logs its new final scores after the old.
+        step = int(getattr(event.result, "epochs_done", 0))
+        final = [Metric(metric_name(f"final/{key}"), float(v), now, step) for key, v in (event.metrics or {}).items()]
 
         def log() -> None:
             self.client.log_batch(self.run_id, metrics=final)
