@@ -151,3 +151,17 @@ def test_idle_copy_paste_warns_once(tmp_path: Path, caplog: pytest.LogCaptureFix
         _dataset(tmp_path / "polygons", 0.5)
         _dataset(tmp_path / "off", 0.0, polygons=False)
     assert not caplog.records
+
+
+def test_a_segmentation_train_set_of_boxes_only_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        _dataset(tmp_path / "boxes", 0.0, polygons=False, with_masks=True)
+    assert [r.getMessage().endswith("no training label has a polygon, so every mask is its box's rectangle; "
+                                    "is --data a segmentation dataset?") for r in caplog.records] == [True]  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        _dataset(tmp_path / "outlines", 0.0, with_masks=True)  # polygons: nothing to say
+        _dataset(tmp_path / "detect", 0.0, polygons=False)  # boxes for a detector: nothing to say
+    assert not caplog.records

@@ -122,13 +122,19 @@ def _warn_if_copy_paste_idle(aug: AugmentParams, use_mosaic: bool, index: LabelI
         message = "copy_paste %g has no effect: it is applied to mosaics, and mosaic is off (--rect or hyp mosaic 0)"
         LOGGER.warning(message, aug.copy_paste)
         return
-    lengths = np.diff(index.seg_offsets)
-    four_points = index.seg_points.reshape(-1, 4, 2) if (lengths == 4).all() else None
-    if four_points is not None and is_box_outline(four_points).all():
+    if _boxes_only(index):
         LOGGER.warning(
             "copy_paste %g has no effect: the training labels have no polygons (box-only labels cannot be copy-pasted)",
             aug.copy_paste,
         )
+
+
+def _boxes_only(index: LabelIndex) -> bool:
+    """Whether every label is a box (its 4 corners), none a polygon outline; False without labels."""
+    lengths = np.diff(index.seg_offsets)
+    if not len(lengths) or not (lengths == 4).all():
+        return False
+    return bool(is_box_outline(index.seg_points.reshape(-1, 4, 2)).all())
 
 
 class LoadImagesAndLabels(Dataset):
@@ -192,6 +198,13 @@ class LoadImagesAndLabels(Dataset):
         self.use_mosaic = options.augment and not options.rect  # rect batches need unmixed images
         if options.augment and options.aug.copy_paste > 0 and ctx.is_main:
             _warn_if_copy_paste_idle(options.aug, self.use_mosaic, index)
+        if options.augment and options.with_masks and coco is None and ctx.is_main and _boxes_only(index):
+            # A COCO JSON without segmentations is noted per annotation by its reader.
+            named = [sources] if isinstance(sources, str | Path) else list(sources)
+            LOGGER.warning(
+                f"{', '.join(map(str, named))}: no training label has a polygon, so every mask is its box's "
+                "rectangle; is --data a segmentation dataset?"
+            )
         self.cache: ImageCache | ShmImageCache | None = None
         if options.cache_mode == "shm":  # every rank calls it; None on every rank means: fall back to "ram"
             self.cache = open_shm_cache(
