@@ -1,7 +1,7 @@
 """torch.hub entry points: `torch.hub.load("path/to/this/repo", "custom", path="best.pt", source="local")`.
 
 `custom` loads a checkpoint (ours, or a YOLOv5 / Ultralytics .pt, converted in memory) or a
-.torchscript / .onnx file export.py wrote; the size
+.torchscript / .onnx / .engine file or OpenVINO folder export.py wrote; the size
 names (`yolov5n`, `yolo11s`, `yolo26m_seg`, ...) build that model with random weights. Nothing is
 ever downloaded. The returned model takes paths, numpy arrays or PIL images and returns
 detections as data (utils/predict/hub.py; docs/python-api.md).

@@ -266,7 +266,7 @@ def test_folders_and_exported_models_are_named_as_such_not_as_missing_or_corrupt
     expected = {
         run: f"checkpoint {run} is a folder, not a checkpoint file; give a checkpoint in it, e.g. {last}",
         empty: f"checkpoint {empty} is a folder, not a checkpoint file; give a .pt checkpoint file",
-        onnx: f"checkpoint {onnx} is an exported ONNX model, not a .pt checkpoint; training, fine-tuning and --resume",
+        onnx: f"checkpoint {onnx} is an exported ONNX model, not a .pt checkpoint; give the .pt checkpoint it was",
         openvino: f"checkpoint {openvino} is an exported OpenVINO model folder, not a .pt checkpoint",
     }
     for path, message in expected.items():

@@ -93,7 +93,7 @@ def test_weights_that_are_a_folder_or_an_exported_model_are_named_as_such(tmp_pa
     onnx.write_bytes(b"onnx")
     for weights, needle in [
         (tmp_path, f"--weights {tmp_path} is a folder, not a checkpoint file"),
-        (onnx, f"--weights {onnx} is an exported ONNX model, not a .pt checkpoint; training, fine-tuning"),
+        (onnx, f"--weights {onnx} is an exported ONNX model, not a .pt checkpoint; give the .pt checkpoint"),
     ]:
         cfg = config_from_args(build_train_parser().parse_args(["--weights", str(weights)]))
         with pytest.raises(ConfigError, match=f"^{re.escape(needle)}"):

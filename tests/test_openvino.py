@@ -79,6 +79,7 @@ def test_an_openvino_folder_holds_the_ir_and_the_metadata_the_backend_reports(
     checkpoint = load_backend(folders[name]["pt"], _request(task)).info
     info = load_backend(folder, _request(task)).info
     assert info == dataclasses.replace(checkpoint, path=folder, file_format="openvino", layout=metadata["layout"])
+    assert load_backend(folder / "best.xml", _request(task)).info == info  # its .xml stands for it, as in YOLOv5
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -236,7 +236,7 @@ def _fsync_dir(folder: Path) -> None:
 
 # What export.py writes, by suffix: given where a .pt checkpoint is needed, these get their own message.
 EXPORTED_SUFFIXES = {".onnx": "ONNX", ".torchscript": "TorchScript", ".engine": "TensorRT", ".xml": "OpenVINO"}
-_NEEDS_PT = "training, fine-tuning and --resume need the .pt checkpoint it was exported from (e.g. weights/best.pt)"
+_NEEDS_PT = "give the .pt checkpoint it was exported from (e.g. weights/best.pt)"
 
 
 def checkpoint_path_problem(path: Path) -> str | None:

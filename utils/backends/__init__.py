@@ -68,5 +68,7 @@ def load_backend(path: Path | str, request: BackendRequest) -> InferenceBackend:
     ConfigErrors naming it); the size to run at is checked by the caller with `resolve_imgsz`.
     """
     path = Path(path)
+    if path.suffix.lower() == ".xml" and path.is_file():  # an OpenVINO model's .xml, as YOLOv5 takes it: its folder
+        path = path.parent
     backend = loader_for(path)(path, request)
     return (AugmentedBackend(backend) if request.augment else backend).eval()
