@@ -497,3 +497,33 @@ def test_a_checkpoint_backend_reports_the_dataset_it_was_trained_on(tmp_path: Pa
     checkpoint["train_config"]["data"] = str(tmp_path / "d.yaml")
     torch.save(checkpoint, weights)
     assert load_backend(weights, _request()).info.trained_data == tmp_path / "d.yaml"
+
+
+@pytest.mark.slow
+def test_val_scores_a_file_exported_at_a_non_square_size_on_that_canvas(
+    files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path
+) -> None:
+    from utils.data.data_config import load_data_config
+    from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
+    from utils.data.loader import build_val_loader
+    from utils.eval.evaluate import EvalOptions
+
+    weights = Path(shutil.copy(files["yolov8n"]["pt"], tmp_path / "best.pt"))
+    (static,) = export_checkpoint(ExportConfig(weights, ("onnx",), imgsz=(64, 96)), TASKS, DistContext())
+    got = _val(val, static.path, tiny_data, tmp_path / "onnx")
+    # The checkpoint on the same canvas (every image letterboxed to 64x96): what the file must have computed.
+    ctx = DistContext()
+    options = DatasetOptions.for_evaluation(
+        img_size=96, batch_size=4, stride=32, num_classes=len(SHAPE_NAMES), workers=0
+    )
+    options = dataclasses.replace(options, rect=False, pad=0.0, canvas_hw=(64, 96))
+    dataset = LoadImagesAndLabels(load_data_config(tiny_data, ctx).split("val"), options, ctx)
+    assert {tuple(item["image"].shape[:2]) for item in (dataset[i] for i in range(len(dataset)))} == {(64, 96)}
+    eval_options = EvalOptions(num_classes=len(SHAPE_NAMES), collect_predictions=True)
+    want = DETECT.evaluate(load_backend(weights, _request()), build_val_loader(dataset, 4, 0, ctx), eval_options, ctx)
+    for key, value in want.as_dict().items():
+        assert got.as_dict()[key] == pytest.approx(value, abs=METRIC_ATOL), key
+    expected, found = _predictions_by_image(want), _predictions_by_image(got)
+    assert expected.keys() == found.keys() and sum(map(len, expected.values())) > 0
+    for path, rows in expected.items():
+        np.testing.assert_allclose(found[path], rows, atol=BOX_ATOL_PX * 4, rtol=1e-3)

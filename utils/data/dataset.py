@@ -60,7 +60,8 @@ class DatasetOptions:
     with `hsv_on_device` training items stay BGR and carry their HSV gains (`hsv`) instead of having
     them applied: the training loop does both on the device (utils/data/colour.py; set on CUDA).
     `names_file` is the dataset YAML that declares the classes, named when labels use class ids
-    >= `num_classes` (utils/data/scan.py: check_class_ids).
+    >= `num_classes` (utils/data/scan.py: check_class_ids). `canvas_hw` letterboxes every evaluation
+    image to that (h, w) (a file exported at one non-square size); `img_size` is then its long side.
     """
 
     img_size: int = 640
@@ -81,6 +82,7 @@ class DatasetOptions:
     close_mosaic_epoch: int | None = None
     hsv_on_device: bool = False
     names_file: Path | None = None
+    canvas_hw: tuple[int, int] | None = None
 
     @classmethod
     def for_evaluation(cls, **settings: Any) -> DatasetOptions:
@@ -359,8 +361,10 @@ class LoadImagesAndLabels(Dataset):
     def _letterboxed(self, index: int, loaded: LoadedImage) -> tuple[np.ndarray, Instances, ShapeInfo]:
         """Item `index`'s image (`loaded`, as load_image returns it) letterboxed to its rect batch shape or img_size."""
         image, (height0, width0), (height, width) = loaded
-        if self.batch_shapes is not None:
-            target: int | tuple[int, int] = tuple(int(v) for v in self.batch_shapes[index // self.options.batch_size])
+        if self.options.canvas_hw is not None:
+            target: int | tuple[int, int] = tuple(self.options.canvas_hw)
+        elif self.batch_shapes is not None:
+            target = tuple(int(v) for v in self.batch_shapes[index // self.options.batch_size])
         else:
             target = self.options.img_size
         # auto: a rect training image keeps its aspect ratio, padded only to the stride.

@@ -180,8 +180,9 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
         workers=cfg.workers,
     )
     if model.info.fixed_shape:  # every image letterboxed to the file's one size, not to its batch's rectangle
-        options = dataclasses.replace(options, rect=False, pad=0.0)
-        LOGGER.info(f"{cfg.weights} runs only {imgsz}x{imgsz}: square letterboxed batches instead of rectangles")
+        height, width = model.info.imgsz
+        options = dataclasses.replace(options, rect=False, pad=0.0, canvas_hw=(height, width))
+        LOGGER.info(f"{cfg.weights} runs only {height}x{width}: every image letterboxed to it instead of rectangles")
     dataset = LoadImagesAndLabels(data.split(cfg.split), options, ctx, data.coco_source(cfg.split))
     loader = build_val_loader(dataset, per_rank, cfg.workers, ctx)
     leave_cores_to_runtime(model)
@@ -189,15 +190,12 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
 
 
 def val_imgsz(info: BackendInfo, requested: int | None) -> int:
-    """The square side val runs at: --imgsz, else the trained or exported size (its long side if not square).
+    """The side val resizes images to: --imgsz, else the trained or exported size (its long side if not square).
 
-    A fixed-shape export must be square (val letterboxes to squares) and runs only its own size; any
-    other --imgsz is a one-line ConfigError naming the file.
+    A fixed-shape export runs only its own size (a non-square one is letterboxed to it whole:
+    DatasetOptions.canvas_hw); another --imgsz is a one-line ConfigError naming the file.
     """
-    if info.fixed_shape and info.imgsz[0] != info.imgsz[1]:
-        height, width = info.imgsz
-        raise ConfigError(f"{info.path}: val needs a square input, but it was exported at a fixed {height}x{width}")
-    if requested is None:
+    if requested is None or (info.fixed_shape and requested == max(info.imgsz)):
         return max(info.imgsz)
     return resolve_imgsz(info, (requested, requested))[0]
 
