@@ -527,3 +527,15 @@ def test_val_scores_a_file_exported_at_a_non_square_size_on_that_canvas(
     assert expected.keys() == found.keys() and sum(map(len, expected.values())) > 0
     for path, rows in expected.items():
         np.testing.assert_allclose(found[path], rows, atol=BOX_ATOL_PX * 4, rtol=1e-3)
+
+
+def test_nms_on_a_model_without_an_nms_free_head_is_warned_about(
+    files: dict[str, dict[str, Path]], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="utils.inference_model"):
+        load_backend(files["yolo26n"]["pt"], _request(nms=True))  # end-to-end: --nms turns its head
+        assert not caplog.records
+        load_backend(files["yolov8n"]["pt"], _request(nms=True))
+    assert caplog.messages == [
+        "--nms changes nothing here: only end-to-end models (yolo26) have an NMS-free head to turn off"
+    ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,9 @@ from torch import nn
 from models.model_info import memory_format
 from utils import checkpoint as ckpt_io
 from utils.convert import load_weights
-from utils.families import build_model, family_of, spec_from_checkpoint
+from utils.families import build_model, decodes_end_to_end, family_of, spec_from_checkpoint
+
+LOGGER = logging.getLogger(__name__)
 
 
 def load_inference_model(
@@ -44,9 +47,12 @@ def inference_model(
     """The inference model of a loaded checkpoint: EMA weights (or raw ones), fused, eval mode, on `device`.
 
     Laid out NHWC when `channels_last` (see memory_format); fp16 with `half` on CUDA (ignored elsewhere).
-    `nms` (--nms) makes an end-to-end model decode its one-to-many head, for NMS, as other models do.
+    `nms` (--nms) makes an end-to-end model decode its one-to-many head, for NMS, as other models do;
+    for any other model it is warned about, as it changes nothing.
     """
     model = build_model(spec_from_checkpoint(checkpoint))
+    if nms and not decodes_end_to_end(model):
+        LOGGER.warning("--nms changes nothing here: only end-to-end models (yolo26) have an NMS-free head to turn off")
     if nms:
         family_of(model).force_nms(model)
     model.load_state_dict(checkpoint.get("ema") or checkpoint["model"])
