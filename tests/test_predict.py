@@ -137,6 +137,10 @@ def test_discover_folder_glob_list_file_and_webcam(tmp_path: Path) -> None:
         "img2.jpg",
     ]
     assert len(discover_inputs(str(folder / "**" / "*.jpg"))) == 5  # ** is recursive
+    (folder / "gone.jpg").symlink_to(folder / "nowhere.jpg")  # kept, to be skipped and counted when read
+    assert "gone.jpg" in [Path(i.path).name for i in discover_inputs(str(folder))]
+    assert "gone.jpg" in [Path(i.path).name for i in discover_inputs(str(folder / "*.jpg"))]
+    (folder / "gone.jpg").unlink()
     listing = tmp_path / "list.txt"
     listing.write_text("in/img1.jpg\n\nin/clip.mp4\nin/missing.jpg\n")
     listed = discover_inputs(str(listing))  # entries are kept as given; the missing one is skipped later, counted

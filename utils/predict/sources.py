@@ -66,13 +66,16 @@ def discover_inputs(source: str) -> list[InputItem]:
     if path.is_file() and path.suffix.lower() == ".txt":
         files = _listed_files(path)
     elif path.is_dir():
-        files = sorted(str(p) for p in path.iterdir() if p.is_file() and kind_of(p))
+        # A link to a missing file is kept, to be skipped with a warning and counted when read (not lost silently).
+        files = sorted(str(p) for p in path.iterdir() if (p.is_file() or p.is_symlink()) and kind_of(p))
     elif path.is_file():
         if kind_of(path) is None:
             raise ConfigError(f"--source {source}: not an image or video suffix (images: {_suffixes(IMAGE_SUFFIXES)})")
         files = [str(path)]
     elif glob.has_magic(source):
-        files = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p) and kind_of(p))
+        files = sorted(
+            p for p in glob.glob(source, recursive=True) if (os.path.isfile(p) or os.path.islink(p)) and kind_of(p)
+        )
     else:
         raise ConfigError(f"--source {source} does not exist (give a file, folder, glob, .txt list or webcam index)")
     if not files:
