@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 from collections.abc import Iterator
 from typing import Any, TypedDict
 
@@ -15,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler, de
 
 from utils.data.batch_slots import BatchSlots
 from utils.data.colour import hsv_jitter
-from utils.data.sampler import ShardedInferenceSampler, SmartDistributedSampler
+from utils.data.sampler import EpochStream, ShardedInferenceSampler, SmartDistributedSampler
 from utils.data.workers import resolve_num_workers, worker_init
 from utils.distributed import DistContext
 
@@ -177,52 +176,6 @@ def _carried_by(items: list[dict[str, Any]], key: str) -> bool:
             f"collate_batch: only {count} of {len(items)} items have '{key}' (batch at {items[0]['path']})"
         )
     return count == len(items)
-
-
-class EpochStream(Sampler[list[tuple[int, int]]]):
-    """The train loader's batch sampler: batches of `(index, epoch)` keys for epoch after epoch.
-
-    An iteration starts where `begin(epoch, batch)` last put it and runs on into the following
-    epochs, up to `end_epoch` - 1 (at least the starting epoch) or without end when that is None.
-    Each epoch is `sampler.indices_of(epoch)` cut into batches of `batch_size`, its last batch
-    possibly short, so batch b of epoch e holds the same keys however the iteration got there
-    (from the start, after a mid-epoch resume, or running on from epoch e - 1). One iteration over
-    many epochs lets the workers build the next epoch's first batches while this epoch's last ones
-    train and while it is validated, rather than starting every epoch with an empty pipeline.
-    The epoch travels inside every key because workers build batches ahead and keep their own
-    copy of the dataset: whatever depends on the epoch (the item's random stream, closing mosaic)
-    is derived from the key in the worker, never from state the training process changes.
-    """
-
-    def __init__(self, sampler: SmartDistributedSampler, batch_size: int, end_epoch: int | None = None) -> None:
-        self.sampler = sampler
-        self.batch_size = batch_size
-        self.end_epoch = end_epoch
-        self.start = (0, 0)  # (epoch, batch) the next iteration begins at
-
-    def begin(self, epoch: int, batch: int = 0) -> None:
-        """Make the next iteration start at batch `batch` of `epoch`."""
-        self.start = (int(epoch), int(batch))
-
-    def batches_per_epoch(self, skipped_samples: int = 0) -> int:
-        """Batches of one whole epoch after its first `skipped_samples` samples (the same on every rank)."""
-        return math.ceil((self.sampler.num_samples - skipped_samples) / self.batch_size)
-
-    def batches_in(self, epoch: int, skipped_samples: int = 0) -> int:
-        """Batches of `epoch` after its first `skipped_samples` samples: fewer for a remainder plan's epoch."""
-        return math.ceil((self.sampler.length_of(epoch) - skipped_samples) / self.batch_size)
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        epoch, batch = self.start  # read now, not when the DataLoader first draws from the generator
-        return self._keys(epoch, batch)
-
-    def _keys(self, epoch: int, batch: int) -> Iterator[list[tuple[int, int]]]:
-        end = None if self.end_epoch is None else max(self.end_epoch, epoch + 1)
-        while end is None or epoch < end:
-            indices = self.sampler.indices_of(epoch)[batch * self.batch_size :].tolist()
-            for first in range(0, len(indices), self.batch_size):
-                yield [(index, epoch) for index in indices[first : first + self.batch_size]]
-            epoch, batch = epoch + 1, 0
 
 
 class UnreadableImages:
