@@ -286,23 +286,28 @@ def test_a_stop_in_a_later_epoch_with_accumulation_resumes_bit_identical(tiny_da
 
 @pytest.mark.slow
 def test_a_resume_on_another_batch_size_trains_the_rest_of_its_epoch_once(tiny_data: Path, tmp_path: Path) -> None:
-    # One optimizer step per batch of 4 (nbs 4, no warmup); a stop asked for after the second step is saved at
-    # the third: 12 of epoch 1's 16 images trained. With batches of 2, position 3 names other images: the rest
-    # of the epoch must be exactly the 4 it had not trained.
+    # One optimizer step per batch of 4 (nbs 4, no warmup), 4 per epoch; a stop asked for after step 4 is saved at
+    # step 5: epoch 2's first batch, 4 of its 16 images. With batches of 2, position 1 names other images: the rest
+    # of epoch 2 must be exactly its 12 untrained images, in the epoch's last 6 batches, stepping every 2 batches
+    # (nbs 4) as any epoch does.
     from utils.data.loader import TrainLoader
 
     hyp = tmp_path / "hyp.yaml"
     source = Path(train.__file__).parent / "data" / "hyps" / "hyp.scratch-low.yaml"
     hyp.write_text(source.read_text().replace("warmup_epochs: 3.0", "warmup_epochs: 0.0").replace("nbs: 64", "nbs: 4"))
     real_step, real_lent = engine._optimizer_step, TrainLoader.lent
-    steps, drawn = {"count": 0}, {"cut": [], "resumed": []}
+    steps, drawn, stepped = {"count": 0}, {"cut": [], "resumed": []}, []
     attempt = "cut"
 
     def step_then_stop(state: engine.TrainState) -> None:
         real_step(state)
         steps["count"] += 1
-        if steps["count"] == 2:
+        if steps["count"] == 4:
             state.stop.request("SIGTERM")
+
+    def counted_step(state: engine.TrainState) -> None:
+        real_step(state)
+        stepped.append(drawn["resumed"][-1][0])  # the epoch of the batch just trained
 
     def recording_lent(self: TrainLoader) -> Iterator[dict]:
         for batch in real_lent(self):
@@ -313,19 +318,19 @@ def test_a_resume_on_another_batch_size_trains_the_rest_of_its_epoch_once(tiny_d
         patch.setattr(engine, "_optimizer_step", step_then_stop)
         patch.setattr(TrainLoader, "lent", recording_lent)
         with pytest.raises(Preempted) as stopped:
-            train.main([*_args(tiny_data, tmp_path, "cut", 0), "--hyp", str(hyp)])
+            train.main([*_args(tiny_data, tmp_path, "cut", 0), "--hyp", str(hyp), "--epochs", "3"])
         checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
-        patch.setattr(engine, "_optimizer_step", real_step)
+        patch.setattr(engine, "_optimizer_step", counted_step)
         attempt = "resumed"
         resume = ["--resume", str(stopped.value.checkpoint), "--device", "cpu", "--workers", "0", "--batch-size", "2"]
         train.main(resume)
-    assert (checkpoint["epoch"], checkpoint["batches_done"]) == (-1, 3)
-    assert checkpoint["epoch_geometry"]["per_rank_batch"] == 4 and len(checkpoint["epoch_seen"]) == 12
-    # The first three batches trained (the loop may have drawn a fourth before the stop).
-    trained_first = {path for epoch, paths in drawn["cut"][:3] for path in paths}
-    trained_after = [path for epoch, paths in drawn["resumed"] if epoch == 0 for path in paths]
+    assert (checkpoint["epoch"], checkpoint["batches_done"]) == (0, 1)
+    assert checkpoint["epoch_geometry"]["per_rank_batch"] == 4 and len(checkpoint["epoch_seen"]) == 4
+    trained_first = set(next(paths for epoch, paths in drawn["cut"] if epoch == 1))  # its one batch before the stop
+    trained_after = [path for epoch, paths in drawn["resumed"] if epoch == 1 for path in paths]
     every = {str(path) for path in (tiny_data.parent / "shapes" / "images" / "train").glob("*.jpg")}
-    assert len(trained_first) == 12 and len(every) == TINY.num_train
+    assert len(trained_first) == 4 and len(every) == TINY.num_train
     assert sorted(trained_after) == sorted(every - trained_first)  # each image of the epoch exactly once
-    assert [len(paths) for epoch, paths in drawn["resumed"] if epoch == 0] == [2, 2]
-    assert sorted(path for epoch, paths in drawn["resumed"] if epoch == 1 for path in paths) == sorted(every)
+    assert [len(paths) for epoch, paths in drawn["resumed"] if epoch == 1] == [2] * 6
+    assert sorted(path for epoch, paths in drawn["resumed"] if epoch == 2 for path in paths) == sorted(every)
+    assert stepped == [1] * 3 + [2] * 4  # a step per 2 batches of 2, in the rest of epoch 2 as in epoch 3

@@ -229,43 +229,46 @@ def _seen_by(samplers: list[SmartDistributedSampler], epoch: int, per_rank_batch
 def test_a_remainder_plan_trains_every_unseen_image_once_and_no_seen_one(
     shared: bool, old_world: int, new_world: int
 ) -> None:
-    num_items, epoch = 23, 4
+    num_items, epoch, batch = 23, 4, 2
     build = shared_samplers if shared else lambda n, w: [make_sampler(n, r, w) for r in range(w)]
     seen = _seen_by(build(num_items, old_world), epoch, per_rank_batch=3, batches_done=2)
     assert 0 < len(seen) < num_items
     new = build(num_items, new_world)
-    for sampler in new:
-        sampler.plan_remainder(epoch, seen)
-    plans = [sampler.indices_of(epoch) for sampler in new]
-    assert len({len(plan) for plan in plans}) == 1 and all(s.length_of(epoch) == len(plans[0]) for s in new)
-    trained = np.concatenate(plans)
+    starts = {sampler.plan_remainder(epoch, seen, batch) for sampler in new}
+    assert len(starts) == 1  # every rank starts the rest at the same batch
+    start = starts.pop()
+    whole = math.ceil(new[0].num_samples / batch)  # the epoch keeps its number of batches: steps count on
+    assert all(math.ceil(s.length_of(epoch) / batch) == whole for s in new) and 0 < start < whole
+    rests = [sampler.indices_of(epoch)[start * batch :] for sampler in new]
+    assert len({len(rest) for rest in rests}) == 1
+    trained = np.concatenate(rests)
     assert set(trained.tolist()) == set(range(num_items)) - set(seen.tolist())  # every unseen image, no seen one
     assert len(trained) - len(set(trained.tolist())) < new_world  # repeats only to even out the ranks
-    for sampler in new:  # other epochs keep their own order; the plan keeps what it was made from
+    for sampler in new:  # the batches before the start stand for what was trained; other epochs are their own
+        assert set(sampler.indices_of(epoch)[: start * batch].tolist()) <= set(seen.tolist())
         assert len(sampler.indices_of(epoch + 1)) == sampler.num_samples
         np.testing.assert_array_equal(sampler.plan_seen, seen)
 
 
-def test_a_rank_with_nothing_left_pads_with_its_own_images_and_an_empty_remainder_has_no_batch() -> None:
+def test_an_epoch_with_nothing_left_starts_at_its_end() -> None:
     sampler = make_sampler(10, 0, 1)
-    sampler.plan_remainder(2, np.arange(10))
-    assert sampler.length_of(2) == 0 and len(sampler.indices_of(2)) == 0
-    sampler.set_epoch(2)
+    assert sampler.plan_remainder(2, np.arange(10), batch_size=4) == 3  # all 3 batches done
+    sampler.set_epoch(2, start=sampler.length_of(2))
     assert list(sampler) == []
 
 
-def _plan_on_two_ranks(ctx: DistContext, num_items: int, seen: list[int]) -> list[int]:
+def _plan_on_two_ranks(ctx: DistContext, num_items: int, seen: list[int]) -> tuple[int, list[int]]:
     sampler = SmartDistributedSampler(stand_in_rank_shard(num_items, ctx, 3), ctx, 3, dataset_len=num_items)
-    sampler.plan_remainder(4, np.asarray(seen))
-    return sampler.indices_of(4).tolist()
+    start = sampler.plan_remainder(4, np.asarray(seen), batch_size=2)
+    return start, sampler.indices_of(4)[start * 2 :].tolist()
 
 
 @pytest.mark.distributed
 def test_on_two_gloo_ranks_a_remainder_plan_is_equally_long_and_covers_the_unseen(tmp_path: Path) -> None:
     num_items = 23
     seen = _seen_by([make_sampler(num_items, 0, 1)], 4, per_rank_batch=4, batches_done=3)  # one rank had 12
-    plans = run_distributed(_plan_on_two_ranks, 2, tmp_path, num_items, seen.tolist())
-    assert len(plans[0]) == len(plans[1]) > 0
-    for rank, plan in enumerate(plans):  # each rank keeps to its own shard (what its cache holds)
-        assert set(plan) <= set(stand_in_rank_shard(num_items, DistContext(rank=rank, world_size=2), 3).tolist())
-    assert set(plans[0]) | set(plans[1]) == set(range(num_items)) - set(seen.tolist())
+    (start0, rest0), (start1, rest1) = run_distributed(_plan_on_two_ranks, 2, tmp_path, num_items, seen.tolist())
+    assert start0 == start1 and len(rest0) == len(rest1) > 0
+    for rank, rest in enumerate((rest0, rest1)):  # each rank keeps to its own shard (what its cache holds)
+        assert set(rest) <= set(stand_in_rank_shard(num_items, DistContext(rank=rank, world_size=2), 3).tolist())
+    assert set(rest0) | set(rest1) == set(range(num_items)) - set(seen.tolist())

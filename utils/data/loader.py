@@ -255,18 +255,20 @@ class TrainLoader:
         self.sampler.set_epoch(epoch, start=start)
         self._wanted = self._position(epoch, start_batch)
 
-    def start(self, epoch: int, start_batch: int = 0, seen: np.ndarray | None = None) -> None:
+    def start(self, epoch: int, start_batch: int = 0, seen: np.ndarray | None = None) -> int:
         """`set_epoch`, and start the workers building that epoch's first batches now rather than at the first batch.
 
         For set-up: forking the workers and building their first batches then overlaps the work the
         training process still does before its first step (model summary, optimizer, EMA, callbacks).
-        `seen` (dataset indices `epoch` already trained, from a mid-epoch checkpoint) makes that epoch
-        the rest of it only (`SmartDistributedSampler.plan_remainder`); every rank must pass it.
+        `seen` (dataset indices `epoch` already trained, from a mid-epoch checkpoint) makes the rest of
+        that epoch the images not in it (`SmartDistributedSampler.plan_remainder`), starting no earlier
+        than the batch the plan's rest begins at; every rank must pass it. Returns the batch it starts at.
         """
         if seen is not None:
-            self.sampler.plan_remainder(epoch, seen)
+            start_batch = max(start_batch, self.sampler.plan_remainder(epoch, seen, self.stream.batch_size))
         self.set_epoch(epoch, start_batch)
         self._iteration_at(self._wanted)
+        return start_batch
 
     @property
     def geometry(self) -> dict[str, int | bool]:

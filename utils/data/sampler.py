@@ -131,29 +131,38 @@ class SmartDistributedSampler(Sampler[int]):
         generator = torch.Generator().manual_seed(order_seed(self.seed, epoch, 0 if self.is_global else self.rank))
         return self.shard[torch.randperm(len(self.shard), generator=generator).numpy()]
 
-    def plan_remainder(self, epoch: int, seen: np.ndarray) -> None:
-        """Make `epoch` yield only the images not in `seen` (dataset indices it already trained); every rank calls it.
+    def plan_remainder(self, epoch: int, seen: np.ndarray, batch_size: int) -> int:
+        """Make `epoch` end with only the images not in `seen` (dataset indices it trained); every rank calls it.
 
         Each rank keeps its own order of the epoch without the seen images (the shared order dealt
         out, with a shared cache), padded by repeating its own items to the longest rank's count (a
         gather of the counts: ranks must step together), so the rest of the epoch trains each unseen
-        image once and no seen one again, padding aside. A rank with nothing left pads with its own
-        items. The plan holds until another call; `plan_seen` keeps `seen` for the checkpoints.
+        image once and no seen one again, padding aside; a rank with nothing left pads with its own
+        items. Those batches of `batch_size` are the epoch's last: the epoch keeps its usual number
+        of batches, the first ones standing for what was trained (filled with seen images, never
+        drawn), so a loader started at the returned batch counts its batches, optimizer steps and
+        mid-epoch saves on as after any mid-epoch resume. The plan holds until another call;
+        `plan_seen` keeps `seen` for the checkpoints. Returns the batch the rest starts at.
         """
+        seen = np.unique(np.asarray(seen, dtype=np.int64))
         is_seen = np.zeros(self.dataset_len, bool)
-        is_seen[np.asarray(seen, dtype=np.int64)] = True
+        is_seen[seen] = True
         order = self._order(epoch)
         left = order[~is_seen[order]]
         if self.is_global:
-            plan = (
-                _deal(left, math.ceil(len(left) / self.world_size), self.rank, self.world_size) if len(left) else left
-            )
+            per_rank = math.ceil(len(left) / self.world_size)
+            rest = _deal(left, per_rank, self.rank, self.world_size) if len(left) else left
         else:
             counts = all_gather_objects(len(left), self.ctx) if self.ctx.is_distributed else [len(left)]
             longest = max(counts)
             pool = left if len(left) else order
-            plan = np.tile(pool, math.ceil(longest / len(pool)))[:longest] if longest else left
-        self.plan_epoch, self.plan, self.plan_seen = int(epoch), plan.astype(np.int64), np.unique(seen).astype(np.int64)
+            rest = np.tile(pool, math.ceil(longest / len(pool)))[:longest] if longest else left
+        whole, left_batches = math.ceil(self.num_samples / batch_size), math.ceil(len(rest) / batch_size)
+        done = max(0, whole - left_batches) if len(seen) else 0
+        filler = np.tile(seen, math.ceil(done * batch_size / len(seen)))[: done * batch_size] if done else seen[:0]
+        self.plan_epoch, self.plan_seen = int(epoch), seen
+        self.plan = np.concatenate([filler, rest]).astype(np.int64)
+        return done
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.epoch_indices()[self.start :].tolist())

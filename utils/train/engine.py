@@ -277,7 +277,7 @@ def _start_run(
     try:
         # The workers start now and build the first batches while the rest of the set-up runs (not after it).
         point = resume_point(resume_ckpt, datasets.train_loader.geometry)
-        datasets.train_loader.start(point.epoch, point.batch, point.seen)
+        start_batch = datasets.train_loader.start(point.epoch, point.batch, point.seen)
         callbacks = _run_callbacks(cfg, run_dir, ctx, modules, callbacks)
     except BaseException:
         datasets.train_loader.close()
@@ -293,7 +293,7 @@ def _start_run(
         state = build_train_state(bundle, cfg, training, ctx, batches_per_epoch)
         verify_identical_weights(state.model, ctx)
         if resume_ckpt is not None:
-            restore_state(state, resume_ckpt, cfg, batches_per_epoch, ctx, point.batch)
+            restore_state(state, resume_ckpt, cfg, batches_per_epoch, ctx, start_batch)
             callbacks.state.update(resume_ckpt.get("callback_state") or {})
             del resume_ckpt, plan  # the checkpoint's tensors are in the model and optimizer now
         log_startup(cfg, bundle, datasets, state.accumulate, ctx)

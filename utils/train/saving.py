@@ -33,8 +33,10 @@ def restore_state(
     The LR schedule is rebuilt at the resumed epoch, so it continues where it stopped. A mid-epoch
     checkpoint also gives the batch to continue at and, per rank, the running mean loss and the
     buffers (BatchNorm statistics differ per rank without SyncBatchNorm), so the resumed run
-    continues exactly where the interrupted one stopped. `start_batch` is the batch `resume_point`
-    chose (0 when the epoch goes on as a remainder plan: then no rank's running state applies).
+    continues exactly where the interrupted one stopped. `start_batch` is the batch the loader
+    started at (`TrainLoader.start`: after a resume on another geometry, where the remainder plan's
+    batches begin). Saved by other ranks than these, the running mean goes on from the saved ranks'
+    average and the BatchNorm buffers are rank 0's (in the model's state).
     """
     state.start_epoch = ckpt_io.restore_training_state(
         checkpoint, state.model, state.optimizer, state.scaler, state.ema
@@ -44,17 +46,19 @@ def restore_state(
     state.scheduler = build_scheduler(state.optimizer, state.lr_fn, state.start_epoch)
     state.best_fitness = float(checkpoint.get("best_fitness", 0.0))
     state.start_batch = start_batch
-    per_rank = checkpoint.get("rank_states") or []
-    own = per_rank[ctx.rank] if len(per_rank) == ctx.world_size and start_batch else None
+    per_rank = (checkpoint.get("rank_states") or []) if start_batch else []
+    own = per_rank[ctx.rank] if len(per_rank) == ctx.world_size else None
     if own is not None:  # a mid-epoch checkpoint: this rank's own running mean and buffers
         state.resumed_mean_loss = np.asarray(own["mean_loss"], dtype=np.float64)
         state.model.load_state_dict(own["model_buffers"], strict=False)
         state.ema.ema.load_state_dict(own["ema_buffers"], strict=False)
-    elif per_rank and ctx.is_main:
-        LOGGER.info(
-            f"The checkpoint's {len(per_rank)} per-rank running states (loss mean, BatchNorm buffers) do not apply "
-            "here: rank 0's buffers are used, and the epoch's train loss is the mean of the batches this run trains"
-        )
+    elif per_rank:
+        state.resumed_mean_loss = np.mean([np.asarray(saved["mean_loss"], dtype=np.float64) for saved in per_rank], 0)
+        if ctx.is_main:
+            LOGGER.info(
+                f"The checkpoint was saved by {len(per_rank)} rank(s), this run has {ctx.world_size}: the epoch's "
+                "running loss goes on from their mean, and rank 0's BatchNorm buffers are used"
+            )
     state.last_opt_step = state.start_epoch * batches + state.start_batch - 1
 
 
