@@ -92,3 +92,17 @@ def test_a_roboflow_export_loads_as_it_is(tmp_path: Path, caplog: pytest.LogCapt
     yaml_file.write_text("train: ../train/images\nval: ../nothing/images\nnames: ['a']\n")
     with pytest.raises(ConfigError, match=r"'val' path .*nothing/images does not exist"):
         load_data_config(yaml_file, DistContext())
+
+
+def test_a_key_given_twice_is_refused_but_anchors_and_merges_still_read(tmp_path: Path) -> None:
+    from utils.errors import read_yaml_mapping
+
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("base: &base {lr0: 0.01, lrf: 0.1}\ntuned:\n  <<: *base\n  lr0: 0.02\n")
+    assert read_yaml_mapping(merged) == {"base": {"lr0": 0.01, "lrf": 0.1}, "tuned": {"lr0": 0.02, "lrf": 0.1}}
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train: a\nval: b\nnames: [x]\ntrain: c\n")
+    with pytest.raises(
+        ConfigError, match=r"twice.yaml: not valid YAML \(key 'train' given twice, the second time at line 4\)"
+    ):
+        read_yaml_mapping(twice)

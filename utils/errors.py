@@ -75,8 +75,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load's loader, refusing a mapping that gives one key twice."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen = set()
+        seen: set[object] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: merged keys may be overridden; only the mapping's own keys are checked
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, str | int | float | bool):
                 continue  # an unhashable or odd key: left to safe_load's own checks
