@@ -10,6 +10,7 @@ import torch
 
 from utils.backends.augmented import AUGMENTATIONS, AugmentedBackend
 from utils.backends.base import BackendInfo, InferenceBackend
+from utils.backends.metadata import END_TO_END
 from utils.errors import ConfigError
 
 HEIGHT, WIDTH = 96, 128  # not square: a swapped height and width shows
@@ -108,6 +109,12 @@ def test_the_full_pass_drops_its_coarsest_level_and_the_smallest_its_finest(per_
 def test_rows_in_another_layout_are_pooled_whole() -> None:
     rows, _ = AugmentedBackend(BrightBoxFinder())(_images_with_boxes([(10, 20, 50, 60)]))
     assert rows.shape[1] == len(AUGMENTATIONS)  # one detection-like row per pass: nothing dropped
+    # An end-to-end file's top detections, as many as the grid has points: still detections, kept whole.
+    end_to_end = LevelRows(per_cell=1)
+    end_to_end.info = dataclasses.replace(INFO, layout=END_TO_END)
+    rows, _ = AugmentedBackend(end_to_end)(torch.zeros(1, 3, HEIGHT, WIDTH))
+    per_pass = [(h // s) * (w // s) for (h, w) in ((96, 128), (96, 128), (64, 96)) for s in (8, 16, 32)]
+    assert rows.shape[1] == sum(per_pass)
 
 
 def test_passes_are_pooled_with_nms_even_for_an_end_to_end_head() -> None:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from utils.backends.base import InferenceBackend
+from utils.backends.metadata import END_TO_END
 from utils.errors import ConfigError
 from utils.families import family_named
 
@@ -70,16 +71,17 @@ class AugmentedBackend(InferenceBackend):
         The full-size pass drops its coarsest level (the largest objects, which the shrunk passes see
         whole), the smallest pass its finest (objects shrunk below what that level resolves): on the
         quick start's weights this scores higher than pooling every row. Rows come level by level,
-        finest first, at strides stride/4, stride/2 and stride (every P3-P5 model); rows in another
-        layout (an end-to-end file's top detections) are kept whole.
+        finest first, at strides stride/4, stride/2 and stride (every P3-P5 model), one per grid point
+        and anchor (1, or YOLOv5's 3); an end-to-end file's rows are its top detections in score order,
+        kept whole whatever their count.
         """
         last = len(AUGMENTATIONS) - 1
-        if index not in (0, last):
+        if index not in (0, last) or self.info.layout == END_TO_END:
             return rows
         stride = self.info.stride
         cells = [(input_hw[0] // level) * (input_hw[1] // level) for level in (stride // 4, stride // 2, stride)]
         per_cell, remainder = divmod(rows.shape[1], sum(cells))
-        if remainder or per_cell == 0:
+        if remainder or per_cell not in (1, 3):
             return rows
         if index == 0:
             return rows[:, : rows.shape[1] - per_cell * cells[-1]]
