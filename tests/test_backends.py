@@ -478,13 +478,12 @@ def test_without_data_val_scores_the_dataset_the_checkpoint_was_trained_on(
     ctx = DistContext()
     with caplog.at_level("INFO"):
         assert default_data(tmp_path / "given.yaml", info, ctx) == tmp_path / "given.yaml"
-        assert default_data(None, info, ctx) == DEFAULT_DATA  # recorded, but not there any more
+        with pytest.raises(ConfigError, match=f"^{info.path} was trained on {recorded}, which is not there; give"):
+            default_data(None, info, ctx)  # recorded, but not there any more: not another dataset silently
         recorded.write_text("")
         assert default_data(None, info, ctx) == recorded
         assert default_data(None, dataclasses.replace(info, trained_data=None), ctx) == DEFAULT_DATA
     assert caplog.messages == [
-        f"No --data: scoring {info.path} on {DEFAULT_DATA}, the built-in dataset ({recorded}, which it records, "
-        "is not there)",
         f"No --data: scoring {info.path} on {recorded}, the dataset it was trained on",
         f"No --data: scoring {info.path} on {DEFAULT_DATA}, the built-in dataset",
     ]

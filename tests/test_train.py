@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
 import re
 from pathlib import Path
 
@@ -75,7 +76,8 @@ def trained_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
     for logger in loggers:
         logger.addHandler(handler)
     try:
-        args = _train_args(tiny_data, project, "e2e", "--epochs", "2", "--save-period", "1", "--close-mosaic", "1")
+        relative = Path(os.path.relpath(tiny_data))  # as typed from the working folder; recorded resolved
+        args = _train_args(relative, project, "e2e", "--epochs", "2", "--save-period", "1", "--close-mosaic", "1")
         result = train.main(args)
     finally:
         for logger in loggers:
@@ -128,7 +130,7 @@ def test_every_epoch_logs_its_images_per_second_and_data_wait(trained_run) -> No
         assert 0 <= share <= 100
 
 
-def test_train_writes_run_folder_and_finite_results(trained_run) -> None:
+def test_train_writes_run_folder_and_finite_results(trained_run, tiny_data: Path) -> None:
     run_dir = trained_run.run_dir
     for name in ("weights/last.pt", "weights/best.pt", "weights/epoch1.pt", "results.csv", "opt.yaml", "hyp.yaml"):
         assert (run_dir / name).is_file(), name
@@ -140,6 +142,7 @@ def test_train_writes_run_folder_and_finite_results(trained_run) -> None:
     assert set(trained_run.metrics) >= {"precision", "recall", "mAP50", "mAP50-95", "fitness"}
     options = yaml.safe_load((run_dir / "opt.yaml").read_text())
     assert options["epochs"] == 2 and options["batch_size"] == 8 and options["close_mosaic"] == 1
+    assert options["data"] == str(tiny_data.resolve())  # given relative: val.py finds it from any folder
     closing = [m for m in ENGINE_LOG if m.startswith("Closing mosaic")]
     assert closing == ["Closing mosaic: the last 1 epoch(s) train on single letterboxed images"]
 

@@ -93,19 +93,22 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
 
 
 def default_data(given: Path | None, info: BackendInfo, ctx: DistContext) -> Path:
-    """--data, else the dataset YAML the checkpoint was trained on when it is still there, else the built-in one.
+    """--data, else the dataset YAML the checkpoint was trained on, else (a file that records none) the built-in one.
 
     Rank 0 says which it took: a run folder's best.pt is scored on its own data with no flag, and
     a file that records none (an export, YOLOv5's weights) falls back to the built-in set visibly.
+    A recorded YAML that is not there any more is a one-line ConfigError asking for --data, not a
+    silent switch to another dataset.
     """
     if given is not None:
         return given
     recorded = info.trained_data
-    chosen = recorded if recorded is not None and recorded.is_file() else DEFAULT_DATA
+    if recorded is not None and not recorded.is_file():
+        raise ConfigError(f"{info.path} was trained on {recorded}, which is not there; give --data")
+    chosen = recorded or DEFAULT_DATA
     if ctx.is_main:
-        why = "the dataset it was trained on" if chosen == recorded else "the built-in dataset"
-        gone = f" ({recorded}, which it records, is not there)" if recorded is not None and chosen != recorded else ""
-        LOGGER.info(f"No --data: scoring {info.path} on {chosen}, {why}{gone}")
+        why = "the dataset it was trained on" if recorded is not None else "the built-in dataset"
+        LOGGER.info(f"No --data: scoring {info.path} on {chosen}, {why}")
     return chosen
 
 

@@ -106,6 +106,7 @@ def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunP
     # opt.yaml, the checkpoint and the loggers' own records say what runs: a logger the environment turns on is on.
     cfg = dataclasses.replace(cfg, mlflow=mlflow_wanted(cfg.mlflow), wandb=wandb_wanted(cfg.wandb))
     data = load_data_config(cfg.data, ctx)
+    cfg = dataclasses.replace(cfg, data=data.yaml_file)  # resolved: checkpoints name it for val.py from any folder
     names = ("item",) if cfg.single_cls else tuple(data.names)
     spec, weights = plan_model(cfg, training.task, names, resume)
     family = family_training(spec)
