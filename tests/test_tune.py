@@ -291,10 +291,18 @@ def test_a_study_resumed_with_other_settings_is_refused(tiny_data: Path, tmp_pat
         ({"rect": True}, "rect False"),
         ({"cos_lr": True}, "cos_lr False"),
         ({"cache": "shm"}, "cache_order 'per rank'"),
+        ({"nproc_per_trial": 2}, "nproc_per_trial 1"),
     ):
         with pytest.raises(ConfigError, match=message):
             tune.run(**_flags(tiny_data, tmp_path, trials=2, **flags))
     tune.run(**_flags(tiny_data, tmp_path, trials=2, workers=1))  # how a trial runs may differ
+    # A study made before a setting was recorded takes it on at its next run, and holds to it after.
+    study = _study(tmp_path)
+    study.set_user_attr("settings", {k: v for k, v in study.user_attrs["settings"].items() if k != "seed"})
+    tune.run(**_flags(tiny_data, tmp_path, trials=2, seed=5))
+    assert _study(tmp_path).user_attrs["settings"]["seed"] == 5
+    with pytest.raises(ConfigError, match="seed 5, this command gives 3"):
+        tune.run(**_flags(tiny_data, tmp_path, trials=2))
 
 
 def test_the_same_command_again_adds_trials_up_to_the_new_count(tiny_data: Path, tmp_path: Path,
@@ -547,3 +555,16 @@ def test_real_trials_score_best_pt_and_the_best_hyp_trains(tiny_data: Path, tmp_
     assert hyp.lr0 == pytest.approx(best.params["lr0"])
     log = (tmp_path / "exp" / "trials" / "trial_0001.log").read_text()
     assert "Final (" in log and "Done: 1 epochs." in log
+
+
+def test_trials_that_do_not_count_are_named_for_what_became_of_them() -> None:
+    from utils.tune.results import state_name
+
+    def failed(**attrs: str) -> optuna.trial.FrozenTrial:
+        return optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, user_attrs=attrs)
+
+    assert state_name(failed(reason="RuntimeError: boom")) == "failed"
+    assert state_name(failed(reason="interrupted: the study was stopped")) == "interrupted"
+    assert state_name(failed(reason="lost: worker h:1 stopped")) == "lost"
+    assert state_name(failed()) == "lost"  # failed by Optuna's heartbeat check: not counted either
+    assert state_name(optuna.trial.create_trial(state=optuna.trial.TrialState.COMPLETE, value=0.5)) == "complete"

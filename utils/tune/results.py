@@ -28,6 +28,8 @@ def state_name(trial: optuna.trial.FrozenTrial) -> str:
     Optuna records both as failed; their reason says which, and neither counts towards --trials.
     """
     reason = str(trial.user_attrs.get("reason", ""))
+    if trial.state == optuna.trial.TrialState.FAIL and not reason:
+        return "lost"  # failed by Optuna's own heartbeat check: its worker stopped answering (not counted either)
     if trial.state == optuna.trial.TrialState.FAIL and reason.startswith(NOT_COUNTED):
         return next(name for name in NOT_COUNTED if reason.startswith(name))
     return STATES.get(trial.state.name, trial.state.name.lower())

@@ -133,6 +133,8 @@ def open_study(cfg: TuneConfig, space: SearchSpace, settings: dict[str, Any]) ->
             f"{cfg.study_dir}: study '{study_name}' was made with {key} {recorded.get(key)!r}, this command gives "
             f"{settings.get(key)!r}; give the same flags to resume it, or another --name for a new study"
         )
+    elif set(settings) - set(recorded):  # a study made before these keys were recorded: they hold from now on
+        study.set_user_attr("settings", {**settings, **recorded})
     return study
 
 

@@ -130,10 +130,11 @@ def study_settings(cfg: TuneConfig, plan: RunPlan, space: SearchSpace) -> dict[s
     """What makes two trials comparable; a study resumed or joined with other settings is refused."""
     train = plan.cfg
     options = train.to_dict()
-    # --cache shm samples each epoch in one shared order, the others per rank: only that changes the batches.
+    # Of the caches, --cache shm samples each epoch in one shared order, the others per rank's shard.
     options["cache_order"] = "shared" if train.cache == "shm" else "per rank"
     return {
         **{key: options[key] for key in TRIAL_OPTIONS},
+        "nproc_per_trial": cfg.nproc_per_trial,  # the world size: shards, per-rank orders and augmentation streams
         "task": cfg.task,
         "data": str(Path(train.data).resolve()),
         "model": str(train.weights) if train.weights else str(train.model),
