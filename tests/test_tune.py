@@ -384,6 +384,20 @@ def test_a_trial_killed_by_a_signal_is_failed_with_the_signal(tmp_path: Path) ->
     assert (outcome.state, outcome.reason) == (FAILED, "killed by SIGKILL")
 
 
+def test_a_trial_whose_watch_fails_is_stopped_not_left_training(tmp_path: Path) -> None:
+    def heartbeat() -> None:
+        raise RuntimeError("the study's storage went away")
+
+    watch = dataclasses.replace(_watch(), heartbeat=heartbeat, heartbeat_s=0.1)
+    code = f"import time; time.sleep(60)  # {tmp_path}"  # its command line names this test's folder
+    command = TrialCommand([sys.executable, "-c", code], tmp_path / "run", tmp_path / "log")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="storage went away"):
+        run_trial(command, watch)
+    assert time.monotonic() - started < 30
+    assert not _processes_naming("time.sleep(60)", str(tmp_path))
+
+
 def test_a_stop_request_ends_a_trial_and_its_process_group(tmp_path: Path) -> None:
     child = "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
     code = f"import subprocess, sys, time; {child}; time.sleep(60)"

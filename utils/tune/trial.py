@@ -112,9 +112,13 @@ def run_trial(command: TrialCommand, watch: TrialWatch) -> TrialOutcome:
             start_new_session=True,  # its own process group: Ctrl-C reaches the tuner, which stops it
             preexec_fn=_term_with_parent() if command.die_with_parent else None,
         )  # fmt: skip
-        if command.cpus:
-            _pin(process.pid, command.cpus)
-        pruned_at, interrupted, scores = _follow(process, command.run_dir, watch)
+        try:
+            if command.cpus:
+                _pin(process.pid, command.cpus)
+            pruned_at, interrupted, scores = _follow(process, command.run_dir, watch)
+        finally:  # `_follow` failed (the study's storage, say): the trainer must not train on beside the next trial
+            if process.poll() is None:
+                _stop(process)
     if pruned_at is not None:
         return TrialOutcome(PRUNED, scores[-1] if scores else None, pruned_at, f"pruned after epoch {pruned_at}")
     if interrupted:
@@ -193,7 +197,14 @@ def _term_with_parent() -> Callable[[], None] | None:
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # the parent died before the signal was armed: it will never come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 def _pin(pid: int, cpus: tuple[int, ...]) -> None:
