@@ -264,13 +264,13 @@ def test_inputs_of_one_name_from_several_folders_get_their_own_outputs(
 ) -> None:
     for index, camera in enumerate(("cam1", "cam2", "cam3")):
         write_image(tmp_path / "in" / camera / "0001.jpg", seed=index)
-    write_image(tmp_path / "in" / "cam1" / "0001_2.jpg", seed=7)  # comes first and holds the name 0001_2
+    write_image(tmp_path / "in" / "cam1" / "0001-2.jpg", seed=7)  # comes first and holds the name 0001-2
     save = SaveOptions(save_txt=True)
     with caplog.at_level(logging.WARNING):
         result = predict(config(det_weights, tmp_path / "in" / "**" / "*.jpg", tmp_path / "runs", save=save), DETECT,
                          DistContext())  # fmt: skip
     written = sorted(path.name for path in result.save_dir.glob("*.jpg"))
-    assert written == ["0001.jpg", "0001_2.jpg", "0001_3.jpg", "0001_4.jpg"]  # four inputs, four pictures
+    assert written == ["0001-2.jpg", "0001-3.jpg", "0001-4.jpg", "0001.jpg"]  # four inputs, four pictures
     assert len(list((result.save_dir / "labels").glob("*.txt"))) == result.total.images == 4
     assert "2 input(s) share a file name with an earlier one; their outputs are renamed (first: " in caplog.text
 

@@ -34,7 +34,7 @@ class InputItem:
     path: str  # file path; for a webcam its index ("0")
     kind: str  # "image", "video" or "webcam"
     index: int  # position in the whole run's list, for "image 3/10" lines on any rank
-    output_stem: str = ""  # set when an earlier input has the same file stem (a recursive glob): "<stem>_2", ...
+    output_stem: str = ""  # set when an earlier input has the same file stem (a recursive glob): "<stem>-2", ...
 
     @property
     def stem(self) -> str:
@@ -90,10 +90,11 @@ def discover_inputs(source: str) -> list[InputItem]:
 
 
 def _unique_stems(files: list[str]) -> list[str]:
-    """Each file's output stem: its own, or with `_2`, `_3`... when an earlier file has it (one warning says so).
+    """Each file's output stem: its own, or with `-2`, `-3`... when an earlier file has it (one warning says so).
 
     Outputs are named by stem (the annotated image, labels/<stem>.txt, crops), so two `000001.jpg`
-    from different folders of a `**` glob would otherwise overwrite each other's.
+    from different folders of a `**` glob would otherwise overwrite each other's. A hyphen, because
+    a video's frames are `<stem>_<frame>`: `a_2` would be frame 2 of a video `a`.
     """
     used: set[str] = set()
     stems, renamed = [], []
@@ -101,7 +102,7 @@ def _unique_stems(files: list[str]) -> list[str]:
         stem = candidate = Path(file).stem
         number = 2
         while candidate in used:
-            candidate, number = f"{stem}_{number}", number + 1
+            candidate, number = f"{stem}-{number}", number + 1
         used.add(candidate)
         stems.append(candidate)
         if candidate != stem:
