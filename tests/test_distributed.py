@@ -36,6 +36,7 @@ LAUNCH_VARS = (
     "SLURM_NTASKS",
     "SLURM_NTASKS_PER_NODE",
     "SLURM_TASKS_PER_NODE",
+    "SLURM_STEP_TASKS_PER_NODE",
     "SLURM_NODEID",
 )
 
@@ -87,7 +88,11 @@ def test_slurm_ranks_per_node_come_from_its_task_list_without_ntasks_per_node(
                         "SLURM_TASKS_PER_NODE": tasks_per_node, "SLURM_NODEID": node}.items():  # fmt: skip
         clean_env.setenv(name, value)
     assert read_launch_env() == (1, 0, 10, local_world_size)
+    clean_env.setenv("SLURM_STEP_TASKS_PER_NODE", "5")  # a step on part of the allocation: its own list
+    clean_env.setenv("SLURM_NODEID", "0")
+    assert read_launch_env()[3] == 5
     clean_env.setenv("SLURM_TASKS_PER_NODE", "two")
+    clean_env.delenv("SLURM_STEP_TASKS_PER_NODE")
     with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE='two' is not a SLURM task list"):
         read_launch_env()
 

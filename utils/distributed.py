@@ -92,18 +92,20 @@ def read_launch_env() -> tuple[int, int, int, int]:
 def _slurm_tasks_on_this_node() -> int:
     """Tasks SLURM runs on this node; 0 outside SLURM.
 
-    Read from SLURM_TASKS_PER_NODE ("2(x3),1": 2 on each of the first three nodes, 1 on the fourth)
-    at SLURM_NODEID, which SLURM always sets, unlike SLURM_NTASKS_PER_NODE (only with
-    --ntasks-per-node, the fallback). A malformed list is a ValueError naming the variable.
+    Read from srun's SLURM_STEP_TASKS_PER_NODE (the step's nodes), else the job's SLURM_TASKS_PER_NODE
+    ("2(x3),1": 2 on each of the first three nodes, 1 on the fourth), at SLURM_NODEID; SLURM sets
+    them always, unlike SLURM_NTASKS_PER_NODE (only with --ntasks-per-node, the fallback). A
+    malformed list is a ValueError naming the variable.
     """
-    listed = os.environ.get("SLURM_TASKS_PER_NODE", "").strip()
+    name = "SLURM_STEP_TASKS_PER_NODE" if os.environ.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
+    listed = os.environ.get(name, "").strip()
     if not listed:
         return _env_int(("SLURM_NTASKS_PER_NODE",), 0)
     per_node = []
     for part in listed.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if match is None:
-            raise ValueError(f"environment variable SLURM_TASKS_PER_NODE={listed!r} is not a SLURM task list")
+            raise ValueError(f"environment variable {name}={listed!r} is not a SLURM task list")
         per_node += [int(match.group(1))] * int(match.group(2) or 1)
     node = _env_int(("SLURM_NODEID",), 0)
     return per_node[node] if node < len(per_node) else 0
