@@ -58,6 +58,8 @@ def test_hub_model_predicts_at_the_size_the_checkpoint_was_trained_at(detector_f
     [default], [at_224], [at_640] = model(path), model(path, size=224), model(path, size=640)
     np.testing.assert_array_equal(default.boxes, at_224.boxes)
     assert not np.array_equal(default.boxes, at_640.boxes)  # the size matters: 640 gives other detections
+    [at_100], [at_128] = model(path, size=100), model(path, size=128)  # rounded up to a multiple of 32
+    np.testing.assert_array_equal(at_100.boxes, at_128.boxes)
 
 
 def test_results_as_plain_data_and_coco_rows(detector_file: Path, tmp_path: Path) -> None:
@@ -166,9 +168,11 @@ def test_a_file_exported_at_a_non_square_size_runs_at_it_as_detect_py_does(detec
     with pytest.raises(ConfigError, match="exported at a fixed 64x96, cannot run --imgsz 96x96"):
         model(str(path), size=96)
     assert len(model(str(path), size=(64, 96))) == 1
-    for bad in (100, -32, 0, (64,), (64, 100)):
-        with pytest.raises(ConfigError, match=r"give a multiple of 32, or an \(h, w\) pair of them"):
+    for bad in (-32, 0, (64,), 1.5, "64"):
+        with pytest.raises(ConfigError, match=r"give a side in pixels, or an \(h, w\) pair of them"):
             model(str(path), size=bad)
+    with pytest.raises(ConfigError, match="exported at a fixed 64x96, cannot run --imgsz 64x128"):
+        model(str(path), size=(np.int64(60), 100))  # rounded up to multiples of 32, as YOLOv5's hub does
     model.classes = [7]
     with pytest.raises(ConfigError, match=r"classes \[7\]: the model has 6 \(0-5\)"):
         model(str(path))

@@ -14,6 +14,9 @@ detections detect.py writes for the same image and settings.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,8 @@ from utils.predict.prediction import Prediction, class_name
 from utils.predict.predictor import FramePredictor
 from utils.predict.sources import UnreadableInputError, read_image
 from utils.tasks import Task
+
+LOGGER = logging.getLogger(__name__)
 
 
 @dataclass
@@ -165,15 +170,24 @@ class Detector(nn.Module):
         """The (h, w) to run at: `size` (one side or an (h, w) pair), else `self.size`.
 
         While `self.size` is still the size the file was loaded with, that means the file's own
-        (h, w), as detect.py runs it without --imgsz. Anything but multiples of 32 is a ConfigError.
+        (h, w), as detect.py runs it without --imgsz. Sides are rounded up to multiples of 32 with a
+        warning, as YOLOv5's hub models round them; anything but one or two positive integers is a
+        ConfigError.
         """
         if size is None and self.size == self._own_size:
             return tuple(self.model.info.imgsz)  # type: ignore[return-value]
         value = self.size if size is None else size
-        sides = [value] * 2 if isinstance(value, int) else list(value)
-        if len(sides) != 2 or not all(isinstance(s, int) and s >= MAX_STRIDE and s % MAX_STRIDE == 0 for s in sides):
-            raise ConfigError(f"size {value!r}: give a multiple of {MAX_STRIDE}, or an (h, w) pair of them")
-        return sides[0], sides[1]
+        try:
+            pair = value if isinstance(value, Sequence) else [value, value]
+            sides = [operator.index(side) for side in pair]  # ints and numpy ints; not 1.5 or "640"
+        except TypeError:
+            sides = []
+        if len(sides) != 2 or min(sides) < 1:
+            raise ConfigError(f"size {value!r}: give a side in pixels, or an (h, w) pair of them")
+        rounded = [math.ceil(side / MAX_STRIDE) * MAX_STRIDE for side in sides]
+        if rounded != sides:
+            LOGGER.warning(f"size {value!r}: sides must be multiples of {MAX_STRIDE}; running at {tuple(rounded)}")
+        return rounded[0], rounded[1]
 
 
 def _as_bgr(item: Any, index: int) -> tuple[str, np.ndarray]:
