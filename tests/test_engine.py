@@ -154,3 +154,27 @@ def test_callback_state_that_is_not_plain_data_is_left_out_and_warned_about_once
         "callback state 'handle' not saved in checkpoints: cannot store a value of type object in a checkpoint; "
         "convert it to plain data"
     ]
+
+
+def test_where_a_resume_starts_depends_on_what_the_checkpoint_was_trained_with(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from utils.train.saving import resume_point
+
+    geometry = {"world_size": 2, "per_rank_batch": 4, "shared_order": False, "dataset_len": 40, "dataset": "abc"}
+    checkpoint = {"epoch": 3, "batches_done": 2, "epoch_geometry": dict(geometry), "epoch_seen": torch.arange(16)}
+    assert resume_point(None, geometry).epoch == 0
+    same = resume_point(checkpoint, geometry)  # the next batch of the same order
+    assert (same.epoch, same.batch, same.seen) == (4, 2, None)
+    older = resume_point({key: checkpoint[key] for key in ("epoch", "batches_done")}, geometry)
+    assert (older.epoch, older.batch, older.seen) == (4, 2, None)  # no geometry recorded: as before
+    in_plan = resume_point({**checkpoint, "plan_seen": torch.arange(8)}, geometry)  # stopped in a remainder plan
+    assert (in_plan.batch, in_plan.seen.tolist()) == (2, list(range(8)))
+    with caplog.at_level("INFO"):
+        other = resume_point(checkpoint, {**geometry, "world_size": 1})
+        assert (other.epoch, other.batch, other.seen.tolist()) == (4, 0, list(range(16)))
+        for changed in ({"dataset": "abd"}, {"dataset_len": 41}):  # other files: the indices mean other images
+            restarted = resume_point(checkpoint, {**geometry, "world_size": 1, **changed})
+            assert (restarted.epoch, restarted.batch, restarted.seen) == (4, 0, None)
+    assert "goes on with the 24 of its 40 images it had not trained" in caplog.text
+    assert caplog.text.count("epoch restarts from its first batch") == 2

@@ -334,3 +334,58 @@ def test_a_resume_on_another_batch_size_trains_the_rest_of_its_epoch_once(tiny_d
     assert [len(paths) for epoch, paths in drawn["resumed"] if epoch == 1] == [2] * 6
     assert sorted(path for epoch, paths in drawn["resumed"] if epoch == 2 for path in paths) == sorted(every)
     assert stepped == [1] * 3 + [2] * 4  # a step per 2 batches of 2, in the rest of epoch 2 as in epoch 3
+
+
+@pytest.mark.slow
+def test_a_remainder_stopped_again_and_resumed_on_a_third_batch_size_still_trains_each_image_once(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    # Batches of 4 stopped early in epoch 2; resumed at batches of 2 and stopped again inside the rest; resumed at
+    # batches of 8. The second checkpoint must hold everything epoch 2 trained in both attempts, and the third
+    # attempt exactly the other images.
+    from utils.data.loader import TrainLoader
+
+    hyp = tmp_path / "hyp.yaml"
+    source = Path(train.__file__).parent / "data" / "hyps" / "hyp.scratch-low.yaml"
+    hyp.write_text(source.read_text().replace("warmup_epochs: 3.0", "warmup_epochs: 0.0").replace("nbs: 64", "nbs: 4"))
+    real_step, real_lent = engine._optimizer_step, TrainLoader.lent
+    last_drawn: list[tuple[int, list[str]]] = []
+
+    def stop_after(count: int):  # noqa: ANN202
+        steps = {"count": 0}
+
+        def step(state: engine.TrainState) -> None:
+            real_step(state)
+            steps["count"] += 1
+            if steps["count"] == count:
+                state.stop.request("SIGTERM")
+
+        return step
+
+    def recording_lent(self: TrainLoader) -> Iterator[dict]:
+        for batch in real_lent(self):
+            last_drawn.append((self.sampler.epoch, list(batch["paths"])))
+            yield batch
+
+    def seen(path: Path) -> set[int]:
+        return set(torch.load(path, map_location="cpu", weights_only=True)["epoch_seen"].tolist())
+
+    resume = ["--device", "cpu", "--workers", "0", "--resume"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TrainLoader, "lent", recording_lent)
+        patch.setattr(engine, "_optimizer_step", stop_after(4))  # saved at step 5: epoch 2, batch 1 of 4
+        with pytest.raises(Preempted) as first:
+            train.main([*_args(tiny_data, tmp_path, "chain", 0), "--hyp", str(hyp), "--epochs", "3"])
+        first_seen = seen(first.value.checkpoint)
+        patch.setattr(engine, "_optimizer_step", stop_after(1))  # saved at the rest's second step
+        with pytest.raises(Preempted) as second:
+            train.main([*resume, str(first.value.checkpoint), "--batch-size", "2"])
+        second_seen = seen(second.value.checkpoint)
+        patch.setattr(engine, "_optimizer_step", real_step)
+        last_drawn.clear()
+        train.main([*resume, str(second.value.checkpoint), "--batch-size", "8"])
+    every = sorted(str(path) for path in (tiny_data.parent / "shapes" / "images" / "train").glob("*.jpg"))
+    index_of = {path: index for index, path in enumerate(every)}  # the dataset's order: sorted paths
+    assert len(first_seen) == 4 and first_seen < second_seen and len(second_seen) == 4 + 2 * 2 * 2
+    third = [index_of[path] for epoch, paths in last_drawn if epoch == 1 for path in paths]
+    assert sorted(third) == sorted(set(range(len(every))) - second_seen)  # each of the rest once, no seen one

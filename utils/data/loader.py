@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import logging
 from collections.abc import Iterator
@@ -212,6 +213,20 @@ class UnreadableImages:
             )
 
 
+class LoaderGeometry(TypedDict):
+    """What a batch position in an epoch depends on besides (seed, epoch): mid-epoch checkpoints record it.
+
+    `dataset` is a digest of the image paths in index order ("" for a dataset without them), so a
+    train set edited to the same length is still told apart.
+    """
+
+    world_size: int
+    per_rank_batch: int
+    shared_order: bool
+    dataset_len: int
+    dataset: str
+
+
 class TrainLoader:
     """This rank's training batches: a DataLoader over an `EpochStream`, handed out one epoch at a time.
 
@@ -232,6 +247,7 @@ class TrainLoader:
         self._iteration: Iterator[Batch] | None = None  # the DataLoader's iteration, kept across epochs
         self._reached = (0, 0)  # (epoch, batch) that `_iteration` yields next
         self._wanted = (0, 0)  # (epoch, batch) the next epoch's iteration starts at (`set_epoch`)
+        self._files_digest: str | None = None  # of the dataset's image paths, in order (`geometry`)
 
     @property
     def dataset(self) -> Dataset:
@@ -250,7 +266,7 @@ class TrainLoader:
         with exactly the batches the uninterrupted run would have had next.
         """
         # After the epoch's last batch (shorter than the others when the shard does not divide evenly)
-        # the position is its end, num_samples, not batches x batch size.
+        # the position is its end, length_of(epoch), not batches x batch size.
         start = min(start_batch * self.stream.batch_size, self.sampler.length_of(epoch))
         self.sampler.set_epoch(epoch, start=start)
         self._wanted = self._position(epoch, start_batch)
@@ -271,15 +287,19 @@ class TrainLoader:
         return start_batch
 
     @property
-    def geometry(self) -> dict[str, int | bool]:
+    def geometry(self) -> LoaderGeometry:
         """What makes a position in an epoch name the same images: a mid-epoch checkpoint records it."""
+        if self._files_digest is None:  # once: hashing a million paths takes a moment
+            files = getattr(getattr(self.dataset, "index", None), "im_files", None)
+            self._files_digest = hashlib.sha1("\n".join(files).encode()).hexdigest() if files is not None else ""
         sampler = self.sampler
-        return {
-            "world_size": sampler.world_size,
-            "per_rank_batch": self.stream.batch_size,
-            "shared_order": sampler.is_global,
-            "dataset_len": sampler.dataset_len,
-        }
+        return LoaderGeometry(
+            world_size=sampler.world_size,
+            per_rank_batch=self.stream.batch_size,
+            shared_order=sampler.is_global,
+            dataset_len=sampler.dataset_len,
+            dataset=self._files_digest,
+        )
 
     def seen_after(self, epoch: int, batches_done: int) -> np.ndarray:
         """Dataset indices of `epoch` trained by its first `batches_done` batches here, and any its plan had seen."""

@@ -98,7 +98,7 @@ class SmartDistributedSampler(Sampler[int]):
         self.start = int(start)
 
     def epoch_indices(self) -> np.ndarray:
-        """Return the dataset indices of the epoch `set_epoch` selected, (num_samples,) int64 (`indices_of`)."""
+        """Return the dataset indices of the epoch `set_epoch` selected, (length_of(epoch),) int64 (`indices_of`)."""
         return self.indices_of(self.epoch)
 
     def indices_of(self, epoch: int) -> np.ndarray:
@@ -202,9 +202,9 @@ class EpochStream(Sampler[list[tuple[int, int]]]):
         """Make the next iteration start at batch `batch` of `epoch`."""
         self.start = (int(epoch), int(batch))
 
-    def batches_per_epoch(self, skipped_samples: int = 0) -> int:
-        """Batches of one whole epoch after its first `skipped_samples` samples (the same on every rank)."""
-        return math.ceil((self.sampler.num_samples - skipped_samples) / self.batch_size)
+    def batches_per_epoch(self) -> int:
+        """Batches of one whole epoch (the same on every rank): what step counts are on."""
+        return math.ceil(self.sampler.num_samples / self.batch_size)
 
     def batches_in(self, epoch: int, skipped_samples: int = 0) -> int:
         """Batches of `epoch` after its first `skipped_samples` samples: fewer for a remainder plan's epoch."""

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from utils import checkpoint as ckpt_io
+from utils.data.loader import LoaderGeometry
 from utils.distributed import DistContext, all_gather_objects, run_on_main
 from utils.errors import ConfigError
 from utils.runs import RunFolderLock, create_run_dir, lock_run_dir
@@ -75,14 +76,15 @@ class ResumePoint:
     seen: np.ndarray | None = None
 
 
-def resume_point(checkpoint: dict[str, Any] | None, geometry: dict[str, Any]) -> ResumePoint:
+def resume_point(checkpoint: dict[str, Any] | None, geometry: LoaderGeometry) -> ResumePoint:
     """Where a run resumed from `checkpoint` starts, for a loader of `geometry` (`TrainLoader.geometry`).
 
     Known before the model state is restored, so the train loader can start its workers there early.
     A mid-epoch checkpoint of the same geometry goes on at its next batch, exactly as the stopped run
     would have. Another world size or per-rank batch puts other images at that position: the epoch
     then goes on with exactly the images it had not trained (the checkpoint's `epoch_seen`), as a
-    remainder plan from its batch 0. A dataset of another length restarts the epoch, with a warning.
+    remainder plan. Another train set (other paths, or another length) restarts the epoch, with a
+    warning: the saved indices would name other images.
     """
     if checkpoint is None:
         return ResumePoint()
@@ -93,10 +95,11 @@ def resume_point(checkpoint: dict[str, Any] | None, geometry: dict[str, Any]) ->
     where = (
         f"epoch {epoch + 1} of the checkpoint ({saved['world_size']} rank(s), per-rank batch {saved['per_rank_batch']})"
     )
-    if saved["dataset_len"] != geometry["dataset_len"]:
+    if (saved["dataset_len"], saved.get("dataset")) != (geometry["dataset_len"], geometry["dataset"]):
         LOGGER.warning(
-            f"The train set has {geometry['dataset_len']} images, {where} had {saved['dataset_len']}: the images "
-            "it trained cannot be told apart, so that epoch restarts from its first batch"
+            f"The train set is not the one {where} trained on ({saved['dataset_len']} images then, "
+            f"{geometry['dataset_len']} now, or other files): the images it trained cannot be told apart, so that "
+            "epoch restarts from its first batch"
         )
         return ResumePoint(epoch)
     seen = np.asarray(checkpoint["epoch_seen"])
