@@ -193,16 +193,7 @@ def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
     root = root_raw if root_raw.is_absolute() else (yaml_file.parent / root_raw).resolve()
     if raw.get("builtin"):
         ensure_builtin(str(raw["builtin"]), root, yaml_file, ctx)
-    splits = {key: _resolve(raw[key], root, yaml_file, key, notes) for key in ("train", "val", "test") if raw.get(key)}
-    hint = " ('download' is not run: fetch the dataset yourself)" if raw.get("download") else ""
-    absent = {}
-    for key, sources in list(splits.items()):
-        missing = next((source for source in sources if not source.exists()), None)
-        if missing is not None and key == "test":
-            absent[key] = missing
-            del splits[key]
-        elif missing is not None:
-            raise ConfigError(f"{yaml_file}: '{key}' path {missing} does not exist{hint}")
+    splits, absent = _split_paths(raw, root, yaml_file, notes)
     annotations = {}
     for key in ("train", "val", "test"):
         ann = raw.get(f"{key}_annotations")
@@ -223,6 +214,27 @@ def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
             LOGGER.info(note)
     category_ids = parse_category_ids(raw, yaml_file, len(names))
     return DataConfig(yaml_file, root, splits, names, annotations, category_ids, absent)
+
+
+def _split_paths(
+    raw: dict, root: Path, yaml_file: Path, notes: list[str]
+) -> tuple[dict[str, tuple[Path, ...]], dict[str, Path]]:
+    """The splits' paths that are there, and the test split's first missing path when it is not.
+
+    A missing train or val path is a ConfigError naming the file (with a word on `download`, which
+    is never run); a missing test path only matters to a run that uses it (`DataConfig.split`).
+    """
+    splits = {key: _resolve(raw[key], root, yaml_file, key, notes) for key in ("train", "val", "test") if raw.get(key)}
+    hint = " ('download' is not run: fetch the dataset yourself)" if raw.get("download") else ""
+    absent = {}
+    for key, sources in list(splits.items()):
+        missing = next((source for source in sources if not source.exists()), None)
+        if missing is not None and key == "test":
+            absent[key] = missing
+            del splits[key]
+        elif missing is not None:
+            raise ConfigError(f"{yaml_file}: '{key}' path {missing} does not exist{hint}")
+    return splits, absent
 
 
 def names_from_categories(

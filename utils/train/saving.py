@@ -176,8 +176,10 @@ def save_mid_epoch(run: TrainRun, state: TrainState, epoch: int, batches_done: i
         "ema_buffers": {name: buf.detach().cpu().clone() for name, buf in state.ema.ema.named_buffers()},
     }
     rank_states = all_gather_objects(own, run.ctx)
-    # What the epoch trained on every rank, so a resume on another geometry can leave exactly those out.
-    seen = np.unique(np.concatenate(all_gather_objects(loader.seen_after(epoch, batches_done), run.ctx)))
+    # What the epoch trained on every rank, so a resume on another geometry can leave exactly those out. As int32:
+    # every rank receives every rank's set (4 bytes an image each; a whole epoch of a million images is 4 MB).
+    trained = loader.seen_after(epoch, batches_done).astype(np.int32)
+    seen = np.unique(np.concatenate(all_gather_objects(trained, run.ctx)))
     plan_seen = loader.sampler.plan_seen if loader.sampler.plan_epoch == epoch else None
 
     def write() -> None:
