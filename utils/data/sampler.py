@@ -47,8 +47,8 @@ class SmartDistributedSampler(Sampler[int]):
       positions r, r + W, ..., so an epoch shows every image once (padding aside) and mosaic
       partners come from the whole dataset. With one process both cases give the same order.
     Call `set_epoch(epoch)` before each epoch to reshuffle; the same (seed, epoch) always gives
-    the same order, also after a resume. `plan_remainder(epoch, seen)` makes one epoch yield only
-    the images a run interrupted in it had not trained yet: a resume on another number of ranks or
+    the same order, also after a resume. `plan_remainder(epoch, seen, batch_size)` makes one epoch
+    end with only the images a run interrupted in it had not trained yet: a resume on another number of ranks or
     another per-rank batch, where the interrupted run's positions mean other images. Every rank
     yields `num_samples` indices per epoch, default `ceil(dataset_len / world_size)`, so DDP steps
     stay in lock-step without communication (a remainder plan gathers its lengths once). A

@@ -108,8 +108,8 @@ class Detector(nn.Module):
     `classes` (None: all), `agnostic` (False), `max_det` (1000), `size` (the long side: the size a
     loaded checkpoint was trained at or a file exported at, as detect.py uses it; 640 for a model
     built from a size name). Left at that, a file exported at a non-square size runs at its own
-    (height, width), as detect.py runs it; another `size` is a multiple of 32 or an (h, w) pair of
-    them. `model` is the inference backend (utils/backends) that runs it.
+    (height, width), as detect.py runs it; another `size` is one side or an (h, w) pair, rounded up to
+    multiples of 32. `model` is the inference backend (utils/backends) that runs it.
     """
 
     def __init__(self, model: InferenceBackend | nn.Module, task: Task, names: Sequence[str], size: int = 640) -> None:

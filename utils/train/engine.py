@@ -40,7 +40,7 @@ from utils.train.plan import plan_run
 from utils.train.prefetch import DevicePrefetcher, WaitTimer
 from utils.train.records import TrainingTask
 from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV, loss_columns, lr_columns
-from utils.train.saving import open_run_dir, restore_state, resume_point, save_epoch, save_mid_epoch
+from utils.train.saving import ResumePoint, open_run_dir, restore_state, resume_point, save_epoch, save_mid_epoch
 from utils.train.setup import (
     build_datasets,
     build_model_bundle,
@@ -276,7 +276,8 @@ def _start_run(
     run_dir, folder_lock = open_run_dir(cfg, resume_ckpt is not None, ctx)
     try:
         # The workers start now and build the first batches while the rest of the set-up runs (not after it).
-        point = resume_point(resume_ckpt, datasets.train_loader.geometry)
+        # A fresh run skips the geometry: its digest hashes every image path.
+        point = resume_point(resume_ckpt, datasets.train_loader.geometry) if resume_ckpt is not None else ResumePoint()
         start_batch = datasets.train_loader.start(point.epoch, point.batch, point.seen)
         callbacks = _run_callbacks(cfg, run_dir, ctx, modules, callbacks)
     except BaseException:

@@ -17,22 +17,7 @@ import optuna
 import yaml
 
 from utils.tune.space import SearchSpace
-from utils.tune.study import NOT_COUNTED
-
-STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "waiting"}
-
-
-def state_name(trial: optuna.trial.FrozenTrial) -> str:
-    """What became of a trial, for people: Optuna's state, with an interrupted or lost one named so, not "failed".
-
-    Optuna records both as failed; their reason says which, and neither counts towards --trials.
-    """
-    reason = str(trial.user_attrs.get("reason", ""))
-    if trial.state == optuna.trial.TrialState.FAIL and not reason:
-        return "lost"  # failed by Optuna's own heartbeat check: its worker stopped answering (not counted either)
-    if trial.state == optuna.trial.TrialState.FAIL and reason.startswith(NOT_COUNTED):
-        return next(name for name in NOT_COUNTED if reason.startswith(name))
-    return STATES.get(trial.state.name, trial.state.name.lower())
+from utils.tune.study import NOT_COUNTED, STATES, state_name
 
 
 @dataclass(frozen=True)

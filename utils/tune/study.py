@@ -35,6 +35,22 @@ WORKER = f"{socket.gethostname()}:{os.getpid()}"
 NOT_COUNTED = ("interrupted", "lost")
 
 
+STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "waiting"}
+
+
+def state_name(trial: optuna.trial.FrozenTrial) -> str:
+    """What became of a trial, for people: Optuna's state, with an interrupted or lost one named so, not "failed".
+
+    Optuna records both as failed; their reason says which, and neither counts towards --trials.
+    """
+    reason = str(trial.user_attrs.get("reason", ""))
+    if trial.state == optuna.trial.TrialState.FAIL and not reason:
+        return "lost"  # failed by Optuna's own heartbeat check: its worker stopped answering (not counted either)
+    if trial.state == optuna.trial.TrialState.FAIL and reason.startswith(NOT_COUNTED):
+        return next(name for name in NOT_COUNTED if reason.startswith(name))
+    return STATES.get(trial.state.name, trial.state.name.lower())
+
+
 def open_storage(cfg: TuneConfig) -> optuna.storages.BaseStorage | str:
     """The study's storage: SQLite in the study folder by default, a journal file, or a database URL."""
     if not cfg.storage:
@@ -142,12 +158,8 @@ def counted_trials(study: optuna.Study) -> tuple[int, int]:
     """(trials that count towards --trials, of them still running): interrupted and lost ones do not count."""
     counted = running = 0
     for trial in study.get_trials(deepcopy=False):
-        if trial.state == optuna.trial.TrialState.WAITING:
-            continue  # queued values, not a trial yet
-        if trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs.get("reason", "").startswith(NOT_COUNTED):
-            continue
-        if trial.state == optuna.trial.TrialState.FAIL and "reason" not in trial.user_attrs:
-            continue  # failed by a heartbeat check of Optuna's own
+        if state_name(trial) in ("waiting", *NOT_COUNTED):
+            continue  # queued values, not a trial yet; or a trial interrupted or lost, to be run again
         counted += 1
         running += trial.state == optuna.trial.TrialState.RUNNING
     return counted, running
