@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run in the order given: train (first size), val, step, train-more (the other sizes)")  # fmt: skip
     add("--sizes", nargs="+", type=int, default=[300, 3000], help="train images of each generated set")
     add("--epochs", nargs="+", type=int, default=[8, 3], help="epochs per size (one value: every size)")
+    add("--rounds", type=int, default=1,
+        help="train every trainer this many times per size, in reversed order each round (a row each)")  # fmt: skip
     add("--val-images", type=int, default=200)
     add("--cfg", default="yolov8n", help="model trained by both trainers")
     add("--imgsz", type=int, default=640)

@@ -89,11 +89,15 @@ def train_row(size: int, trainer: str, code: str, figures: RunFigures | None, sc
     ]
 
 
-def train_ours(bench: Bench, checkout: Checkout, size: int, epochs: int, variant: str = "") -> None:
-    """Train `--cfg` with the checkout's train.py on the size's set (plus a --train-variant's flags); add its row."""
+def train_ours(bench: Bench, checkout: Checkout, size: int, epochs: int, variant: str = "", run: int = 0) -> None:
+    """Train `--cfg` with the checkout's train.py on the size's set (plus a --train-variant's flags); add its row.
+
+    `run` numbers the rounds of `--rounds` (0: the first), so a repeated run has a folder and a label of its own.
+    """
     args = bench.args
     view = data_view(bench, size, slug(bench, checkout))
     name = f"n{size}-{slug(bench, checkout)}" + (f"-v{args.train_variant.index(variant)}" if variant else "")
+    name += f"-r{run + 1}" if run else ""
     project = bench.work / "runs"
     wanted = [
         ("--data", str(our_yaml(view))),
@@ -118,7 +122,7 @@ def train_ours(bench: Bench, checkout: Checkout, size: int, epochs: int, variant
     argv += variant.split()
     rc, wall, figures = traced_run(bench, ["--", "train.py", *argv], checkout.path, f"train-{name}")
     run_dir = project / name
-    label = f"{checkout.label} {variant}".strip()
+    label = f"{checkout.label} {variant}".strip() + (f" (round {run + 1})" if run else "")
     bench.report.add("training", TRAIN_COLUMNS, train_row(size, "ours", label, figures, coco_scores(run_dir), wall, rc))
     best = run_dir / "weights" / "best.pt"
     if bench.first_weights is None and best.is_file() and not variant:
@@ -130,11 +134,11 @@ def ultralytics_available() -> bool:
     return importlib.util.find_spec("ultralytics") is not None
 
 
-def train_ultralytics(bench: Bench, size: int, epochs: int) -> None:
+def train_ultralytics(bench: Bench, size: int, epochs: int, run: int = 0) -> None:
     """Train `--cfg` with Ultralytics' trainer on the same data and settings; score best.pt with our val.py."""
     args = bench.args
     view = data_view(bench, size, "ultralytics")
-    name = f"n{size}-ultralytics"
+    name = f"n{size}-ultralytics" + (f"-r{run + 1}" if run else "")
     project = bench.work / "runs"
     pairs = [
         f"model={args.cfg}.yaml",
@@ -158,7 +162,8 @@ def train_ultralytics(bench: Bench, size: int, epochs: int) -> None:
     rc, wall, figures = traced_run(bench, ["--ultralytics", *pairs], bench.work, f"train-{name}")
     best = project / name / "weights" / "best.pt"
     scores = score_checkpoint(bench, best, size, name) if best.is_file() else (None, None)
-    bench.report.add("training", TRAIN_COLUMNS, train_row(size, "ultralytics", "-", figures, scores, wall, rc))
+    label = f"- (round {run + 1})" if run else "-"
+    bench.report.add("training", TRAIN_COLUMNS, train_row(size, "ultralytics", label, figures, scores, wall, rc))
 
 
 def score_checkpoint(bench: Bench, weights: Path, size: int, name: str) -> tuple[float | None, float | None]:
@@ -206,11 +211,14 @@ def train_part(bench: Bench, sizes: list[int]) -> None:
         trainers: list[tuple[Checkout | None, str]] = [(checkout, "") for checkout in bench.checkouts]
         trainers += [(first, variant) for variant in args.train_variant]
         trainers += [(None, "")] if with_ultralytics else []
-        for checkout, variant in trainers:  # None: Ultralytics
-            if bench.seconds_left() <= 0:
-                bench.report.say(f"train: deadline reached, the rest of the {size}-image runs skipped")
-                return
-            if checkout is None:
-                train_ultralytics(bench, size, epochs)
-            else:
-                train_ours(bench, checkout, size, epochs, variant)
+        # Rounds alternate the order (A B C, C B A, ...): a machine that warms up or slows down over the
+        # runs does not always favour the same trainer, and the rows of one trainer show the spread.
+        for run in range(args.rounds):
+            for checkout, variant in trainers if run % 2 == 0 else trainers[::-1]:  # None: Ultralytics
+                if bench.seconds_left() <= 0:
+                    bench.report.say(f"train: deadline reached, the rest of the {size}-image runs skipped")
+                    return
+                if checkout is None:
+                    train_ultralytics(bench, size, epochs, run)
+                else:
+                    train_ours(bench, checkout, size, epochs, variant, run)

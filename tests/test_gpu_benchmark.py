@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu
+from benchmarks import gpu, gpu_train
+from benchmarks.gpu_bench import Bench, Checkout, Report
 from benchmarks.gpu_trace import run_figures, train_epochs
 
 TRAIN, VAL = 1, 2  # dataset ids in a trace
@@ -69,6 +71,25 @@ def test_step_tables_give_the_first_column_and_each_variant_per_precision() -> N
         "fp16+static": {"loss": 2.0, "step": 23.0, "pipelined": 18.5, "inference": 4.0, "loss-ops": "231+127"},
         "bf16": {"step": 30.0},
     }
+
+
+def test_rounds_repeat_every_trainer_in_alternating_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = ["--device", "cpu", "--sizes", "300", "--epochs", "2", "--rounds", "3", "--train-variant=--cuda-graph"]
+    args = gpu.parse_args(["--out", str(tmp_path), *flags])
+    checkouts = [Checkout(".", tmp_path / "a"), Checkout("old", tmp_path / "b")]
+    bench = Bench(args, checkouts, Report(tmp_path), tmp_path, time.time())
+    runs: list[tuple[str, int]] = []
+
+    def ours(bench: Bench, checkout: Checkout, size: int, epochs: int, variant: str = "", run: int = 0) -> None:
+        runs.append((f"{checkout.label} {variant}".strip(), run))
+
+    monkeypatch.setattr(gpu_train, "train_ours", ours)
+    monkeypatch.setattr(gpu_train, "train_ultralytics", lambda bench, size, epochs, run=0: runs.append(("ul", run)))
+    monkeypatch.setattr(gpu_train, "ultralytics_available", lambda: True)
+    gpu_train.train_part(bench, [300])
+    order = [".", "old", ". --cuda-graph", "ul"]
+    expected = [(name, 0) for name in order] + [(name, 1) for name in order[::-1]] + [(name, 2) for name in order]
+    assert runs == expected
 
 
 @pytest.mark.slow  # train.py, val.py and train_step.py end to end
