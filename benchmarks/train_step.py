@@ -56,8 +56,8 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/train_step.py`
 from models.model_info import memory_format  # noqa: E402  (needs the sys.path line above)
 from segment.training import SEGMENT_TRAINING  # noqa: E402
 from utils.config import DEFAULT_DATA, QUICKSTART_BATCH, QUICKSTART_HYP, QUICKSTART_IMGSZ  # noqa: E402
+from utils.data.batch import images_on_device  # noqa: E402
 from utils.data.data_config import load_data_config  # noqa: E402
-from utils.data.loader import images_on_device  # noqa: E402
 from utils.distributed import DistContext  # noqa: E402
 from utils.hyp import load_hyp  # noqa: E402
 from utils.train.config import COMPILE_MODES, TrainConfig  # noqa: E402

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from segment.ops import process_masks
 from utils.boxes import xywh_to_xyxy
-from utils.data.loader import image_hw
+from utils.data.batch import image_hw
 from utils.data.masks import polygons_to_masks
 from utils.eval.evaluate import DetectionScorer, ImageScore, match_classes
 

@@ -9,7 +9,7 @@ import torch
 
 from segment.evaluate import RLE_CHUNK, masks_to_original
 from segment.ops import process_masks
-from utils.data.loader import ShapeInfo
+from utils.data.batch import ShapeInfo
 
 
 def original_size_masks(

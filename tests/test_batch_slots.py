@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from utils.data.augment import AugmentParams
+from utils.data.batch import collate_batch
 from utils.data.batch_slots import BatchSlots
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
-from utils.data.loader import build_train_loader, collate_batch
+from utils.data.loader import build_train_loader
 from utils.distributed import DistContext
 
 CTX = DistContext()

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from utils.data.augment import AugmentParams
+from utils.data.batch import collate_batch, images_on_device, to_model_input
 from utils.data.colour import IDENTITY_GAINS, apply_hsv, draw_hsv_gains, hsv_jitter
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
-from utils.data.loader import collate_batch, images_on_device, to_model_input
 from utils.distributed import DistContext
 from utils.plots import batch_drawer
 

@@ -78,7 +78,7 @@ def test_rect_batches_are_stride_multiples_that_fit(tmp_path: Path) -> None:
 
 
 def test_rect_training_keeps_aspect_and_batches_collate(tmp_path: Path) -> None:
-    from utils.data.loader import collate_batch
+    from utils.data.batch import collate_batch
 
     options = _options(img_size=128, augment=True, rect=True, stride=32, aug=AugmentParams(translate=0, scale=0))
     dataset = LoadImagesAndLabels(_folder(tmp_path), options, CTX)

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from utils.data.augment import AugmentParams
+from utils.data.batch import collate_batch
 from utils.data.cache import disk_cache_path
 from utils.data.dataset import MAX_UNREADABLE_IN_A_ROW, DatasetOptions, LoadImagesAndLabels
-from utils.data.loader import build_train_loader, build_val_loader, collate_batch
+from utils.data.loader import build_train_loader, build_val_loader
 from utils.distributed import DistContext
 from utils.eval.evaluate import EvalOptions
 from utils.tasks import DETECT

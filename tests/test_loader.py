@@ -1,4 +1,4 @@
-"""Tests for utils/data/loader.py and workers.py: collate, epoch keys, equal batches per rank, seeded workers."""
+"""Tests for utils/data/loader.py, batch.py and workers.py: collate, epoch keys, equal rank batches, seeding."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helpers import run_distributed
-from utils.data.loader import build_train_loader, build_val_loader, collate_batch
+from utils.data.batch import collate_batch
+from utils.data.loader import build_train_loader, build_val_loader
 from utils.data.sampler import SmartDistributedSampler
 from utils.data.workers import WORKER_NICENESS, resolve_num_workers, seed_worker
 from utils.distributed import DistContext

@@ -11,8 +11,8 @@ import torch
 
 from tests.conftest import make_tiny_dataset
 from utils.data.augment import AugmentParams
+from utils.data.batch import collate_batch
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
-from utils.data.loader import collate_batch
 from utils.data.masks import polygon_areas, polygons_to_mask, polygons_to_masks, polygons_to_overlap_mask
 from utils.data.polygons import clip_polygon
 from utils.data.synthetic import SyntheticSpec

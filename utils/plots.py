@@ -20,7 +20,7 @@ import cv2
 import numpy as np
 import torch
 
-from utils.data.loader import images_on_device
+from utils.data.batch import images_on_device
 
 if TYPE_CHECKING:  # figures of evaluation results: the types only, so evaluation can draw without a cycle
     from utils.eval.evaluate import EvalResult, PredictedBatch

@@ -2,7 +2,7 @@
 
 The colour work of an item is done in one place: in the worker, where the jitter's conversion
 back from HSV also turns OpenCV's BGR into the model's RGB, or, on CUDA, on the device, where
-the batch arrives still BGR and `utils.data.loader.to_model_input` reorders the channels.
+the batch arrives still BGR and `utils.data.batch.to_model_input` reorders the channels.
 
 Each gain g of (hsv_h, hsv_s, hsv_v) draws a factor in [1 - g, 1 + g]; hue is multiplied modulo
 a full turn (OpenCV's uint8 hue 0..179), saturation and value are multiplied and clipped, as

@@ -35,7 +35,7 @@ from utils.data.shm_cache import ShmImageCache, open_shm_cache
 from utils.distributed import DistContext
 
 if TYPE_CHECKING:
-    from utils.data.loader import ShapeInfo
+    from utils.data.batch import ShapeInfo
 
 LOGGER = logging.getLogger(__name__)
 # Unreadable images in a row after which a training item gives up: the files are gone, not just a few of them.
@@ -433,7 +433,7 @@ class LoadImagesAndLabels(Dataset):
         height, width = image.shape[:2]
         labels = torch.zeros((len(inst), 6), dtype=torch.float32)
         labels[:, 1:] = torch.from_numpy(instances_to_labels(inst, width, height))
-        # (H, W, 3) as augmented: the device makes it (3, H, W) float (`utils.data.loader.to_model_input`).
+        # (H, W, 3) as augmented: the device makes it (3, H, W) float (`utils.data.batch.to_model_input`).
         pixels = torch.from_numpy(np.ascontiguousarray(image))
         item: dict[str, Any] = {"image": pixels, "labels": labels, "path": path, "shape": shape}
         if self.options.with_masks:

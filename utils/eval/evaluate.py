@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from utils.backends import as_backend
 from utils.boxes import box_iou, scale_boxes, xywh_to_xyxy, xyxy_to_xywhn
-from utils.data.loader import image_hw, images_on_device
+from utils.data.batch import image_hw, images_on_device
 from utils.distributed import DistContext, all_gather_objects, all_reduce_sum
 from utils.eval.metrics import ConfusionMatrix, DetectionMetrics, iou_thresholds, match_predictions
 from utils.logs import tqdm_disabled

@@ -14,9 +14,9 @@ from torchvision.ops import box_iou
 
 from utils.backends.exported import Runner, rows_from_detections
 from utils.backends.metadata import CHANNELS_FIRST, END_TO_END, ExportMetadata
+from utils.data.batch import to_model_input
 from utils.data.data_config import load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
-from utils.data.loader import to_model_input
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.families import family_named

@@ -32,7 +32,7 @@ from utils.backends import (
 )
 from utils.boxes import scale_boxes
 from utils.data.augment import bgr_to_rgb_chw, letterbox
-from utils.data.loader import ShapeInfo
+from utils.data.batch import ShapeInfo
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, run_on_main
 from utils.errors import ConfigError
 from utils.predict.config import PredictConfig

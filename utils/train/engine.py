@@ -18,7 +18,8 @@ from tqdm import tqdm
 from models.model_info import memory_format
 from utils import checkpoint as ckpt_io
 from utils.callbacks import Callbacks, load_callback_modules
-from utils.data.loader import TrainLoader, images_on_device
+from utils.data.batch import images_on_device
+from utils.data.loader import TrainLoader
 from utils.distributed import (
     DistContext,
     RankMean,

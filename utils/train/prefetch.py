@@ -15,7 +15,7 @@ OnDevice = dict[str, torch.Tensor]
 class DevicePrefetcher:
     """Iterate `(batch, to_device(batch))` pairs, with `to_device` run one batch ahead on CUDA.
 
-    `to_device` moves what the step needs (images as float, `utils.data.loader.images_on_device`; targets, masks) to the
+    `to_device` moves what the step needs (images as float, `utils.data.batch.images_on_device`; targets, masks) to the
     device and returns it as a dict of tensors; the host `batch` is passed along untouched for
     whatever reads it on the host (plots, the progress bar). On CUDA, batch i + 1 is taken from
     the loader and its copy and normalisation are queued on a side stream before batch i is
