@@ -190,3 +190,30 @@ def test_annotations_without_a_segmentation_are_named_for_the_segmentation_task_
     notes = missing_segmentation_notes(parse, np.arange(4))
     assert notes == [f"{path}: annotation {i}: no 'segmentation' (missing or empty); its box is used" for i in (2, 3)]
     assert missing_segmentation_notes(parse, np.array([0, 3])) == []
+
+
+def test_an_rle_of_another_size_than_its_image_keeps_the_box_and_is_named(tmp_path: Path) -> None:
+    from pycocotools import mask as mask_utils
+
+    def rle(height: int, width: int) -> dict:
+        mask = np.zeros((height, width), np.uint8)
+        mask[2:8, 2:8] = 1
+        return {"size": [height, width], "counts": mask_utils.encode(np.asfortranarray(mask))["counts"].decode()}
+
+    bbox = [2, 2, 6, 6]
+    # The image is 100 wide and 50 high: [50, 100] fits it; [100, 50] is its size transposed; [10, 10] another one.
+    path = _small_json(
+        tmp_path / "a.json",
+        [{"bbox": bbox, "segmentation": rle(50, 100)}, {"bbox": bbox, "segmentation": rle(10, 10)},
+         {"bbox": bbox, "segmentation": rle(100, 50)}],
+    )  # fmt: skip
+    parse = read_coco_json(path)
+    assert parse.problems == {BAD_SEGMENTATION: 2}
+    assert parse.messages == [
+        f"{path}: annotation {i}: RLE size {size} (h x w) is not its image's 50x100; its box is used"
+        for i, size in ((2, "10x10"), (3, "100x50"))
+    ]
+    assert np.diff(parse.polygon_offsets).tolist()[1:] == [0, 0] and parse.polygon_offsets[1] >= 3
+    assert parse.has_segmentation.tolist() == [True, True, True]  # unusable, not missing: not named again
+    first = parse.points[: parse.polygon_offsets[1]]
+    assert np.allclose(first.min(0), [0.02, 0.04]) and np.allclose(first.max(0), [0.07, 0.14])

@@ -87,6 +87,8 @@ class _Entries:
         self.point_counts = array.array("q")
         self.has_segmentation = array.array("b")
         self.points = array.array("f")  # pixels, x y x y ...
+        # Annotation position -> (height, width) of its RLE, checked against its image once the images are read.
+        self.rle_sizes: dict[int, tuple[int, int]] = {}
         self.categories: list[Any] | None = None
         self.seen = {"images": False, "annotations": False}
         self.messages: list[str] = []
@@ -163,6 +165,7 @@ class _Entries:
                 outline = join_parts(parts) if parts else np.zeros((0, 2))
             elif isinstance(segmentation, dict):
                 outline = rle_to_polygon(segmentation)
+                self.rle_sizes[len(self.ann_ids)] = tuple(segmentation["size"])  # a valid size, or it raised
             else:
                 raise ValueError("'segmentation' is neither polygons nor RLE")
         except (TypeError, ValueError) as error:
@@ -296,7 +299,8 @@ def _finish(entries: _Entries) -> CocoParse:
     by_image = keep_index[np.argsort(image_of[keep_index], kind="stable")]  # JSON order within each image
     instance_offsets = np.zeros(len(image_ids) + 1, np.int64)
     instance_offsets[1:] = np.cumsum(np.bincount(image_of[by_image], minlength=len(image_ids)))
-    points, counts = _gather_polygons(entries, by_image, wh[by_image])
+    mismatched = _rle_size_mismatches(entries, by_image, image_wh[image_of[by_image]])
+    points, counts = _gather_polygons(entries, by_image, wh[by_image], mismatched)
     polygon_offsets = np.zeros(len(by_image) + 1, np.int64)
     polygon_offsets[1:] = np.cumsum(counts)
     return CocoParse(
@@ -357,13 +361,42 @@ def _clip_boxes(
     return boxes, inside
 
 
+def _rle_size_mismatches(entries: _Entries, instances: np.ndarray, image_wh: np.ndarray) -> np.ndarray:
+    """Positions (ascending) in `instances` whose RLE is not the size of its image (`image_wh` (n, 2)): noted.
+
+    Such a mask was encoded for another image or resolution: where it lands on this one is a guess,
+    so the instance keeps its box, as for any unusable segmentation.
+    """
+    if not entries.rle_sizes:
+        return np.zeros(0, np.int64)
+    position_of = np.full(len(entries.ann_ids), -1, np.int64)
+    position_of[instances] = np.arange(len(instances))
+    mismatched = []
+    for annotation, (height, width) in entries.rle_sizes.items():
+        j = position_of[annotation]
+        if j < 0 or (width, height) == tuple(image_wh[j]):
+            continue
+        image_w, image_h = image_wh[j]
+        message = (
+            f"annotation {entries.ann_ids[annotation]}: RLE size {height}x{width} (h x w) is not its image's "
+            f"{image_h}x{image_w}; its box is used"
+        )
+        entries.note(BAD_SEGMENTATION, message)
+        mismatched.append(j)
+    return np.array(sorted(mismatched), np.int64)
+
+
 def _overhang(polygon: np.ndarray) -> float:
     """How far (normalised, >= 0) the farthest point of a finite polygon (k, 2) lies outside [0, 1]."""
     return float(max(0.0, -polygon.min(), polygon.max() - 1.0))
 
 
-def _gather_polygons(entries: _Entries, instances: np.ndarray, image_wh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _gather_polygons(
+    entries: _Entries, instances: np.ndarray, image_wh: np.ndarray, dropped: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """The polygons of annotations `instances`, in that order, normalised by their image's size `image_wh` (n, 2).
+
+    Positions `dropped` of `instances` get no polygon (their box is used; the caller has noted why).
 
     Returns (points (P, 2) float32 in [0, 1], counts (n,)). Gathered in blocks, so the only full-size
     arrays are the pixel points read and the result. A polygon partly outside its image is clipped to
@@ -375,7 +408,8 @@ def _gather_polygons(entries: _Entries, instances: np.ndarray, image_wh: np.ndar
     source = np.frombuffer(entries.points, np.float32).reshape(-1, 2)
     all_counts = np.frombuffer(entries.point_counts, np.int64)
     starts = (np.cumsum(all_counts) - all_counts)[instances]
-    counts = all_counts[instances]
+    counts = all_counts[instances]  # a copy: zeroing some leaves the starts computed from all_counts
+    counts[dropped] = 0
     points = np.empty((int(counts.sum()), 2), np.float32)
     bad = np.zeros(len(instances), bool)
     written = 0

@@ -21,7 +21,7 @@ from utils.data.masks import polygon_areas
 
 LOGGER = logging.getLogger(__name__)
 
-CACHE_VERSION = 5  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
+CACHE_VERSION = 6  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
 # Coordinates this far outside [0, 1] are clipped with a warning, further is corrupt; a box row's edges may
 # overhang the image this far (rounding) before its clip is noted as a repair.
 COORD_TOLERANCE = 0.01
