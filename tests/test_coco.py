@@ -25,6 +25,7 @@ from utils.eval.coco import (
     load_annotations,
     predictions_to_coco,
     stem_image_ids,
+    unscorable_segmentations,
 )
 from utils.eval.evaluate import EvalResult, ImagePredictions
 from utils.eval.metrics import DetectionMetrics
@@ -333,3 +334,23 @@ def test_single_cls_ignores_categories(shapes: Path, tmp_path: Path) -> None:
     predictions = gt_predictions(coco, shapes / "images" / "val", {i + 1: 0 for i in range(6)})
     result = coco_evaluate(fake_result(predictions), data, "val", tmp_path / "run", MAIN, single_cls=True)
     assert result.metrics.map50_95 == pytest.approx(1.0, abs=1e-12)
+
+
+def test_segmentations_cocoeval_cannot_rasterise_are_named() -> None:
+    polygon = [[1.0, 1.0, 9.0, 1.0, 9.0, 9.0]]
+    dataset = {
+        "images": [{"id": 1, "height": 20, "width": 30}, {"id": 2, "height": 20, "width": 30}, {"id": 3}],
+        "annotations": [
+            {"id": 10, "image_id": 1, "segmentation": polygon},
+            {"id": 11, "image_id": 1, "segmentation": {"size": [20, 30], "counts": "abc"}},
+            {"id": 12, "image_id": 1, "segmentation": {"size": [30, 20], "counts": "abc"}},  # transposed
+            {"id": 13, "image_id": 1, "segmentation": []},
+            {"id": 14, "image_id": 1, "segmentation": [[1.0, 1.0, 9.0, 9.0]]},  # pycocotools: a box
+            {"id": 15, "image_id": 1, "segmentation": [[1.0, 1.0, 9.0, 1.0, 9.0]]},  # odd count
+            {"id": 16, "image_id": 1},
+            {"id": 17, "image_id": 2, "segmentation": []},  # an image not evaluated
+            {"id": 18, "image_id": 3, "segmentation": polygon},  # its image has no size
+        ],
+    }
+    assert unscorable_segmentations(dataset, {1, 3}) == [12, 13, 14, 15, 16, 18]
+    assert unscorable_segmentations(dataset, {2}) == [17]

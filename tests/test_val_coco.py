@@ -134,7 +134,7 @@ def test_save_json_reports_exactly_what_cocoeval_gives(dataset, weights: Path, t
 
 
 @pytest.mark.slow
-def test_segment_save_json_masks_match_cocoeval_segm(dataset, tmp_path: Path) -> None:
+def test_segment_save_json_masks_match_cocoeval_segm(dataset, tmp_path: Path, caplog) -> None:
     data, annotations = dataset
     weights = untrained_checkpoint(tmp_path / "seg.pt", SEGMENT, "yolov5n-seg")
     result = segment_val.main(_val_args(weights, data, tmp_path, "--save-json", imgsz=128))
@@ -148,6 +148,24 @@ def test_segment_save_json_masks_match_cocoeval_segm(dataset, tmp_path: Path) ->
     saved = json.loads((tmp_path / "v" / EVAL_FILE).read_text())
     assert [saved["segm"][name] for name in STAT_NAMES] == stats.tolist()
     assert result.metrics.map50_95 == max(saved["bbox"]["AP"], 0.0)
+
+    # Ground truth COCOeval cannot rasterise (an empty segmentation, a 2-point polygon): boxes are still scored
+    # by pycocotools, masks by the internal metric, and the run says so instead of failing inside COCOeval.
+    document = json.loads(annotations.read_text())
+    document["annotations"][0]["segmentation"] = []
+    document["annotations"][1]["segmentation"] = [[1.0, 2.0, 30.0, 40.0]]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(document))
+    broken_yaml = tmp_path / "broken.yaml"
+    broken_yaml.write_text(yaml.safe_dump({**yaml.safe_load(data.read_text()), "val_annotations": str(broken)}))
+    with caplog.at_level(logging.INFO):
+        fallback = segment_val.main(_val_args(weights, broken_yaml, tmp_path, "--save-json", "--exist-ok", imgsz=128))
+    ids = [document["annotations"][i]["id"] for i in (0, 1)]
+    assert "2 annotation(s) of the evaluated images have no segmentation COCOeval can score" in caplog.text
+    assert f"first: id {ids[0]}" in caplog.text
+    assert fallback.metric_source == "pycocotools" and fallback.mask_metric_source == "internal"
+    assert f"Metric source: pycocotools COCOeval on {broken} for boxes; masks: internal" in caplog.text
+    assert "segm" not in json.loads((tmp_path / "v" / EVAL_FILE).read_text())
 
 
 def _validate_on_ranks(ctx: DistContext, cfg: ValConfig) -> tuple[list[int] | None, dict[str, float], int, Any]:

@@ -228,9 +228,11 @@ def report(
 
 def metric_source_text(result: EvalResult, save_json: bool, annotations: Path | None) -> str:
     """Say which metric produced mAP50 / mAP50-95: pycocotools on which file, or the internal one and why."""
-    if result.metric_source == "pycocotools":
-        return f"pycocotools COCOeval on {annotations}"
     internal = "internal (101-point interpolated AP over IoU 0.50:0.95)"
+    if result.metric_source == "pycocotools":
+        if result.mask_metrics is not None and result.mask_metric_source != "pycocotools":
+            return f"pycocotools COCOeval on {annotations} for boxes; masks: {internal}, see the warning above"
+        return f"pycocotools COCOeval on {annotations}"
     if annotations is not None and not save_json:
         return f"{internal}; add --save-json for pycocotools COCOeval on {annotations}"
     if save_json and annotations is None:

@@ -254,7 +254,8 @@ def coco_evaluate(
     `save_dir/predictions.json`, runs COCOeval (bbox, plus segm when masks were predicted) on the
     split's annotations file, logs the 12 summary numbers and writes `save_dir/coco_eval.json`.
     The scores are broadcast and every rank returns `result` with `metrics` (and `mask_metrics`)
-    map50/map50_95/fitness and per-class AP replaced and `metric_source="pycocotools"`. Without an
+    map50/map50_95/fitness and per-class AP replaced and `metric_source="pycocotools"` (and
+    `mask_metric_source`, when the ground truth's segmentations could be scored). Without an
     annotations file for `split` the result is returned unchanged (internal metric) and
     predictions.json uses file stems as image ids and class indices as category ids. `target`,
     when rank 0 already loaded it (`check_coco_target`), saves reading the file again. A bad
@@ -284,10 +285,12 @@ def coco_evaluate(
     if scores is None:
         return result
     metrics = _with_scores(result.metrics, scores["bbox"])
-    mask_metrics = result.mask_metrics
+    mask_metrics, mask_source = result.mask_metrics, result.mask_metric_source
     if mask_metrics is not None and "segm" in scores:
-        mask_metrics = _with_scores(mask_metrics, scores["segm"])
-    return dataclasses.replace(result, metrics=metrics, mask_metrics=mask_metrics, metric_source="pycocotools")
+        mask_metrics, mask_source = _with_scores(mask_metrics, scores["segm"]), "pycocotools"
+    return dataclasses.replace(
+        result, metrics=metrics, mask_metrics=mask_metrics, metric_source="pycocotools", mask_metric_source=mask_source
+    )
 
 
 def _score(
@@ -303,10 +306,15 @@ def _score(
     _write_json(save_dir / PREDICTIONS_FILE, results)
     iou_types = ["bbox"]
     if any(p.masks_rle is not None for p in predictions):
-        if all("segmentation" in ann for ann in target.annotations.dataset["annotations"]):
+        unscorable = unscorable_segmentations(target.annotations.dataset, set(image_ids))
+        if not unscorable:
             iou_types.append("segm")
         else:
-            LOGGER.warning(f"{path}: some annotations have no 'segmentation'; masks are scored by the internal metric")
+            LOGGER.warning(
+                f"{path}: {len(unscorable)} annotation(s) of the evaluated images have no segmentation COCOeval can "
+                f"score (missing, empty, a polygon of under 3 points, or an RLE of another size than its image; "
+                f"first: id {unscorable[0]}); masks are scored by the internal metric"
+            )
     gt = _coco_api(target.annotations)
     start = time.perf_counter()
     scores = {}
@@ -320,6 +328,33 @@ def _score(
     _write_json(save_dir / EVAL_FILE, {**summary, **{key: value["stats"] for key, value in scores.items()}})
     LOGGER.info(f"COCOeval on {len(image_ids)} images took {seconds:.2f}s; saved {save_dir / EVAL_FILE}")
     return scores
+
+
+def unscorable_segmentations(dataset: dict[str, Any], image_ids: set[int]) -> list[Any]:
+    """Ids of the annotations of `image_ids` whose `segmentation` pycocotools cannot rasterise.
+
+    COCOeval turns every ground-truth segmentation of an evaluated image into a mask: a missing or
+    empty one fails inside it, a first polygon of 4 numbers is read as a box, a shorter one as
+    nothing, and an RLE must be its image's size. Polygons need their image's integer height and width.
+    """
+    sizes = {image.get("id"): (image.get("height"), image.get("width")) for image in dataset["images"]}
+    unscorable = []
+    for ann in dataset["annotations"]:
+        if ann.get("image_id") not in image_ids:
+            continue
+        segmentation, size = ann.get("segmentation"), sizes.get(ann.get("image_id"))
+        known_size = size is not None and all(isinstance(side, int) and side > 0 for side in size)
+        if isinstance(segmentation, list):
+            usable = bool(segmentation) and all(
+                isinstance(part, list) and len(part) >= 6 and len(part) % 2 == 0 for part in segmentation
+            )
+        elif isinstance(segmentation, dict):
+            usable = "counts" in segmentation and list(segmentation.get("size") or ()) == list(size or ())
+        else:
+            usable = False
+        if not (usable and known_size):
+            unscorable.append(ann.get("id"))
+    return unscorable
 
 
 def _scores_of(evaluator: Any, category_ids: Sequence[int], class_ids: np.ndarray, iou_type: str) -> dict[str, Any]:

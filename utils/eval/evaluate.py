@@ -76,6 +76,7 @@ class EvalResult:
     predictions: list[ImagePredictions] = field(default_factory=list)  # this rank's only
     mask_metrics: DetectionMetrics | None = None  # segmentation: the same metrics on masks
     metric_source: str = "internal"  # or "pycocotools" once COCOeval replaced the mAPs
+    mask_metric_source: str = "internal"  # the same for `mask_metrics` (segm needs usable ground-truth masks)
     confusion: ConfusionMatrix | None = None  # with EvalOptions.confusion: all ranks' images
     # Images holding at least one label of each class, all ranks: the verbose table's per-class "Images".
     class_images: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))

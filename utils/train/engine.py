@@ -439,6 +439,9 @@ def _final_validation(run: TrainRun) -> tuple[Path, EvalResult]:
     result = run.task.evaluate(model, run.datasets.val_loader, options, ctx)
     if use_coco:
         result = coco_evaluate(result, run.data, "val", run.run_dir, ctx, single_cls=cfg.single_cls)
-    LOGGER.info(f"Final ({path}, {result.metric_source} mAP): {_scores_line(result.as_dict())}")
+    source = result.metric_source
+    if result.mask_metrics is not None and result.mask_metric_source != source:
+        source = f"{source} box, {result.mask_metric_source} mask"
+    LOGGER.info(f"Final ({path}, {source} mAP): {_scores_line(result.as_dict())}")
     run.fire("on_val_end", metrics=result.as_dict(), path=path, final=True)
     return path, result
