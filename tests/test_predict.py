@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -181,6 +184,10 @@ def test_video_reader_stride_keeps_first_frame(tmp_path: Path) -> None:
     broken.write_bytes(b"\x00\x00\x00\x18ftypmp42 but nothing else")
     with pytest.raises(UnreadableInputError, match="broken.mp4"):
         VideoReader(InputItem(str(broken), "video", 0))
+    # A name that is not valid UTF-8 would crash the process inside cv2.VideoCapture: refused first.
+    undecodable = os.fsdecode(bytes(tmp_path) + b"/caf\xe9.mp4")
+    with pytest.raises(UnreadableInputError, match="not valid UTF-8"):
+        VideoReader(InputItem(undecodable, "video", 0))
     with pytest.raises(ConfigError, match="cannot open webcam 99"):  # the only input of a one-process run
         VideoReader(InputItem("99", "webcam", 0))
 
@@ -216,6 +223,12 @@ def test_txt_lines_boxes_and_polygons() -> None:
     (line,) = txt_lines(replace(prediction, masks=mask), (100, 200), with_conf=False)
     values = [float(v) for v in line.split()]
     assert values[0] == 2 and len(values) % 2 == 1 and len(values) >= 7
+    # The largest region by area: a square (4 outline points) over a small disc (dozens of points).
+    mask[0] = False
+    mask[0, 10:90, 10:90] = True
+    cv2.circle(mask_u8 := mask[0].astype(np.uint8), (170, 80), 8, 1, -1)
+    polygon = mask_polygon(mask_u8.astype(bool))
+    assert polygon.min(0).tolist() == [10, 10] and polygon.max(0).tolist() == [89, 89]
     empty = replace(prediction, masks=np.zeros((1, 100, 200), bool))  # an empty mask falls back to the box
     corners = "0.050000 0.200000 0.250000 0.200000 0.250000 0.600000 0.050000 0.600000"
     assert txt_lines(empty, (100, 200), False) == [f"2 {corners}"]
@@ -225,6 +238,21 @@ def test_txt_lines_boxes_and_polygons() -> None:
     words = ["bus", "glass", "box", "batch", "dish", "battery", "toy", "skis", "scissors", "person"]
     plurals = ["buses", "glasses", "boxes", "batches", "dishes", "batteries", "toys", "skis", "scissors", "persons"]
     assert [counted(2, word) for word in words] == [f"2 {word}" for word in plurals]
+
+
+def test_an_output_named_after_an_input_that_is_not_utf8_is_written(tmp_path: Path) -> None:
+    # cv2.imwrite would crash the process (SIGSEGV) on such a name: run it in a child to see a failure, not die of it.
+    code = (
+        "import os, sys, numpy as np\n"
+        "from utils.predict.outputs import write_image\n"
+        "write_image(__import__('pathlib').Path(os.fsdecode(os.fsencode(sys.argv[1]) + b'/caf\\xe9.jpg')), "
+        "np.full((8, 8, 3), 200, np.uint8))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    written = tmp_path / os.fsdecode(b"caf\xe9.jpg")
+    assert cv2.imdecode(np.fromfile(written, np.uint8), cv2.IMREAD_COLOR).mean() == pytest.approx(200, abs=2)
 
 
 # ---- the loop ---------------------------------------------------------------------------------------

@@ -76,6 +76,19 @@ def resize_long_side(image: np.ndarray, img_size: int, augment: bool = False) ->
     return cv2.resize(image, (new_w, new_h), interpolation=interpolation)
 
 
+def opencv_can_name(path: str | os.PathLike) -> bool:
+    """Whether OpenCV's own file functions (VideoCapture, VideoWriter, imwrite) can take `path`.
+
+    They pass it to C++ as UTF-8; a name that is not valid UTF-8 (Python holds it with surrogate
+    escapes) crashes the process there instead of failing.
+    """
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def read_image(path: str) -> np.ndarray | None:
     """Decode an image file as HxWx3 BGR uint8 with its EXIF orientation applied; None if unreadable.
 

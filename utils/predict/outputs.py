@@ -9,6 +9,7 @@ import cv2
 import numpy as np
 
 from utils.boxes import xyxy_to_xywhn
+from utils.data.cache import opencv_can_name
 from utils.predict.config import SaveOptions
 from utils.predict.prediction import Prediction, class_name
 
@@ -16,11 +17,17 @@ CROP_GAIN, CROP_PAD = 1.02, 10  # crops are the box grown by 2% and 10 px a side
 
 
 def mask_polygon(mask: np.ndarray) -> np.ndarray:
-    """Return the outline of the largest region of a (H, W) bool mask as (k, 2) float32 pixel x, y; (0, 2) if empty."""
+    """Return the outline of the largest region of a (H, W) bool mask as (k, 2) float32 pixel x, y; (0, 2) if empty.
+
+    Largest by area: with simplified contours a square region has 4 points and a small round blob
+    dozens, so the point count would pick the blob.
+    """
     contours, _ = cv2.findContours(mask.astype(np.uint8), cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
     if not contours:
         return np.zeros((0, 2), np.float32)
-    return max(contours, key=len).reshape(-1, 2).astype(np.float32)
+    # Ties (regions of one pixel or one line have area 0) go to the longer outline.
+    largest = max(contours, key=lambda contour: (cv2.contourArea(contour), len(contour)))
+    return largest.reshape(-1, 2).astype(np.float32)
 
 
 def txt_lines(prediction: Prediction, image_hw: tuple[int, int], with_conf: bool) -> list[str]:
@@ -60,10 +67,19 @@ def crop_box(image: np.ndarray, box_xyxy: np.ndarray) -> np.ndarray:
 
 
 def write_image(path: Path, image: np.ndarray) -> None:
-    """Write a BGR image with OpenCV (format from the suffix); raise OSError when it cannot be written."""
+    """Write a BGR image, encoded by OpenCV (format from the suffix); raise OSError when it cannot be written.
+
+    OpenCV encodes and Python writes the bytes: cv2.imwrite takes the name as UTF-8, and a name that
+    is not (an input's, held with surrogate escapes) crashes the process inside it.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not cv2.imwrite(str(path), image):
-        raise OSError(f"{path}: could not write the image (disk full, or a suffix OpenCV cannot encode?)")
+    try:
+        encoded, data = cv2.imencode(path.suffix or ".jpg", image)
+    except cv2.error:
+        encoded = False
+    if not encoded:
+        raise OSError(f"{path}: could not encode the image (a suffix OpenCV cannot encode?)")
+    path.write_bytes(data.tobytes())
 
 
 class RunWriter:
@@ -112,6 +128,8 @@ class VideoSink:
     def write(self, frame: np.ndarray) -> None:
         """Append one (H, W, 3) uint8 BGR frame; the first frame fixes the video's size."""
         if self.writer is None:
+            if not opencv_can_name(self.path):
+                raise OSError(f"{self.path}: OpenCV cannot write a video under a name that is not valid UTF-8")
             self.path.parent.mkdir(parents=True, exist_ok=True)
             height, width = frame.shape[:2]
             self.writer = cv2.VideoWriter(str(self.path), cv2.VideoWriter_fourcc(*"mp4v"), self.fps, (width, height))

@@ -13,6 +13,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from utils.data.cache import opencv_can_name
 from utils.data.cache import read_image as decode_image
 from utils.data.image_files import IMAGE_SUFFIXES
 from utils.distributed import DistContext
@@ -159,6 +160,8 @@ class VideoReader:
 
     def __init__(self, item: InputItem, vid_stride: int = 1) -> None:
         self.vid_stride = vid_stride
+        if item.kind != "webcam" and not opencv_can_name(item.path):  # it would crash inside VideoCapture
+            raise UnreadableInputError(f"{item.path}: OpenCV cannot open a video whose name is not valid UTF-8")
         self.capture = cv2.VideoCapture(int(item.path) if item.kind == "webcam" else item.path)
         if not self.capture.isOpened():
             self.capture.release()
