@@ -164,6 +164,19 @@ def test_unreadable_image_falls_back_to_disk(tmp_path: Path, caplog: pytest.LogC
     )
 
 
+def test_disk_cache_keeps_images_that_share_a_stem_apart(tmp_path: Path) -> None:
+    left, right = np.zeros((32, 32, 3), np.uint8), np.zeros((32, 32, 3), np.uint8)
+    left[:, :16], right[:, 16:] = 255, 255
+    paths = [str(tmp_path / "x.jpg"), str(tmp_path / "x.png")]
+    for path, image in zip(paths, (left, right), strict=True):
+        assert cv2.imwrite(path, image)
+    cache = ImageCache(paths, np.array([[32, 32], [32, 32]], np.int32), np.arange(2), 32, "disk", CTX, num_threads=1)
+    assert disk_cache_path(paths[0]) != disk_cache_path(paths[1])
+    for index, path in enumerate(paths):  # each image its own pixels
+        assert np.abs(cache.get(index).astype(int) - read_resized(path, 32).astype(int)).max() == 0
+    assert cache.get(1)[:, :8].mean() < 10 and cache.get(1)[:, 24:].mean() > 245
+
+
 def test_disk_cache_writes_npy_and_reuses_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     paths, shapes = _images(tmp_path)
     cache = ImageCache(paths, shapes, np.array([0, 1, 4]), 32, "disk", CTX, num_threads=2)

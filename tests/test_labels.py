@@ -106,20 +106,20 @@ def test_image_list_entries_without_an_image_suffix_are_warned_once_and_counted(
     assert files == [str(kept), gone]  # a listed path that is not there is left to the scan, which counts it
     assert files.skipped == [
         f"image list {listing}: line 3 'images/train/000003.jgp' left out: '.jgp' is not an image suffix "
-        "(.bmp, .jpeg, .jpg, .png, .tif, .tiff, .webp)",
+        "(.bmp, .dng, .jpeg, .jpg, .mpo, .pfm, .png, .tif, .tiff, .webp)",
         f"image list {listing}: line 4 'images/train/000004' left out: it has no file suffix "
-        "(.bmp, .jpeg, .jpg, .png, .tif, .tiff, .webp)",
+        "(.bmp, .dng, .jpeg, .jpg, .mpo, .pfm, .png, .tif, .tiff, .webp)",
     ]
     caplog.set_level(logging.INFO)
     index = scan_labels(files, 1, CTX)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     for entry in ("000003.jgp", "000004'", f"corrupt image {gone}: file not found; skipped"):
         assert sum(entry in w for w in warnings) == 1, entry
-    assert "1 found, 0 missing (background), 0 empty, 1 corrupt, 2 image list entries left out" in caplog.text
+    assert "1 found, 0 missing (background), 0 empty, 1 corrupt, 2 file(s) left out before the scan" in caplog.text
     assert index.im_files == [str(kept)]
     # Nothing usable in the list: one line naming the list and the first entry left out.
     listing.write_text("images/train/000003.jgp\n")
-    with pytest.raises(ConfigError, match=r"no images .* found in .*train\.txt; 1 list entries left out, first: "):
+    with pytest.raises(ConfigError, match=r"no images .* found in .*train\.txt; 1 file\(s\) left out, first: "):
         list_image_files(listing)
 
 
@@ -137,8 +137,76 @@ def test_repeated_image_paths_are_used_once_warned_and_counted(
     assert files.skipped == [repeat] * 3  # one line per extra entry: the summary counts entries
     caplog.set_level(logging.INFO)
     scan_labels(files, 1, CTX)
-    assert "0 found, 2 missing (background), 0 empty, 0 corrupt, 3 image list entries left out" in caplog.text
+    assert "0 found, 2 missing (background), 0 empty, 0 corrupt, 3 file(s) left out before the scan" in caplog.text
     assert list_image_files(root / "images" / "train").skipped == []
+
+
+def test_folders_are_searched_through_links_and_no_image_goes_unseen(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ds"
+    train = root / "images" / "train"
+    kept = [_image(train / "a.jpg"), _image(train / "b.jpg", value=90).rename(train / "b.mpo")]  # a JPEG, as YOLOv5
+    elsewhere = _image(tmp_path / "store" / "c.jpg")
+    (train / "linked").symlink_to(elsewhere.parent, target_is_directory=True)
+    (train / "linked" / "loop").symlink_to(train, target_is_directory=True)  # back up the tree: walked once
+    (train / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    (train / "d.gif").write_bytes(b"GIF89a")
+    (train / "notes.json").write_text("{}")  # not an image type: not named
+    _label(root, "train/a", "0 0.5 0.5 0.2 0.2\n")
+    files = list_image_files(train)
+    linked, gone = str(train / "linked" / "c.jpg"), str(train / "gone.jpg")
+    assert files == sorted([*map(str, kept), linked, gone])
+    assert files.skipped == [
+        f"{train / 'd.gif'}: left out: .gif images are not read "
+        "(.bmp, .dng, .jpeg, .jpg, .mpo, .pfm, .png, .tif, .tiff, .webp); convert it to train on it"
+    ]
+    assert files.cache_path == root / "labels" / "train.cache"
+    caplog.set_level(logging.INFO)
+    index = scan_labels(files, 1, CTX)
+    assert sorted(index.im_files) == sorted([*map(str, kept), linked])  # the dangling link is counted corrupt
+    assert f"corrupt image {gone}: file not found; skipped" in caplog.text
+    assert "1 found, 2 missing (background), 0 empty, 1 corrupt, 1 file(s) left out before the scan" in caplog.text
+
+
+def test_images_sharing_a_label_file_are_named_and_lists_keep_caches_of_their_own(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ds"
+    images = [_image(root / "images" / name) for name in ("x.jpg", "x.png", "y.jpg", "z.jpg")]
+    _label(root, "x", "0 0.5 0.5 0.2 0.2\n")
+    (root / "train.txt").write_text("images/x.jpg\nimages/x.png\nimages/y.jpg\n")
+    (root / "val.txt").write_text("images/z.jpg\n")
+    train = list_image_files(root / "train.txt")
+    label = root / "labels" / "x.txt"
+    shared = f"{label}: the label file of 2 images ({images[0]}, {images[1]}); each trains with these labels"
+    assert train.notes == [shared]
+    caplog.set_level(logging.INFO)
+    scan_labels(train, 1, CTX)
+    scan_labels(list_image_files(root / "val.txt"), 1, CTX)
+    assert str(label) in caplog.text
+    # YOLOv5's autosplit layout: each list's cache beside it, so alternating splits reuse theirs.
+    assert (root / "train.cache").is_file() and (root / "val.cache").is_file()
+    caplog.clear()
+    scan_labels(list_image_files(root / "train.txt"), 1, CTX)
+    assert f"{root / 'train.cache'} (cached)" in caplog.text
+
+
+def test_warnings_past_the_logged_ones_are_all_written_beside_the_cache(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ds"
+    count = scan_module.MAX_LOGGED_MESSAGES + 3
+    for i in range(count):
+        _image(root / "images" / "train" / f"{i:02d}.jpg")
+        _label(root, f"train/{i:02d}", "7 0.5 0.5 0.2 0.2\n" if i else "0 0.5 0.5 0.2 0.2\n0.5\n")
+    caplog.set_level(logging.INFO)
+    with pytest.raises(ConfigError):  # class 7 of 1: after the report
+        scan_labels(list_image_files(root / "images" / "train"), 1, CTX)
+    written = root / "labels" / "train.warnings.txt"
+    assert f"... and 3 more label/image warnings; all {count} are in {written}" in caplog.text
+    lines = written.read_text().splitlines()
+    assert len(lines) == count and all("corrupt" in line for line in lines) and "12.txt" in lines[-1]
 
 
 def test_image_to_label_path_replaces_last_images_folder() -> None:

@@ -121,8 +121,13 @@ def available_memory_bytes() -> int:
 
 
 def disk_cache_path(image_path: str) -> Path:
-    """Return the .npy file that holds the resized decoded image (next to the image)."""
-    return Path(image_path).with_suffix(".npy")
+    """Return the .npy file that holds the resized decoded image: next to it, its whole name + .npy.
+
+    The whole name, not the stem: x.jpg and x.png in one folder would otherwise share x.npy, and
+    the one cached second would train on the other's pixels.
+    """
+    path = Path(image_path)
+    return path.with_name(path.name + ".npy")
 
 
 class ImageCache:

@@ -274,7 +274,7 @@ def scan_coco_labels(
             index = _with_parse_notes(build_coco_index(parse, verified, rows, classes, with_masks), parse, len(missing))
         where = f"read {source.annotations}"
     if ctx.is_main:
-        report_scan(index, where)
+        report_scan(index, where, cache_path=cache_path)
     if not len(index):
         raise ConfigError(f"{source.annotations}: none of its images is usable under {source.image_root}")
     return index

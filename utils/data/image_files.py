@@ -8,19 +8,35 @@ from pathlib import Path
 
 from utils.errors import ConfigError
 
-IMAGE_SUFFIXES = frozenset({".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp"})
+# YOLOv5's image types (a .dng or .pfm OpenCV cannot decode is counted corrupt by the scan, not dropped unseen).
+IMAGE_SUFFIXES = frozenset({".bmp", ".dng", ".jpg", ".jpeg", ".mpo", ".pfm", ".png", ".tif", ".tiff", ".webp"})
+# Image types found in a split's folder that are not read: each is named and counted, never dropped unseen.
+OTHER_IMAGE_SUFFIXES = frozenset(
+    {".avif", ".gif", ".heic", ".heif", ".jfif", ".jp2", ".jxl", ".pbm", ".pgm", ".pnm", ".ppm", ".svg"}
+)
 
 
 class ImageFiles(list[str]):
-    """Image paths as list_image_files returns them, with `skipped`: one line per .txt list entry left out.
+    """Image paths as list_image_files returns them, with what the label scan reports beside its own findings.
 
+    `skipped`: one line per file left out before the scan (a .txt list entry that is no image, a path
+    listed twice, an image of a type not read); `notes`: warnings about files kept (images sharing a
+    label file); `cache_path`: where their label cache lives (utils/data/labels.py: label_cache_path).
     A list, so a caller that wants paths uses it as one; the label scan (utils/data/scan.py:
-    scan_labels) warns about `skipped` and counts it once, on rank 0, beside the bad files it finds.
+    scan_labels) warns about both and counts `skipped` once, on rank 0, beside the bad files it finds.
     """
 
-    def __init__(self, paths: Iterable[str] = (), skipped: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        paths: Iterable[str] = (),
+        skipped: Iterable[str] = (),
+        notes: Iterable[str] = (),
+        cache_path: Path | None = None,
+    ) -> None:
         super().__init__(paths)
         self.skipped = list(skipped)
+        self.notes = list(notes)
+        self.cache_path = cache_path
 
 
 def _read_image_list(list_file: Path) -> tuple[list[str], list[str]]:
@@ -45,22 +61,26 @@ def _read_image_list(list_file: Path) -> tuple[list[str], list[str]]:
 
 
 def list_image_files(sources: str | Path | Sequence[str | Path]) -> ImageFiles:
-    """Return the sorted image paths under `sources`, with the .txt list entries left out (ImageFiles.skipped).
+    """Return the sorted image paths under `sources`, with what was left out (ImageFiles.skipped) and noted.
 
-    A source is a folder (searched recursively), a .txt file listing image paths one per line
-    (relative ones resolve against the .txt file's folder), or a list of those. Raises
-    FileNotFoundError naming a missing source and a one-line ConfigError naming the sources when
-    nothing is found. A listed path that does not exist is kept: the label scan counts it as corrupt.
-    A path found more than once (a list naming it twice, a list and a folder holding it) is kept once,
-    and each extra entry is one line of `skipped`: an epoch samples every image once, so repeating a
-    path cannot oversample it, and dropping the repeats silently would hide that.
+    A source is a folder (searched recursively, into linked folders too), a .txt file listing image
+    paths one per line (relative ones resolve against the .txt file's folder), or a list of those.
+    Raises FileNotFoundError naming a missing source and a one-line ConfigError naming the sources
+    when nothing is found. A listed path that does not exist, or a link in a folder whose target is
+    gone, is kept: the label scan counts it as corrupt. A path found more than once (a list naming it
+    twice, a list and a folder holding it) is kept once, and each extra entry is one line of
+    `skipped`: an epoch samples every image once, so repeating a path cannot oversample it, and
+    dropping the repeats silently would hide that. Images whose label path is the same file (x.jpg
+    and x.png) are kept and noted: both train with that file's labels.
     """
     source_list = [sources] if isinstance(sources, str | Path) else list(sources)
     files: list[str] = []
     skipped: list[str] = []
     for source in map(Path, source_list):
         if source.is_dir():
-            files += [str(p) for p in source.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
+            found, left_out = _folder_images(source)
+            files += found
+            skipped += left_out
         elif source.is_file() and source.suffix.lower() == ".txt":
             listed, left_out = _read_image_list(source)
             files += listed
@@ -71,12 +91,65 @@ def list_image_files(sources: str | Path | Sequence[str | Path]) -> ImageFiles:
             raise FileNotFoundError(f"image source {source} does not exist (expected a folder, .txt list or image)")
     if not files:
         where = ", ".join(map(str, source_list))
-        first = f"; {len(skipped)} list entries left out, first: {skipped[0]}" if skipped else ""
+        first = f"; {len(skipped)} file(s) left out, first: {skipped[0]}" if skipped else ""
         raise ConfigError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) found in {where}{first}")
     unique = sorted(set(files))
     if len(unique) < len(files):
         skipped += _repeated_entries(files, source_list)
-    return ImageFiles(unique, skipped)
+    return ImageFiles(unique, skipped, _shared_label_files(unique), _cache_path(source_list))
+
+
+def _folder_images(folder: Path) -> tuple[list[str], list[str]]:
+    """(image paths, skip notes) under `folder`, recursively and through linked folders (each real folder once).
+
+    Links to files are kept whether or not their target exists (a dangling one is counted corrupt
+    by the scan). An image of a type that is not read (OTHER_IMAGE_SUFFIXES) is one skip note.
+    """
+    images, skipped, visited = [], [], set()
+    for directory, subdirectories, names in os.walk(str(folder), followlinks=True):
+        real = os.path.realpath(directory)
+        if real in visited:  # a link back up the tree, or two links to one folder
+            subdirectories.clear()
+            continue
+        visited.add(real)
+        subdirectories.sort()
+        for name in names:
+            suffix = os.path.splitext(name)[1].lower()
+            path = os.path.join(directory, name)
+            if suffix in IMAGE_SUFFIXES:
+                images.append(path)
+            elif suffix in OTHER_IMAGE_SUFFIXES:
+                known = ", ".join(sorted(IMAGE_SUFFIXES))
+                skipped.append(f"{path}: left out: {suffix} images are not read ({known}); convert it to train on it")
+    return images, skipped
+
+
+def _shared_label_files(image_files: Sequence[str]) -> list[str]:
+    """One note per label file that several of `image_files` map to (x.jpg and x.png: labels/x.txt)."""
+    by_label: dict[str, list[str]] = {}
+    for path in image_files:
+        by_label.setdefault(image_to_label_path(path), []).append(path)
+    return [
+        f"{label}: the label file of {len(images)} images ({', '.join(images)}); each trains with these labels"
+        for label, images in by_label.items()
+        if len(images) > 1
+    ]
+
+
+def _cache_path(sources: Sequence[str | Path]) -> Path | None:
+    """The label cache of one .txt list (beside it, as YOLOv5) or one folder (beside its labels folder); else None.
+
+    Keyed on the split's own source, so a train list and a val list of images in one folder keep
+    caches of their own instead of overwriting one file in turn.
+    """
+    if len(sources) != 1:
+        return None
+    source = Path(sources[0])
+    if source.is_file() and source.suffix.lower() == ".txt":
+        return source.with_suffix(".cache")
+    if source.is_dir():
+        return Path(image_to_label_path(source / "x.jpg")).parent.with_suffix(".cache")
+    return None
 
 
 def _repeated_entries(files: list[str], sources: Sequence[str | Path]) -> list[str]:

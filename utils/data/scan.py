@@ -308,26 +308,49 @@ def check_same_image_files(image_files: Sequence[str], what: str, ctx: DistConte
         raise ConfigError(message)
 
 
-def report_scan(index: LabelIndex, source: str, skipped: Sequence[str] = ()) -> None:
+def report_scan(
+    index: LabelIndex,
+    source: str,
+    skipped: Sequence[str] = (),
+    notes: Sequence[str] = (),
+    cache_path: Path | None = None,
+) -> None:
     """Log the first bad files (or COCO entries) one per line, how many more there were, and the summary counts.
 
     Called on rank 0 by every label scan, so the txt and COCO JSON paths report alike. `skipped`
-    are the image-list entries left out before the scan (image_files.ImageFiles.skipped): warned
-    first and counted in the summary, so no listed image is lost without a word.
+    are the files left out before the scan (image_files.ImageFiles.skipped): warned first and
+    counted in the summary, so no image is lost without a word; `notes` are warned after them.
+    When there are more than MAX_LOGGED_MESSAGES lines, all of them go to a text file beside the
+    label cache `cache_path` (labels/train.warnings.txt), and the log names it.
     """
-    messages = [*skipped, *index.messages]
+    messages = [*skipped, *notes, *index.messages]
     for message in messages[:MAX_LOGGED_MESSAGES]:
         LOGGER.warning(message)
     if len(messages) > MAX_LOGGED_MESSAGES:
-        LOGGER.warning(f"... and {len(messages) - MAX_LOGGED_MESSAGES} more label/image warnings not shown")
+        LOGGER.warning(
+            f"... and {len(messages) - MAX_LOGGED_MESSAGES} more label/image warnings"
+            + _all_warnings_written(messages, cache_path)
+        )
     c = index.counts
     dropped = f", {index.num_degenerate} degenerate instance(s) dropped" if index.num_degenerate else ""
     problems = "".join(f", {count} {reason}" for reason, count in index.problems.items())
-    left_out = f", {len(skipped)} image list entries left out" if skipped else ""
+    left_out = f", {len(skipped)} file(s) left out before the scan" if skipped else ""
     LOGGER.info(
         f"{source}: {c['found']} found, {c['missing']} missing (background), {c['empty']} empty, "
         f"{c['corrupt']} corrupt{dropped}{problems}{left_out}"
     )
+
+
+def _all_warnings_written(messages: Sequence[str], cache_path: Path | None) -> str:
+    """Write every warning line beside the label cache; return the end of the log line that says where (or why not)."""
+    if cache_path is None:
+        return " not shown"
+    target = cache_path.with_suffix(".warnings.txt")
+    try:
+        target.write_text("".join(f"{message}\n" for message in messages), encoding="utf-8", errors="surrogateescape")
+    except OSError as error:
+        return f" not shown (could not write them to {target}: {error.strerror or error})"
+    return f"; all {len(messages)} are in {target}"
 
 
 def check_class_ids(index: LabelIndex, num_classes: int, names_file: Path | None) -> None:
@@ -418,7 +441,8 @@ def scan_labels(
     and counted with the scan's summary.
     """
     label_files = [image_to_label_path(f) for f in image_files]
-    cache_path = cache_path or label_cache_path(image_files)
+    listed = image_files if isinstance(image_files, ImageFiles) else ImageFiles(image_files)
+    cache_path = cache_path or listed.cache_path or label_cache_path(image_files)
     digest = files_hash(image_files, label_files, num_classes)
     index = load_label_cache(cache_path, digest)
     # One gather answers both questions: do the ranks list the same files, and may every rank use its cache?
@@ -429,14 +453,14 @@ def scan_labels(
     source = f"{cache_path} (cached)"
     if not all(has_cache for _, _, has_cache in facts):
         index = scan_in_rounds(image_files, num_classes, ctx, len(facts), num_workers)
-        source = f"scanned {cache_path.parent}"
+        source = f"scanned the labels of {len(image_files)} images (cache {cache_path})"
         if ctx.is_local_main:
             save_label_cache(cache_path, index, digest)
         # Wait for the write (seconds), so a rank that scans the same files next (a val set equal to the
         # train set) finds the cache instead of starting a second scan for every rank.
         barrier(ctx)
     if ctx.is_main:
-        report_scan(index, source, image_files.skipped if isinstance(image_files, ImageFiles) else ())
+        report_scan(index, source, listed.skipped, listed.notes, cache_path)
     check_class_ids(index, num_classes, names_file)  # after the gather: every rank holds the same index
     if not len(index):
         images = Path(image_files[0]).parent
