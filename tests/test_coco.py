@@ -223,9 +223,15 @@ def test_images_missing_from_annotations_are_reported_not_dropped_silently(caplo
     assert len(warnings) == 1 and "2 evaluated images" in warnings[0] and "zz1.jpg" in warnings[0]
 
 
-def test_stem_image_ids_are_ints_when_numeric() -> None:
+def test_stem_image_ids_are_ints_when_numeric_and_unique_per_image() -> None:
     items = [ImagePredictions(p, (1, 1), np.zeros((0, 6))) for p in ("/x/000012.jpg", "/x/cat_3.png")]
-    assert stem_image_ids(items) == {"000012.jpg": 12, "cat_3.png": "cat_3"}
+    assert stem_image_ids(items) == {"/x/000012.jpg": 12, "/x/cat_3.png": "cat_3"}
+    # One stem in two folders, or with two suffixes: an id each (one id would merge their detections).
+    paths = ("/b/x.jpg", "/a/x.jpg", "/a/x.png")
+    items = [ImagePredictions(p, (10, 10), np.array([[1.0, 1.0, 5.0, 5.0, 0.9, 0]])) for p in paths]
+    ids = stem_image_ids(items)
+    assert ids == {"/a/x.jpg": "x", "/a/x.png": "x-2", "/b/x.jpg": "x-3"}
+    assert sorted(r["image_id"] for r in predictions_to_coco(items, ids, (1,))) == ["x", "x-2", "x-3"]
 
 
 # ---------------------------------------------------------------- COCOeval scores

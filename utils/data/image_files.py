@@ -172,3 +172,24 @@ def image_to_label_path(path: str | Path) -> str:
     if sep:
         text = f"{head}{os.sep}labels{os.sep}{tail}"
     return str(Path(text).with_suffix(".txt"))
+
+
+def unique_stems(files: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Each file's output stem, its own or with `-2`, `-3`... when an earlier file has it; and `path -> stem` notes.
+
+    Outputs named by stem (labels/<stem>.txt, annotated images, COCO image ids without an annotations
+    file) would otherwise overwrite or merge two `x.jpg` from different folders, or `x.jpg` and `x.png`.
+    A hyphen, because a video's frames are `<stem>_<frame>`: `a_2` would be frame 2 of a video `a`.
+    """
+    used: set[str] = set()
+    stems, renamed = [], []
+    for file in files:
+        stem = candidate = Path(file).stem
+        number = 2
+        while candidate in used:
+            candidate, number = f"{stem}-{number}", number + 1
+        used.add(candidate)
+        stems.append(candidate)
+        if candidate != stem:
+            renamed.append(f"{file} -> {candidate}")
+    return stems, renamed

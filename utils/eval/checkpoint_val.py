@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from utils.boxes import xyxy_to_xywhn
 from utils.config import DEFAULT_DATA
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
+from utils.data.image_files import unique_stems
 from utils.data.loader import build_val_loader
 from utils.distributed import DistContext, all_gather_objects, per_rank_batch
 from utils.errors import ConfigError
@@ -84,7 +86,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
         )
     report(result, setup.names, cfg, ctx, setup.data.annotations.get(cfg.split))
     if cfg.save_txt and setup.save_dir is not None:
-        save_txt(result, setup.save_dir / "labels", cfg.save_conf)
+        save_txt(result, setup.save_dir / "labels", output_stems(setup.loader.dataset.im_files, ctx), cfg.save_conf)
     if cfg.plots and setup.save_dir is not None and ctx.is_main:
         plot_evaluation(result, setup.names, setup.save_dir)
     if setup.save_dir is not None and ctx.is_main:
@@ -240,12 +242,26 @@ def metric_source_text(result: EvalResult, save_json: bool, annotations: Path | 
     return internal
 
 
-def save_txt(result: EvalResult, folder: Path, save_conf: bool = False) -> None:
+def output_stems(image_files: Sequence[str], ctx: DistContext) -> dict[str, str]:
+    """Each evaluated image's output stem (image_files.unique_stems over the sorted list every rank holds).
+
+    The same on every rank, so ranks writing their own shards never give two images one file; rank 0
+    warns once when some are renamed.
+    """
+    paths = sorted(image_files)
+    stems, renamed = unique_stems(paths)
+    if renamed and ctx.is_main:
+        LOGGER.warning(f"{len(renamed)} image(s) share a file stem with another; labels renamed (first: {renamed[0]})")
+    return dict(zip(paths, stems, strict=True))
+
+
+def save_txt(result: EvalResult, folder: Path, stems: Mapping[str, str], save_conf: bool = False) -> None:
     """Write each image's detections as YOLO-format lines `cls cx cy w h` (normalised), one file per image.
 
     With `save_conf` each line ends with the score (YOLOv5's --save-conf); without it the files are
-    label files a dataset can use as they are. Every rank writes the images it evaluated; shards are
-    disjoint, so no file is written twice.
+    label files a dataset can use as they are. Files are named by `stems` (output_stems; an image
+    not in it by its own stem). Every rank writes the images it evaluated; shards are disjoint, so
+    no file is written twice.
     """
     folder.mkdir(parents=True, exist_ok=True)
     for item in result.predictions:
@@ -255,4 +271,5 @@ def save_txt(result: EvalResult, folder: Path, save_conf: bool = False) -> None:
             f"{int(det[5])} {b[0]:.6f} {b[1]:.6f} {b[2]:.6f} {b[3]:.6f}" + (f" {det[4]:.5f}" if save_conf else "")
             for det, b in zip(item.detections, boxes, strict=True)
         ]
-        (folder / f"{Path(item.path).stem}.txt").write_text("\n".join(lines) + ("\n" if lines else ""))
+        stem = stems.get(item.path, Path(item.path).stem)
+        (folder / f"{stem}.txt").write_text("\n".join(lines) + ("\n" if lines else ""))

@@ -18,6 +18,7 @@ import numpy as np
 
 from utils.data.coco_labels import category_mapping
 from utils.data.data_config import DataConfig
+from utils.data.image_files import unique_stems
 from utils.distributed import DistContext, broadcast_object, gather_objects, run_on_main
 from utils.errors import ConfigError, read_json_mapping
 from utils.eval.evaluate import EvalResult, ImagePredictions
@@ -117,18 +118,18 @@ def predictions_to_coco(
     """Turn per-image detections into COCO result dicts: image_id, category_id, bbox [x, y, w, h], score.
 
     Boxes are original-image pixels rounded to 3 decimals, scores to 5; `segmentation` (an RLE
-    dict with str counts) is added when the image has `masks_rle`. `image_ids` is keyed by file
-    basename; images missing from it are left out and reported in one warning naming `source`,
-    the count and the first one.
+    dict with str counts) is added when the image has `masks_rle`. `image_ids` is keyed by image
+    path (stem_image_ids) or file basename (an annotations file's `file_name`); images missing from
+    it are left out and reported in one warning naming `source`, the count and the first one.
     """
     results: list[dict[str, Any]] = []
     missing: list[str] = []
     for item in predictions:
         name = Path(item.path).name
-        if name not in image_ids:
+        image_id = image_ids.get(item.path, image_ids.get(name))
+        if image_id is None:
             missing.append(name)
             continue
-        image_id = image_ids[name]
         detections = np.asarray(item.detections, np.float64).reshape(-1, 6)
         boxes = detections[:, :4].copy()
         boxes[:, 2:] -= boxes[:, :2]
@@ -156,12 +157,16 @@ def _json_rle(rle: dict[str, Any]) -> dict[str, Any]:
 
 
 def stem_image_ids(predictions: Sequence[ImagePredictions]) -> dict[str, int | str]:
-    """Image ids without an annotations file: the file stem as an int when it is numeric, else the stem."""
-    ids: dict[str, int | str] = {}
-    for item in predictions:
-        stem = Path(item.path).stem
-        ids[Path(item.path).name] = int(stem) if stem.isdigit() else stem
-    return ids
+    """Image ids without an annotations file, keyed by image path: the stem (an int when numeric), made unique.
+
+    Two images of one stem (`a/x.jpg` and `b/x.jpg`, or `x.jpg` and `x.png`) get `x` and `x-2`, in
+    sorted path order (image_files.unique_stems), with one warning; one id would merge their detections.
+    """
+    paths = sorted({item.path for item in predictions})
+    stems, renamed = unique_stems(paths)
+    if renamed:
+        LOGGER.warning(f"{len(renamed)} image(s) share a file stem with another; ids renamed (first: {renamed[0]})")
+    return {path: int(stem) if stem.isdigit() else stem for path, stem in zip(paths, stems, strict=True)}
 
 
 def run_cocoeval(

@@ -15,7 +15,7 @@ import numpy as np
 
 from utils.data.cache import opencv_can_name
 from utils.data.cache import read_image as decode_image
-from utils.data.image_files import IMAGE_SUFFIXES
+from utils.data.image_files import IMAGE_SUFFIXES, unique_stems
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 
@@ -91,23 +91,8 @@ def discover_inputs(source: str) -> list[InputItem]:
 
 
 def _unique_stems(files: list[str]) -> list[str]:
-    """Each file's output stem: its own, or with `-2`, `-3`... when an earlier file has it (one warning says so).
-
-    Outputs are named by stem (the annotated image, labels/<stem>.txt, crops), so two `000001.jpg`
-    from different folders of a `**` glob would otherwise overwrite each other's. A hyphen, because
-    a video's frames are `<stem>_<frame>`: `a_2` would be frame 2 of a video `a`.
-    """
-    used: set[str] = set()
-    stems, renamed = [], []
-    for file in files:
-        stem = candidate = Path(file).stem
-        number = 2
-        while candidate in used:
-            candidate, number = f"{stem}-{number}", number + 1
-        used.add(candidate)
-        stems.append(candidate)
-        if candidate != stem:
-            renamed.append(f"{file} -> {candidate}")
+    """Each file's output stem (utils/data/image_files.py: unique_stems); one warning names the renamed ones."""
+    stems, renamed = unique_stems(files)
     if renamed:
         LOGGER.warning(
             f"{len(renamed)} input(s) share a file name with an earlier one; their outputs are renamed "
