@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 import utils.data.scan as scan_module
+from utils.data.cache import read_image
 from utils.data.image_files import image_to_label_path, list_image_files
 from utils.data.labels import label_cache_path, verify_image_label
 from utils.data.scan import scan_labels
@@ -325,12 +326,15 @@ def test_unwritable_cache_warns_and_continues(tmp_path: Path, caplog: pytest.Log
     assert sum("not writable" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_exif_rotation_swaps_width_and_height(tmp_path: Path) -> None:
-    path = tmp_path / "images" / "rotated.jpg"
+@pytest.mark.parametrize("suffix", [".jpg", ".png", ".webp", ".tif"])
+def test_exif_rotation_swaps_width_and_height_as_the_decoder_does(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / "images" / f"rotated{suffix}"
     path.parent.mkdir()
     exif = Image.Exif()
     exif[0x0112] = 6  # display rotated 90 degrees clockwise
     Image.new("RGB", (40, 20)).save(path, exif=exif.tobytes())
+    # What the training decoder gives (a TIFF's size Pillow may report turned already: the decoder decides).
+    assert read_image(str(path)).shape[:2] == (40, 20)
     assert verify_image_label(str(path), str(tmp_path / "none.txt"), 1).shape_wh == (20, 40)
 
 

@@ -86,8 +86,22 @@ def check_image(path: str) -> tuple[tuple[int, int], str]:
             raise BadInputError("truncated JPEG (no end-of-image marker, and image data is missing)")
         if not has_end_marker:
             note = "JPEG without end-of-image marker, but its image data is complete; kept"
-    if orientation in (5, 6, 7, 8):  # rotated by 90 degrees: the decoder swaps width and height
+    if orientation in (5, 6, 7, 8) and image_format == "TIFF":
+        # Pillow (13, at least) reports some TIFFs' size already turned and others not: the decoder decides.
+        width, height = _decoded_size(path)
+    elif orientation in (5, 6, 7, 8):  # rotated by 90 degrees: the decoder swaps width and height
         width, height = height, width
     if min(width, height) < MIN_IMAGE_SIDE:
         raise BadInputError(f"image size {width}x{height} is below {MIN_IMAGE_SIDE} pixels")
     return (width, height), note
+
+
+def _decoded_size(path: str) -> tuple[int, int]:
+    """(width, height) of the image as training decodes it (OpenCV, EXIF orientation applied); raise if it cannot."""
+    # Imported here: it brings in OpenCV and torch, which the scan's worker processes otherwise never load.
+    from utils.data.cache import read_image
+
+    decoded = read_image(path)
+    if decoded is None:
+        raise BadInputError("not a readable image (OpenCV cannot decode it)")
+    return int(decoded.shape[1]), int(decoded.shape[0])
