@@ -32,6 +32,13 @@ def test_relative_paths_resolve_against_yaml_folder(tmp_path: Path) -> None:
         data.split("test")
 
 
+def test_names_keys_written_as_strings_are_the_indices(tmp_path: Path) -> None:
+    _layout(tmp_path)
+    yaml_file = tmp_path / "d.yaml"
+    yaml_file.write_text("path: ds\ntrain: images/train\nval: images/val\nnames: {'1': b, '0': a}\n")  # as from JSON
+    assert load_data_config(yaml_file, DistContext()).names == ("a", "b")
+
+
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
@@ -45,7 +52,10 @@ def test_relative_paths_resolve_against_yaml_folder(tmp_path: Path) -> None:
             f"path: ds\ntrain: images/train\nval: images/val\nnames: {_NAMES_GAP}\n",
             r"0\.\.5 \(missing 5; unexpected 6\)",
         ),
-        ("path: ds\ntrain: images/train\nval: images/val\nnames: {0: a, '1': b}\n", r"missing 1; unexpected '1'"),
+        ("path: ds\ntrain: images/train\nval: images/val\nnames: {0: a, '01': b}\n", r"missing 1; unexpected '01'"),
+        ("path: ds\ntrain: images/train\nval: images/val\nnames: c0\n", "must be a list or an index->name mapping"),
+        ("path: ds\ntrain: images/train\nval: images/val\nnames: []\n", "'names' is empty"),
+        ("path: ds\ntrain: images/train\nval: images/val\nnames: [a, null, '']\n", "no name for class 1, 2"),
         ("- just\n- a list\n", "expected a mapping"),
         ("path: [unclosed\n", "not valid YAML"),
     ],

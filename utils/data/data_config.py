@@ -81,15 +81,29 @@ def parse_names(raw: dict, yaml_file: Path) -> tuple[str, ...]:
     ):
         raise ConfigError(f"{yaml_file}: 'nc' must be a positive integer (the number of classes), got {num_classes!r}")
     if isinstance(names, dict):
+        # Keys written as strings ('0': person), as YAML converted from JSON has them, are the same indices.
+        names = {_index_key(key): name for key, name in names.items()}
         check_names_keys(list(names), yaml_file)
         names = [names[k] for k in range(len(names))]
     if names is None and num_classes is not None:
         names = [f"class{i}" for i in range(num_classes)]
-    if not isinstance(names, list) or not names:
+    if names is None:
         raise ConfigError(f"{yaml_file}: missing 'names' (a list or an index->name mapping)")
+    if not isinstance(names, list):
+        raise ConfigError(f"{yaml_file}: 'names' must be a list or an index->name mapping, got {names!r}")
+    if not names:
+        raise ConfigError(f"{yaml_file}: 'names' is empty: list the class names")
+    blank = [index for index, name in enumerate(names) if name is None or str(name).strip() == ""]
+    if blank:
+        raise ConfigError(f"{yaml_file}: 'names' has no name for class {_few(blank)} (null or empty)")
     if num_classes is not None and num_classes != len(names):
         raise ConfigError(f"{yaml_file}: nc={num_classes} but 'names' has {len(names)} entries")
     return tuple(str(n) for n in names)
+
+
+def _index_key(key: object) -> object:
+    """A `names` key as written: `'3'` (a string of a plain decimal) read as 3, anything else unchanged."""
+    return int(key) if isinstance(key, str) and key.isdecimal() and str(int(key)) == key else key
 
 
 def _few(values: list[object]) -> str:
@@ -103,8 +117,8 @@ def check_names_keys(keys: list[object], yaml_file: Path) -> None:
 
     The message names the indices that are missing and the keys that do not belong, not just the
     first few keys: in {0, 1, 2, 3, 4, 6} the fault is 5 missing and 6 unexpected, which a
-    truncated list of the keys would hide. A key that is not an integer (YAML `'1'`, `yes`) is
-    unexpected, never compared with the integers.
+    truncated list of the keys would hide. A key that is not an integer (YAML `yes`, `'x'`) is
+    unexpected, never compared with the integers (parse_names reads `'1'` as 1 before).
     """
     expected = range(len(keys))
     indices = {key for key in keys if type(key) is int}  # not bool: YAML reads `yes:` as True
