@@ -54,8 +54,8 @@ def test_a_bad_keyword_raises_the_command_lines_message(options: dict, message: 
 
 @pytest.mark.slow  # reaches run_entry (no training)
 def test_checks_after_parsing_raise_too_and_leave_no_process_group(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^--imgsz 100 must be a positive multiple of 32"):
-        train.run(imgsz=100, device="cpu", project=tmp_path)
+    with pytest.raises(ConfigError, match=r"^--epochs 0 must be at least 1"):
+        train.run(epochs=0, device="cpu", project=tmp_path)
     with pytest.raises(ConfigError, match="val.run: the following arguments are required: --weights"):
         val.run(data=tmp_path / "x.yaml")
     with pytest.raises(ConfigError, match="^export.run: unknown option 'format'"):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from utils.config import DEFAULT_HYP
+from utils.config import DEFAULT_HYP, stride_multiples
 from utils.distributed import DistContext, per_rank_batch
 from utils.errors import ConfigError
 from utils.eval.config import build_val_parser, val_config_from_args
@@ -69,10 +70,24 @@ def test_batch_not_divisible_by_world_size_is_one_line_error() -> None:
     validate(cfg, DistContext(rank=0, world_size=2))  # 30 = 2 x 15 is fine
 
 
+def test_image_sizes_round_up_to_the_stride_as_yolov5s(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert config_from_args(build_train_parser().parse_args(["--imgsz", "100"])).imgsz == 128
+        assert stride_multiples((640, 1), "--img") == (640, 32)
+    assert "--imgsz 100: sides must be multiples of 32 (the largest model stride); using 128" in caplog.text
+    assert "--img 640 1: sides must be multiples of 32 (the largest model stride); using 640 32" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")  # said once per job: the other ranks round alike without a word
+    with caplog.at_level(logging.WARNING):
+        assert stride_multiples((100,)) == (128,)
+    assert not caplog.text
+    with pytest.raises(ConfigError, match="--imgsz 0: sides are positive numbers of pixels"):
+        config_from_args(build_train_parser().parse_args(["--imgsz", "0"]))
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--imgsz", "100"], "--imgsz 100"),
         (["--cache", "gpu"], "--cache gpu"),
         (["--optimizer", "LBFGS"], "--optimizer LBFGS is not one of auto, SGD, Adam, AdamW"),
         (["--label-smoothing", "1.5"], r"--label-smoothing 1.5 must be in \[0, 1\)"),  # checked before auto loads

@@ -263,9 +263,10 @@ def test_flags_follow_yolov5_and_bad_ones_are_one_line() -> None:
     cfg = export_config_from_args(parser.parse_args(["--weights", "w.pt", "--include", "ONNX", "torchscript", "onnx"]))
     assert cfg.include == ("onnx", "torchscript") and cfg.imgsz is None and cfg.opset == 17
     assert export_config_from_args(parser.parse_args(["--weights", "w.pt", "--img", "320", "640"])).imgsz == (320, 640)
+    assert export_config_from_args(parser.parse_args(["--weights", "w.pt", "--img", "100"])).imgsz == (128, 128)
     refusals = {
         ("--include", "tflite"): "--include tflite is not supported; choose from torchscript, onnx",
-        ("--imgsz", "100"): "--imgsz 100 must be one or two positive multiples of 32",
+        ("--imgsz", "64", "64", "64"): "--imgsz 64 64 64: give one side or two",
         ("--batch-size", "0"): "--batch-size 0 must be at least 1",
         ("--opset", "99"): "--opset 99 must be within 11..20",
         ("--half", "--dynamic"): "--half and --dynamic cannot be combined",

@@ -204,7 +204,9 @@ def test_flags_defaults_and_refusals() -> None:
     argv = ["--source", "x", "--imgsz", "320", "480", "--classes", "0", "2", "--nosave", "--hide-conf"]
     cfg = predict_config_from_args(build_predict_parser().parse_args(argv))
     assert cfg.imgsz == (320, 480) and cfg.classes == (0, 2) and not cfg.save.save_images and cfg.style.hide_conf
-    for bad in (["--view-img"], ["--imgsz", "100"], ["--conf-thres", "2"], ["--vid-stride", "0"]):
+    rounded = predict_config_from_args(build_predict_parser().parse_args(["--source", "x", "--imgsz", "100", "64"]))
+    assert rounded.imgsz == (128, 64)  # up to multiples of 32, as YOLOv5
+    for bad in (["--view-img"], ["--imgsz", "64", "64", "64"], ["--conf-thres", "2"], ["--vid-stride", "0"]):
         with pytest.raises(ConfigError):
             predict_config_from_args(build_predict_parser().parse_args(["--source", "x", *bad]))
 

@@ -7,14 +7,20 @@ Training's options are utils/train/config.py (TrainConfig), validation's utils/e
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from utils.distributed import DEFAULT_TIMEOUT_MINUTES
 from utils.errors import ConfigError
 
+LOGGER = logging.getLogger(__name__)
+
 ROOT = Path(__file__).resolve().parent.parent
+MAX_STRIDE = 32  # the largest stride of every model here: input sides are multiples of it
 DEFAULT_DATA = ROOT / "data" / "synthetic.yaml"
 # `--optimizer auto` / `--hyp auto` (the defaults) choose one of two recipe files from the run's size
 # (utils/train/recipe.py): YOLOv5's SGD recipe for runs with many optimizer steps, and for the others
@@ -108,3 +114,20 @@ def flag_words(option: str, action: argparse.Action, value: Any, where: str) -> 
     if action.nargs == "?" and isinstance(value, bool):  # --cache / --resume alone
         return [option] if value else []
     return [option, str(value)]
+
+
+def stride_multiples(sides: Sequence[int], flag: str = "--imgsz") -> tuple[int, ...]:
+    """`sides` rounded up to multiples of MAX_STRIDE (at least one stride), as YOLOv5 rounds --img-size.
+
+    A side that changes is one warning, printed by the job's first process only (RANK unset or 0):
+    every rank builds its options before logging is set up. A side below 1 is a one-line ConfigError.
+    """
+    if any(side < 1 for side in sides):
+        raise ConfigError(f"{flag} {' '.join(map(str, sides))}: sides are positive numbers of pixels")
+    rounded = tuple(max(MAX_STRIDE, math.ceil(side / MAX_STRIDE) * MAX_STRIDE) for side in sides)
+    if rounded != tuple(sides) and os.environ.get("RANK", "0") == "0":
+        LOGGER.warning(
+            f"{flag} {' '.join(map(str, sides))}: sides must be multiples of {MAX_STRIDE} (the largest model "
+            f"stride); using {' '.join(map(str, rounded))}"
+        )
+    return rounded

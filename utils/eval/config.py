@@ -13,6 +13,7 @@ from utils.config import (
     ROOT,
     add_common_flags,
     check_dist_timeout,
+    stride_multiples,
 )
 from utils.distributed import DEFAULT_TIMEOUT_MINUTES
 from utils.errors import ConfigError
@@ -95,13 +96,13 @@ def val_config_from_args(args: argparse.Namespace) -> ValConfig:
     for flag, value in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{flag} {value} must be within [0, 1]")
-    if args.imgsz is not None and (args.imgsz < 32 or args.imgsz % 32):
-        raise ConfigError(f"--imgsz {args.imgsz} must be a positive multiple of 32 (the largest model stride)")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")
     check_dist_timeout(args.dist_timeout)
     names = {f.name for f in fields(ValConfig)}
     values = {key: value for key, value in vars(args).items() if key in names}
+    if args.imgsz is not None:
+        values["imgsz"] = stride_multiples((args.imgsz,))[0]
     if args.task == "speed":
         values.update(split="val", speed_only=True, conf_thres=0.25, iou_thres=0.45, save_json=False, plots=False)
     else:

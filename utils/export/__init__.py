@@ -29,7 +29,7 @@ from utils.backends.metadata import (
 )
 from utils.boxes import best_detections
 from utils.checkpoint import trained_imgsz
-from utils.config import IMGSZ_FROM_CHECKPOINT_HELP
+from utils.config import IMGSZ_FROM_CHECKPOINT_HELP, stride_multiples
 from utils.convert import load_weights
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -75,7 +75,6 @@ DEFAULT_CALIB_IMAGES = 300
 DEFAULT_OPSET = 17  # YOLOv5's default
 # The TorchScript-based ONNX exporter (dynamo=False) that we use writes opsets up to 20 in torch 2.14.
 OPSET_RANGE = (11, 20)
-MAX_STRIDE = 32
 
 
 @dataclass(frozen=True)
@@ -173,11 +172,9 @@ def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
     unknown = [name for name in include if name not in SUFFIXES]
     if unknown:
         raise ConfigError(f"--include {unknown[0]} is not supported; choose from {', '.join(SUFFIXES)}")
-    if args.imgsz is not None and (
-        len(args.imgsz) not in (1, 2) or any(side < MAX_STRIDE or side % MAX_STRIDE for side in args.imgsz)
-    ):
-        given = " ".join(map(str, args.imgsz))
-        raise ConfigError(f"--imgsz {given} must be one or two positive multiples of {MAX_STRIDE} (height width)")
+    if args.imgsz is not None and len(args.imgsz) not in (1, 2):
+        raise ConfigError(f"--imgsz {' '.join(map(str, args.imgsz))}: give one side or two (height width)")
+    imgsz = stride_multiples(args.imgsz) if args.imgsz is not None else None
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")
     if not OPSET_RANGE[0] <= args.opset <= OPSET_RANGE[1]:
@@ -190,7 +187,7 @@ def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
     return ExportConfig(
         weights=args.weights,
         include=include,
-        imgsz=None if args.imgsz is None else (args.imgsz[0], args.imgsz[-1]),
+        imgsz=None if imgsz is None else (imgsz[0], imgsz[-1]),
         batch_size=args.batch_size,
         device=args.device,
         half=args.half,

@@ -6,10 +6,8 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from utils.config import AUGMENT_HELP, IMGSZ_FROM_CHECKPOINT_HELP, ROOT
+from utils.config import AUGMENT_HELP, IMGSZ_FROM_CHECKPOINT_HELP, ROOT, stride_multiples
 from utils.errors import ConfigError
-
-MAX_STRIDE = 32  # the largest model stride: input sides must be multiples of it
 
 
 @dataclass(frozen=True)
@@ -111,10 +109,9 @@ def predict_config_from_args(args: argparse.Namespace) -> PredictConfig:
     for flag, value in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{flag} {value} must be within [0, 1]")
-    if args.imgsz is not None and (
-        len(args.imgsz) > 2 or any(side < MAX_STRIDE or side % MAX_STRIDE for side in args.imgsz)
-    ):
-        raise ConfigError(f"--imgsz {' '.join(map(str, args.imgsz))}: give one or two multiples of {MAX_STRIDE}")
+    if args.imgsz is not None and len(args.imgsz) > 2:
+        raise ConfigError(f"--imgsz {' '.join(map(str, args.imgsz))}: give one side or two (height width)")
+    imgsz = stride_multiples(args.imgsz) if args.imgsz is not None else None
     minimums = {"--max-det": args.max_det, "--vid-stride": args.vid_stride, "--line-thickness": args.line_thickness}
     for flag, value in minimums.items():
         if value < 1:
@@ -124,7 +121,7 @@ def predict_config_from_args(args: argparse.Namespace) -> PredictConfig:
     return PredictConfig(
         weights=args.weights,
         source=str(args.source),
-        imgsz=(args.imgsz[0], args.imgsz[-1]) if args.imgsz is not None else None,
+        imgsz=(imgsz[0], imgsz[-1]) if imgsz is not None else None,
         conf_thres=args.conf_thres,
         iou_thres=args.iou_thres,
         max_det=args.max_det,

@@ -35,12 +35,13 @@ from utils.backends import (
     load_backend,
     resolve_imgsz,
 )
+from utils.config import MAX_STRIDE
 from utils.distributed import select_device
 from utils.errors import ConfigError
 from utils.eval.coco import predictions_to_coco
 from utils.eval.evaluate import ImagePredictions
 from utils.families import build_model, segmentation_spec, spec_from_cfg
-from utils.predict.config import MAX_STRIDE, PredictConfig
+from utils.predict.config import PredictConfig
 from utils.predict.outputs import txt_lines
 from utils.predict.prediction import Prediction, class_name
 from utils.predict.predictor import FramePredictor

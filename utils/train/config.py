@@ -24,6 +24,7 @@ from utils.config import (
     ROOT,
     add_common_flags,
     check_dist_timeout,
+    stride_multiples,
 )
 from utils.data.cache import CACHE_MODES
 from utils.distributed import DEFAULT_TIMEOUT_MINUTES, DistContext, per_rank_batch
@@ -345,6 +346,7 @@ def config_from_args(args: argparse.Namespace, task: str = "detect") -> TrainCon
         callbacks=tuple(args.callbacks),
         resume=args.resume or "",
         task=task,
+        imgsz=stride_multiples((args.imgsz,))[0],
     )
     return TrainConfig(**values)
 
@@ -356,8 +358,6 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
     """
     if not cfg.resume or "batch_size" in cfg.explicit:  # a resumed run's own batch is checked once restored
         per_rank_batch(cfg.batch_size, ctx)
-    if cfg.imgsz < 32 or cfg.imgsz % 32:
-        raise ConfigError(f"--imgsz {cfg.imgsz} must be a positive multiple of 32 (the largest model stride)")
     if cfg.epochs < 1:
         raise ConfigError(f"--epochs {cfg.epochs} must be at least 1")
     if cfg.close_mosaic < 0:
