@@ -272,7 +272,8 @@ class _RankFitness:
 
     def __init__(self, result: Any, rank: int) -> None:
         self.loss_items = result.loss_items
-        self.metric_source = result.metric_source
+        self.metric_source, self.mask_metric_source = result.metric_source, result.mask_metric_source
+        self.mask_metrics = result.mask_metrics
         self.metrics = {**result.as_dict(), "fitness": FITNESS_BY_RANK[rank][_RankFitness.calls]}
         _RankFitness.calls += 1
 
