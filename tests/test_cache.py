@@ -160,8 +160,23 @@ def test_unreadable_image_falls_back_to_disk(tmp_path: Path, caplog: pytest.LogC
     cache = ImageCache(paths, shapes, np.arange(6), 32, "ram", CTX, num_threads=2)
     assert len(cache) == 5 and 1 not in cache and cache.get(1) is None and cache.get(2) is not None
     assert any(
-        "1 image(s) could not be cached" in r.getMessage() and paths[1] in r.getMessage() for r in caplog.records
+        "1 image(s) could not be cached" in r.getMessage() and f"{paths[1]}: unreadable" in r.getMessage()
+        for r in caplog.records
     )
+
+
+def test_a_disk_cache_it_cannot_write_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    paths, shapes = _images(tmp_path)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cache_module.tempfile, "mkstemp", refuse)  # a read-only folder (the tests run as root)
+    cache = ImageCache(paths, shapes, np.arange(2), 32, "disk", CTX, num_threads=1)
+    assert len(cache) == 0
+    assert f"(first: {paths[0]}: cannot write {disk_cache_path(paths[0])} (Permission denied))" in caplog.text
 
 
 def test_disk_cache_keeps_images_that_share_a_stem_apart(tmp_path: Path) -> None:

@@ -227,18 +227,20 @@ class ImageCache:
         )
         return False
 
-    def _store(self, slot: int) -> bool:
-        """Fill one slot (decode + resize into the buffer, or into a .npy); return whether it is now cached."""
+    def _store(self, slot: int) -> str | None:
+        """Fill one slot (decode + resize into the buffer, or into a .npy); None once cached, else why not."""
         path = self.image_files[self.indices[slot]]
         expected = (*self.hw[slot], 3)
         if self.mode == "disk" and _is_current_npy(path, expected):
-            return True
+            return None
         image = read_resized(path, self.img_size, self.augment)
-        if image is None or image.shape != expected:
-            return False
+        if image is None:
+            return "unreadable"
+        if image.shape != expected:
+            return f"decoded as {image.shape[1]}x{image.shape[0]}, the label scan found {expected[1]}x{expected[0]}"
         if self.mode == "ram":
             self.buffer[self.offsets[slot] : self.offsets[slot + 1]] = image.reshape(-1)
-            return True
+            return None
         return _write_npy(disk_cache_path(path), image)
 
     def _fill(self, ctx: DistContext, num_threads: int) -> None:
@@ -246,12 +248,13 @@ class ImageCache:
         desc = f"Caching images ({self.mode})"
         with ThreadPoolExecutor(max(1, num_threads)) as pool:
             results = pool.map(self._store, range(len(self.indices)))
-            bar = tqdm(results, total=len(self.indices), desc=desc, disable=tqdm_disabled(ctx))
-            self.is_filled[:] = list(bar)
+            reasons = list(tqdm(results, total=len(self.indices), desc=desc, disable=tqdm_disabled(ctx)))
+            self.is_filled[:] = [reason is None for reason in reasons]
         self.slot_of[self.indices] = np.arange(len(self.indices))
         failed = int((~self.is_filled).sum())
         if failed:
-            first = self.image_files[self.indices[np.flatnonzero(~self.is_filled)[0]]]
+            slot = int(np.flatnonzero(~self.is_filled)[0])
+            first = f"{self.image_files[self.indices[slot]]}: {reasons[slot]}"
             LOGGER.warning(
                 f"rank {ctx.rank}: {failed} image(s) could not be cached (first: {first}); they are read from disk"
             )
@@ -274,8 +277,8 @@ def _is_current_npy(image_path: str, expected_shape: tuple[int, ...]) -> bool:
         return False
 
 
-def _write_npy(target: Path, image: np.ndarray) -> bool:
-    """Save `image` to `target` atomically (unique temp file, then rename); return False if the folder refuses."""
+def _write_npy(target: Path, image: np.ndarray) -> str | None:
+    """Save `image` to `target` atomically (unique temp file, then rename); None, or why the folder refused."""
     tmp: Path | None = None
     try:
         handle, tmp_name = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".tmp", dir=target.parent)
@@ -284,8 +287,8 @@ def _write_npy(target: Path, image: np.ndarray) -> bool:
             np.save(file, image, allow_pickle=False)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; the other ranks' users must read it
         os.replace(tmp, target)
-        return True
-    except OSError:
+        return None
+    except OSError as error:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        return False
+        return f"cannot write {target} ({error.strerror or error})"
