@@ -94,10 +94,15 @@ class Bench:
         return self.args.deadline_s - (time.time() - self.started)
 
 
-def run_logged(command: list[str], cwd: Path, log: Path, bench: Bench) -> tuple[int, float]:
-    """Run `command` in `cwd`, output to `log`; killed (whole process group) at the deadline. Returns (rc, s)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "YOLO_CONFIG_DIR": str(bench.work / "ultralytics-config")}
-    bench.report.say(f"$ (cd {cwd} && {' '.join(command)}) > {log}")
+def run_logged(
+    command: list[str], cwd: Path, log: Path, bench: Bench, extra_env: dict[str, str] | None = None
+) -> tuple[int, float]:
+    """Run `command` in `cwd` (with `extra_env` set), output to `log`; killed at the deadline. Returns (rc, s)."""
+    extra_env = extra_env or {}
+    config_dir = str(bench.work / "ultralytics-config")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "YOLO_CONFIG_DIR": config_dir, **extra_env}
+    assignments = "".join(f"{key}={value} " for key, value in extra_env.items())
+    bench.report.say(f"$ (cd {cwd} && {assignments}{' '.join(command)}) > {log}")
     start = time.time()
     with open(log, "w") as handle:
         process = subprocess.Popen(

@@ -18,6 +18,12 @@ batches under torch.profiler (per batch: wall, device busy, kernels, host waits;
 then the next COUNT under cProfile (the Python functions); the summary goes to `<trace>.profile.txt`.
 `--profile-startup` runs cProfile from the trainer's start to its first optimizer step (imports,
 set-up, data, the first step) into `<trace>.startup.txt`.
+
+The environment variable GPU_RUNNER_CUDNN sets cuDNN's autotuning whatever the trainer asks for:
+`off` keeps `torch.backends.cudnn.benchmark` False (each convolution takes cuDNN's heuristic choice,
+no timing in the first step, as Ultralytics trains), `limit:N` leaves it as the trainer sets it and
+times at most N algorithms per convolution (`torch.backends.cudnn.benchmark_limit`, default 10).
+gpu.py sets it per run with `--train-variant='GPU_RUNNER_CUDNN=off'`.
 """
 
 from __future__ import annotations
@@ -189,6 +195,21 @@ def install_hooks() -> None:
     register_optimizer_step_post_hook(first_step)
 
 
+def apply_cudnn_setting(setting: str) -> None:
+    """GPU_RUNNER_CUDNN: `off` pins cudnn.benchmark False (a trainer's True is ignored); `limit:N` caps its search."""
+    if not setting:
+        return
+    cudnn = torch.backends.cudnn
+    if setting == "off":
+        getter = torch._C._get_cudnn_benchmark
+        type(cudnn).benchmark = torch.backends.ContextProp(getter, lambda value: torch._C._set_cudnn_benchmark(False))
+        cudnn.benchmark = False
+    elif setting.startswith("limit:") and setting[6:].isdigit():
+        cudnn.benchmark_limit = int(setting[6:])  # None where cuDNN is not available: CPU runs ignore it
+    else:
+        raise SystemExit(f"GPU_RUNNER_CUDNN={setting!r}: expected off or limit:N")
+
+
 def write_trace(path: Path, status: int, error: str) -> None:
     """Write EVENTS, the peak CUDA memory (GiB) and the exit status to `path` (atomically)."""
     if PROFILER is not None:
@@ -269,6 +290,7 @@ def main() -> None:
         start, count = (int(part) for part in args.profile.split(":"))
         PROFILER = WindowProfiler(start, count, args.trace.with_suffix(".profile.txt"))
     install_hooks()
+    apply_cudnn_setting(os.environ.get("GPU_RUNNER_CUDNN", ""))
     if args.profile_startup:
         STARTUP.update(profile=cProfile.Profile(), out=args.trace.with_suffix(".startup.txt"))
         STARTUP["start"] = time.perf_counter()

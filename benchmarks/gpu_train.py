@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import sys
 import time
@@ -25,6 +26,7 @@ from benchmarks.gpu_bench import (
 from benchmarks.gpu_trace import RunFigures, run_figures
 
 RUNNER = Path(__file__).resolve().parent / "gpu_runner.py"
+ENV_WORD = re.compile(r"^[A-Z_][A-Z0-9_]*=")  # GPU_RUNNER_CUDNN=off: an environment assignment, not a flag
 
 TRAIN_COLUMNS = (
     "set",
@@ -43,8 +45,10 @@ TRAIN_COLUMNS = (
 )
 
 
-def traced_run(bench: Bench, command: list[str], cwd: Path, name: str) -> tuple[int, float, RunFigures | None]:
-    """Run a trainer under gpu_runner.py; return (exit status, wall seconds, its figures if it left a trace)."""
+def traced_run(
+    bench: Bench, command: list[str], cwd: Path, name: str, extra_env: dict[str, str] | None = None
+) -> tuple[int, float, RunFigures | None]:
+    """Run a trainer under gpu_runner.py (`extra_env` set); return (exit status, wall seconds, its figures if any)."""
     trace_file = bench.work / "traces" / f"{name}.json"
     trace_file.parent.mkdir(parents=True, exist_ok=True)
     trace_file.unlink(missing_ok=True)
@@ -59,6 +63,7 @@ def traced_run(bench: Bench, command: list[str], cwd: Path, name: str) -> tuple[
         cwd,
         bench.report.out / "logs" / f"{name}.log",
         bench,
+        extra_env,
     )
     for summary in summaries:
         if summary.is_file():
@@ -119,14 +124,25 @@ def train_ours(bench: Bench, checkout: Checkout, size: int, epochs: int, variant
     argv, dropped = argv_from(wanted, common_flags(bench, "train.py"))
     if dropped:
         bench.report.say(f"  train.py flags not in every checkout, left out: {' '.join(dropped)}")
-    argv += variant.split()
-    rc, wall, figures = traced_run(bench, ["--", "train.py", *argv], checkout.path, f"train-{name}")
+    env, flags = split_variant(variant)
+    argv += flags
+    rc, wall, figures = traced_run(bench, ["--", "train.py", *argv], checkout.path, f"train-{name}", env)
     run_dir = project / name
     label = f"{checkout.label} {variant}".strip() + (f" (round {run + 1})" if run else "")
     bench.report.add("training", TRAIN_COLUMNS, train_row(size, "ours", label, figures, coco_scores(run_dir), wall, rc))
     best = run_dir / "weights" / "best.pt"
     if bench.first_weights is None and best.is_file() and not variant:
         bench.first_weights, bench.first_data = best, our_yaml(view)
+
+
+def split_variant(variant: str) -> tuple[dict[str, str], list[str]]:
+    """A --train-variant's leading NAME=value words (the runner's environment, as in a shell) and its train.py flags."""
+    words = variant.split()
+    env: dict[str, str] = {}
+    while words and ENV_WORD.match(words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    return env, words
 
 
 def ultralytics_available() -> bool:

@@ -6,8 +6,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks import gpu, gpu_train
+from benchmarks import gpu, gpu_runner, gpu_train
 from benchmarks.gpu_bench import Bench, Checkout, Report
 from benchmarks.gpu_trace import run_figures, train_epochs
 
@@ -90,6 +91,24 @@ def test_rounds_repeat_every_trainer_in_alternating_order(tmp_path: Path, monkey
     order = [".", "old", ". --cuda-graph", "ul"]
     expected = [(name, 0) for name in order] + [(name, 1) for name in order[::-1]] + [(name, 2) for name in order]
     assert runs == expected
+
+
+def test_a_variant_sets_the_runners_environment_and_off_pins_cudnn_autotuning(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert gpu_train.split_variant("GPU_RUNNER_CUDNN=off A_B=1 --cuda-graph X=1") == (
+        {"GPU_RUNNER_CUDNN": "off", "A_B": "1"},
+        ["--cuda-graph", "X=1"],  # after the first flag every word is train.py's
+    )
+    cudnn = torch.backends.cudnn
+    monkeypatch.setattr(type(cudnn), "benchmark", type(cudnn).benchmark)  # put back after the test
+    previous = cudnn.benchmark
+    try:
+        gpu_runner.apply_cudnn_setting("off")
+        cudnn.benchmark = True  # what train.py does on CUDA
+        assert cudnn.benchmark is False
+    finally:
+        torch._C._set_cudnn_benchmark(previous)
+    with pytest.raises(SystemExit, match="expected off or limit:N"):
+        gpu_runner.apply_cudnn_setting("fast")
 
 
 @pytest.mark.slow  # train.py, val.py and train_step.py end to end
