@@ -148,26 +148,52 @@ def test_folders_are_searched_through_links_and_no_image_goes_unseen(
     root = tmp_path / "ds"
     train = root / "images" / "train"
     kept = [_image(train / "a.jpg"), _image(train / "b.jpg", value=90).rename(train / "b.mpo")]  # a JPEG, as YOLOv5
+    inside = _image(train / "z_real" / "e.jpg")
     elsewhere = _image(tmp_path / "store" / "c.jpg")
-    (train / "linked").symlink_to(elsewhere.parent, target_is_directory=True)
-    (train / "linked" / "loop").symlink_to(train, target_is_directory=True)  # back up the tree: walked once
+    (train / "linked").symlink_to(elsewhere.parent, target_is_directory=True)  # outside the split: followed
+    (train / "linked" / "again").symlink_to(elsewhere.parent, target_is_directory=True)  # that folder again
+    (train / "a_link").symlink_to(inside.parent, target_is_directory=True)  # inside: reached by its own path
+    (train / "loop").symlink_to(train, target_is_directory=True)  # back up the tree
+    (train / "up").symlink_to(root / "images", target_is_directory=True)  # holds val too: not followed
+    _image(root / "images" / "val" / "v.jpg")
     (train / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
     (train / "d.gif").write_bytes(b"GIF89a")
     (train / "notes.json").write_text("{}")  # not an image type: not named
     _label(root, "train/a", "0 0.5 0.5 0.2 0.2\n")
+    _label(root, "train/z_real/e", "0 0.5 0.5 0.2 0.2\n")
     files = list_image_files(train)
     linked, gone = str(train / "linked" / "c.jpg"), str(train / "gone.jpg")
-    assert files == sorted([*map(str, kept), linked, gone])
+    assert files == sorted([*map(str, kept), str(inside), linked, gone])
+    holds = "which holds this split's folder"
     assert files.skipped == [
+        f"{train / 'loop'}: left out: a link to {train}, {holds} {train}",
+        f"{train / 'up'}: left out: a link to {root / 'images'}, {holds} {train}",
         f"{train / 'd.gif'}: left out: .gif images are not read "
-        "(.bmp, .dng, .jpeg, .jpg, .mpo, .pfm, .png, .tif, .tiff, .webp); convert it to train on it"
+        "(.bmp, .dng, .jpeg, .jpg, .mpo, .pfm, .png, .tif, .tiff, .webp); convert it to train on it",
     ]
     assert files.cache_path == root / "labels" / "train.cache"
     caplog.set_level(logging.INFO)
     index = scan_labels(files, 1, CTX)
-    assert sorted(index.im_files) == sorted([*map(str, kept), linked])  # the dangling link is counted corrupt
+    assert sorted(index.im_files) == sorted([*map(str, kept), str(inside), linked])  # the dangling link: corrupt
     assert f"corrupt image {gone}: file not found; skipped" in caplog.text
-    assert "1 found, 2 missing (background), 0 empty, 1 corrupt, 1 file(s) left out before the scan" in caplog.text
+    assert "2 found, 2 missing (background), 0 empty, 1 corrupt, 3 file(s) left out before the scan" in caplog.text
+
+
+def test_a_folder_that_cannot_be_listed_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    train = tmp_path / "images" / "train"
+    kept = _image(train / "a.jpg")
+    _image(train / "locked" / "b.jpg")
+    real_scandir = os.scandir
+
+    def scandir(path: str) -> object:
+        if os.fspath(path).endswith("locked"):  # as a folder of another user's, mode 700, is to us
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    files = list_image_files(train)
+    assert files == [str(kept)]
+    assert files.skipped == [f"{train / 'locked'}: left out: the folder cannot be listed (Permission denied)"]
 
 
 def test_images_sharing_a_label_file_are_named_and_lists_keep_caches_of_their_own(

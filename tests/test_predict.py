@@ -24,7 +24,7 @@ from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.families import build_model as build_family_model
 from utils.predict.config import PredictConfig, SaveOptions, build_predict_parser, predict_config_from_args
-from utils.predict.outputs import mask_polygon, txt_lines
+from utils.predict.outputs import annotated_suffix, mask_polygon, txt_lines
 from utils.predict.prediction import Prediction, counted
 from utils.predict.predictor import FramePredictor, PredictResult, describe, load_predictor_model, predict
 from utils.predict.sources import InputItem, UnreadableInputError, VideoReader, discover_inputs, shard_inputs
@@ -287,6 +287,16 @@ def test_predict_folder_writes_images_video_labels_crops_and_skips_bad(
     assert any(line.startswith("image 3/5 ") and line.endswith("ms") for line in lines)
     assert any(line.startswith("video 2/5 (frame 5/5) ") for line in lines)
     assert any(line.startswith("Speed: ") and "per image at shape (1, 3, 64, 64)" in line for line in lines)
+
+
+def test_an_image_of_a_type_opencv_cannot_write_is_annotated_as_jpg(tmp_path: Path, det_weights: Path) -> None:
+    source = tmp_path / "in"
+    write_image(source / "shot.jpg", seed=0)
+    (source / "shot.jpg").rename(source / "shot.mpo")  # a camera's multi-picture JPEG: read as JPEG, no encoder
+    result = predict(config(det_weights, source, tmp_path / "runs"), DETECT, DistContext())
+    assert result.total.images == 1 and result.total.num_skipped == 0
+    assert [p.name for p in result.save_dir.iterdir() if p.is_file()] == ["shot.jpg"]
+    assert [annotated_suffix(s) for s in (".png", ".JPG", ".dng", ".pfm")] == [".png", ".JPG", ".jpg", ".jpg"]
 
 
 def test_inputs_of_one_name_from_several_folders_get_their_own_outputs(

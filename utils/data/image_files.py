@@ -100,19 +100,36 @@ def list_image_files(sources: str | Path | Sequence[str | Path]) -> ImageFiles:
 
 
 def _folder_images(folder: Path) -> tuple[list[str], list[str]]:
-    """(image paths, skip notes) under `folder`, recursively and through linked folders (each real folder once).
+    """(image paths, skip notes) under `folder`, recursively, and into linked folders outside it.
 
-    Links to files are kept whether or not their target exists (a dangling one is counted corrupt
-    by the scan). An image of a type that is not read (OTHER_IMAGE_SUFFIXES) is one skip note.
+    A linked folder inside `folder` is reached by its own path anyway (its labels are found there,
+    not under the link's name), and one that holds `folder` would pull in other splits: neither is
+    followed, the second with a note. Links to files are kept whether or not their target exists (a
+    dangling one is counted corrupt by the scan). An image of a type that is not read
+    (OTHER_IMAGE_SUFFIXES) and a folder that cannot be listed are one skip note each.
     """
-    images, skipped, visited = [], [], set()
-    for directory, subdirectories, names in os.walk(str(folder), followlinks=True):
-        real = os.path.realpath(directory)
-        if real in visited:  # a link back up the tree, or two links to one folder
-            subdirectories.clear()
-            continue
-        visited.add(real)
-        subdirectories.sort()
+    root = os.path.realpath(folder)
+    images: list[str] = []
+    skipped: list[str] = []
+    visited: set[str] = set()  # real folders walked: two links to one outside folder list it once
+
+    def unlisted(error: OSError) -> None:
+        skipped.append(f"{error.filename}: left out: the folder cannot be listed ({error.strerror or error})")
+
+    for directory, subdirectories, names in os.walk(str(folder), onerror=unlisted, followlinks=True):
+        visited.add(os.path.realpath(directory))
+        kept = []
+        for name in sorted(subdirectories):
+            path = os.path.join(directory, name)
+            real = os.path.realpath(path)
+            if not os.path.islink(path):
+                kept.append(name)
+            elif root == real or root.startswith(real + os.sep):
+                skipped.append(f"{path}: left out: a link to {real}, which holds this split's folder {folder}")
+            elif not real.startswith(root + os.sep) and real not in visited:
+                visited.add(real)
+                kept.append(name)
+        subdirectories[:] = kept
         for name in names:
             suffix = os.path.splitext(name)[1].lower()
             path = os.path.join(directory, name)

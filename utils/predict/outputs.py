@@ -66,6 +66,15 @@ def crop_box(image: np.ndarray, box_xyxy: np.ndarray) -> np.ndarray:
     return image[y1:y2, x1:x2].copy()
 
 
+# Suffixes an annotated image keeps: 8-bit formats OpenCV writes. Others (.mpo, .dng: no encoder; .pfm: float) -> .jpg.
+KEPT_OUTPUT_SUFFIXES = frozenset({".bmp", ".jpeg", ".jpg", ".png", ".tif", ".tiff", ".webp"})
+
+
+def annotated_suffix(input_suffix: str) -> str:
+    """The suffix of an input image's annotated copy: the input's own when OpenCV writes it as 8-bit, else .jpg."""
+    return input_suffix if input_suffix.lower() in KEPT_OUTPUT_SUFFIXES else ".jpg"
+
+
 def write_image(path: Path, image: np.ndarray) -> None:
     """Write a BGR image, encoded by OpenCV (format from the suffix); raise OSError when it cannot be written.
 

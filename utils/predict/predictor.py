@@ -37,7 +37,7 @@ from utils.distributed import DistContext, all_gather_objects, broadcast_object,
 from utils.errors import ConfigError
 from utils.predict.config import PredictConfig
 from utils.predict.draw import annotate
-from utils.predict.outputs import RunWriter, VideoSink, write_image
+from utils.predict.outputs import RunWriter, VideoSink, annotated_suffix, write_image
 from utils.predict.prediction import Prediction, class_name, counted
 from utils.predict.sources import (
     InputItem,
@@ -207,7 +207,7 @@ class PredictionLoop:
         prefix = f"image {item.index + 1}/{self.total_inputs} {item.path}"
         annotated = self._picture(image, item.stem, prefix)
         if annotated is not None:
-            write_image(self.writer.save_dir / f"{item.stem}{Path(item.path).suffix}", annotated)
+            write_image(self.writer.save_dir / f"{item.stem}{annotated_suffix(Path(item.path).suffix)}", annotated)
         self.tally.images += 1
         self.tally.processed.append(item.path)
 
