@@ -352,11 +352,13 @@ def test_segmentations_cocoeval_cannot_rasterise_are_named() -> None:
             {"id": 12, "image_id": 1, "segmentation": {"size": [30, 20], "counts": "abc"}},  # transposed
             {"id": 13, "image_id": 1, "segmentation": []},
             {"id": 14, "image_id": 1, "segmentation": [[1.0, 1.0, 9.0, 9.0]]},  # pycocotools: a box
-            {"id": 15, "image_id": 1, "segmentation": [[1.0, 1.0, 9.0, 1.0, 9.0]]},  # odd count
+            {"id": 15, "image_id": 1, "segmentation": [[1.0, 1.0, 9.0, 1.0, 9.0]]},  # odd: pycocotools rasterises it
+            {"id": 19, "image_id": 1, "segmentation": [polygon[0], [1.0, 2.0]]},  # a short later part: also
+            {"id": 20, "image_id": 1, "segmentation": [[1.0, 2.0], polygon[0]]},  # a short first part: fails
             {"id": 16, "image_id": 1},
             {"id": 17, "image_id": 2, "segmentation": []},  # an image not evaluated
             {"id": 18, "image_id": 3, "segmentation": polygon},  # its image has no size
         ],
     }
-    assert unscorable_segmentations(dataset, {1, 3}) == [12, 13, 14, 15, 16, 18]
+    assert unscorable_segmentations(dataset, {1, 3}) == [12, 13, 14, 20, 16, 18]
     assert unscorable_segmentations(dataset, {2}) == [17]

@@ -317,8 +317,8 @@ def _score(
         else:
             LOGGER.warning(
                 f"{path}: {len(unscorable)} annotation(s) of the evaluated images have no segmentation COCOeval can "
-                f"score (missing, empty, a polygon of under 3 points, or an RLE of another size than its image; "
-                f"first: id {unscorable[0]}); masks are scored by the internal metric"
+                f"score (missing, empty, a first polygon of 4 numbers or fewer, or an RLE of another size than its "
+                f"image; first: id {unscorable[0]}); masks are scored by the internal metric"
             )
     gt = _coco_api(target.annotations)
     start = time.perf_counter()
@@ -338,9 +338,11 @@ def _score(
 def unscorable_segmentations(dataset: dict[str, Any], image_ids: set[int]) -> list[Any]:
     """Ids of the annotations of `image_ids` whose `segmentation` pycocotools cannot rasterise.
 
-    COCOeval turns every ground-truth segmentation of an evaluated image into a mask: a missing or
-    empty one fails inside it, a first polygon of 4 numbers is read as a box, a shorter one as
-    nothing, and an RLE must be its image's size. Polygons need their image's integer height and width.
+    COCOeval turns every ground-truth segmentation of an evaluated image into a mask, with
+    pycocotools' frPyObjects, which looks only at the first polygon of a list: more than 4 numbers
+    and every part is rasterised (odd counts and short later parts too); exactly 4 is taken for a
+    box and fails (TypeError); fewer, or an empty list, fails too. A missing segmentation fails,
+    and an RLE must be its image's size. Polygons need their image's integer height and width.
     """
     sizes = {image.get("id"): (image.get("height"), image.get("width")) for image in dataset["images"]}
     unscorable = []
@@ -350,9 +352,8 @@ def unscorable_segmentations(dataset: dict[str, Any], image_ids: set[int]) -> li
         segmentation, size = ann.get("segmentation"), sizes.get(ann.get("image_id"))
         known_size = size is not None and all(isinstance(side, int) and side > 0 for side in size)
         if isinstance(segmentation, list):
-            usable = bool(segmentation) and all(
-                isinstance(part, list) and len(part) >= 6 and len(part) % 2 == 0 for part in segmentation
-            )
+            usable = bool(segmentation) and all(isinstance(part, list) for part in segmentation)
+            usable = usable and len(segmentation[0]) > 4
         elif isinstance(segmentation, dict):
             usable = "counts" in segmentation and list(segmentation.get("size") or ()) == list(size or ())
         else:
