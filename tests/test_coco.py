@@ -13,6 +13,7 @@ import yaml
 from pycocotools import mask as mask_utils
 
 from utils.data.data_config import load_data_config
+from utils.data.image_files import unique_stems
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -23,6 +24,7 @@ from utils.eval.coco import (
     category_mapping,
     coco_evaluate,
     load_annotations,
+    output_stems,
     predictions_to_coco,
     stem_image_ids,
     unscorable_segmentations,
@@ -224,14 +226,27 @@ def test_images_missing_from_annotations_are_reported_not_dropped_silently(caplo
 
 
 def test_stem_image_ids_are_ints_when_numeric_and_unique_per_image() -> None:
-    items = [ImagePredictions(p, (1, 1), np.zeros((0, 6))) for p in ("/x/000012.jpg", "/x/cat_3.png")]
-    assert stem_image_ids(items) == {"/x/000012.jpg": 12, "/x/cat_3.png": "cat_3"}
+    assert stem_image_ids(output_stems(["/x/000012.jpg", "/x/cat_3.png"], MAIN, "ids")) == {
+        "/x/000012.jpg": 12,
+        "/x/cat_3.png": "cat_3",
+    }
     # One stem in two folders, or with two suffixes: an id each (one id would merge their detections).
     paths = ("/b/x.jpg", "/a/x.jpg", "/a/x.png")
     items = [ImagePredictions(p, (10, 10), np.array([[1.0, 1.0, 5.0, 5.0, 0.9, 0]])) for p in paths]
-    ids = stem_image_ids(items)
+    ids = stem_image_ids(output_stems(paths, MAIN, "ids"))
     assert ids == {"/a/x.jpg": "x", "/a/x.png": "x-2", "/b/x.jpg": "x-3"}
     assert sorted(r["image_id"] for r in predictions_to_coco(items, ids, (1,))) == ["x", "x-2", "x-3"]
+
+
+def test_unique_stems_number_past_real_names_in_one_pass() -> None:
+    files = ["/a/x-2.jpg", "/a/x.jpg", "/a/x.png", "/b/x.jpg"]
+    assert unique_stems(files) == (
+        ["x-2", "x", "x-3", "x-4"],  # a real x-2 is not given to another file
+        ["/a/x.png -> x-3", "/b/x.jpg -> x-4"],
+    )
+    many = [f"/{i}/image.jpg" for i in range(20000)]  # the <id>/image.jpg layout: was quadratic
+    stems, renamed = unique_stems(many)
+    assert len(set(stems)) == 20000 and stems[-1] == "image-20000" and len(renamed) == 19999
 
 
 # ---------------------------------------------------------------- COCOeval scores

@@ -26,8 +26,8 @@ from utils.checkpoint import RunInfo, build_checkpoint, load_checkpoint, save_ch
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec, ensure_synthetic_dataset
 from utils.distributed import DistContext, gather_objects
 from utils.errors import ConfigError
-from utils.eval.checkpoint_val import output_stems, prepare_validation, save_txt, validate_checkpoint
-from utils.eval.coco import EVAL_FILE, PREDICTIONS_FILE, STAT_NAMES
+from utils.eval.checkpoint_val import prepare_validation, save_txt, validate_checkpoint
+from utils.eval.coco import EVAL_FILE, PREDICTIONS_FILE, STAT_NAMES, output_stems
 from utils.eval.config import ValConfig, build_val_parser, val_config_from_args
 from utils.eval.evaluate import ImagePredictions
 from utils.families import build_model as build_family_model
@@ -86,13 +86,15 @@ def _val_args(weights: Path, data: Path, project: Path, *extra: str, imgsz: int 
             "--workers", "0", "--device", "cpu", "--project", str(project), "--name", "v", *extra]  # fmt: skip
 
 
-def test_save_txt_gives_images_of_one_stem_a_file_each_on_every_rank(tmp_path: Path, caplog) -> None:
+def test_save_txt_gives_images_of_one_stem_a_file_each_on_every_rank(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     paths = ["/d/b/x.jpg", "/d/a/x.jpg", "/d/a/x.png", "/d/a/y.jpg"]
     with caplog.at_level(logging.WARNING):
-        stems = output_stems(paths, DistContext())
+        stems = output_stems(paths, DistContext(), "labels")
     assert stems == {"/d/a/x.jpg": "x", "/d/a/x.png": "x-2", "/d/a/y.jpg": "y", "/d/b/x.jpg": "x-3"}
     assert "2 image(s) share a file stem with another; labels renamed (first: /d/a/x.png -> x-2)" in caplog.text
-    assert output_stems(list(reversed(paths)), DistContext(rank=1, world_size=2)) == stems  # any rank, any order
+    assert output_stems(list(reversed(paths)), DistContext(rank=1, world_size=2), "labels") == stems  # any rank
     box, other = np.array([[2.0, 2.0, 6.0, 6.0, 0.9, 1.0]]), np.array([[0.0, 0.0, 8.0, 8.0, 0.9, 3.0]])
     rank_shards = ([ImagePredictions(paths[0], (10, 10), box), ImagePredictions(paths[1], (10, 10), other)],
                    [ImagePredictions(p, (10, 10), box) for p in paths[2:]])  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,11 +23,10 @@ from utils.boxes import xyxy_to_xywhn
 from utils.config import DEFAULT_DATA
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
-from utils.data.image_files import unique_stems
 from utils.data.loader import build_val_loader
 from utils.distributed import DistContext, all_gather_objects, per_rank_batch
 from utils.errors import ConfigError
-from utils.eval.coco import CocoTarget, check_coco_target, coco_evaluate
+from utils.eval.coco import CocoTarget, check_coco_target, coco_evaluate, output_stems
 from utils.eval.config import ValConfig
 from utils.eval.evaluate import EvalOptions, EvalResult, format_results
 from utils.plots import plot_evaluation, val_batch_drawer
@@ -79,14 +78,19 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
         on_batch=val_batch_drawer(setup.save_dir, setup.names) if cfg.plots and ctx.is_main else None,
     )
     result = task.evaluate(setup.model, setup.loader, eval_options, ctx)
+    annotations = setup.data.annotations.get(cfg.split)
+    # Outputs named by image stem (labels/, predictions.json's ids without annotations) share one mapping.
+    named_by_stem = cfg.save_txt or (cfg.save_json and annotations is None)
+    stems = output_stems(setup.loader.dataset.im_files, ctx, "outputs") if named_by_stem else {}
     if cfg.save_json:
         assert setup.save_dir is not None  # prepare_validation makes one whenever something is saved
         result = coco_evaluate(
-            result, setup.data, cfg.split, setup.save_dir, ctx, single_cls=cfg.single_cls, target=setup.coco_target
-        )
-    report(result, setup.names, cfg, ctx, setup.data.annotations.get(cfg.split))
+            result, setup.data, cfg.split, setup.save_dir, ctx,
+            single_cls=cfg.single_cls, target=setup.coco_target, stems=stems,
+        )  # fmt: skip
+    report(result, setup.names, cfg, ctx, annotations)
     if cfg.save_txt and setup.save_dir is not None:
-        save_txt(result, setup.save_dir / "labels", output_stems(setup.loader.dataset.im_files, ctx), cfg.save_conf)
+        save_txt(result, setup.save_dir / "labels", stems, cfg.save_conf)
     if cfg.plots and setup.save_dir is not None and ctx.is_main:
         plot_evaluation(result, setup.names, setup.save_dir)
     if setup.save_dir is not None and ctx.is_main:
@@ -240,19 +244,6 @@ def metric_source_text(result: EvalResult, save_json: bool, annotations: Path | 
     if save_json and annotations is None:
         return f"{internal}; the dataset YAML names no COCO annotations file for this split"
     return internal
-
-
-def output_stems(image_files: Sequence[str], ctx: DistContext) -> dict[str, str]:
-    """Each evaluated image's output stem (image_files.unique_stems over the sorted list every rank holds).
-
-    The same on every rank, so ranks writing their own shards never give two images one file; rank 0
-    warns once when some are renamed.
-    """
-    paths = sorted(image_files)
-    stems, renamed = unique_stems(paths)
-    if renamed and ctx.is_main:
-        LOGGER.warning(f"{len(renamed)} image(s) share a file stem with another; labels renamed (first: {renamed[0]})")
-    return dict(zip(paths, stems, strict=True))
 
 
 def save_txt(result: EvalResult, folder: Path, stems: Mapping[str, str], save_conf: bool = False) -> None:

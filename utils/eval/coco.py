@@ -156,17 +156,22 @@ def _json_rle(rle: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def stem_image_ids(predictions: Sequence[ImagePredictions]) -> dict[str, int | str]:
-    """Image ids without an annotations file, keyed by image path: the stem (an int when numeric), made unique.
+def output_stems(image_files: Sequence[str], ctx: DistContext, what: str) -> dict[str, str]:
+    """Each image's output stem (image_files.unique_stems over the sorted list: alike on every rank); rank 0 warns.
 
-    Two images of one stem (`a/x.jpg` and `b/x.jpg`, or `x.jpg` and `x.png`) get `x` and `x-2`, in
-    sorted path order (image_files.unique_stems), with one warning; one id would merge their detections.
+    Every output of one run takes its names from this one mapping (val's --save-txt files and
+    --save-json image ids), so an image has the same name in each. `what` says what is renamed.
     """
-    paths = sorted({item.path for item in predictions})
+    paths = sorted(image_files)
     stems, renamed = unique_stems(paths)
-    if renamed:
-        LOGGER.warning(f"{len(renamed)} image(s) share a file stem with another; ids renamed (first: {renamed[0]})")
-    return {path: int(stem) if stem.isdigit() else stem for path, stem in zip(paths, stems, strict=True)}
+    if renamed and ctx.is_main:
+        LOGGER.warning(f"{len(renamed)} image(s) share a file stem with another; {what} renamed (first: {renamed[0]})")
+    return dict(zip(paths, stems, strict=True))
+
+
+def stem_image_ids(stems: Mapping[str, str]) -> dict[str, int | str]:
+    """Image ids without an annotations file, keyed by image path: its output stem, an int when numeric."""
+    return {path: int(stem) if stem.isdigit() else stem for path, stem in stems.items()}
 
 
 def run_cocoeval(
@@ -251,6 +256,7 @@ def coco_evaluate(
     *,
     single_cls: bool = False,
     target: CocoTarget | None = None,
+    stems: Mapping[str, str] | None = None,
 ) -> EvalResult:
     """Score `result`'s predictions with pycocotools and return the result with COCOeval's mAPs.
 
@@ -262,9 +268,10 @@ def coco_evaluate(
     map50/map50_95/fitness and per-class AP replaced and `metric_source="pycocotools"` (and
     `mask_metric_source`, when the ground truth's segmentations could be scored). Without an
     annotations file for `split` the result is returned unchanged (internal metric) and
-    predictions.json uses file stems as image ids and class indices as category ids. `target`,
-    when rank 0 already loaded it (`check_coco_target`), saves reading the file again. A bad
-    annotations file is one ConfigError on every rank.
+    predictions.json uses file stems as image ids (`stems`, output_stems of the evaluated set, so
+    they match the run's other outputs; by default the predictions' own) and class indices as
+    category ids. `target`, when rank 0 already loaded it (`check_coco_target`), saves reading the
+    file again. A bad annotations file is one ConfigError on every rank.
     """
     gathered = gather_objects(result.predictions, ctx)
     save_dir = Path(save_dir)
@@ -274,9 +281,10 @@ def coco_evaluate(
         coco_target = target or load_coco_target(data, split, single_cls)
         save_dir.mkdir(parents=True, exist_ok=True)
         if coco_target is None:
+            own = stems if stems is not None else output_stems([p.path for p in predictions], ctx, "image ids")
             _write_json(
                 save_dir / PREDICTIONS_FILE,
-                predictions_to_coco(predictions, stem_image_ids(predictions), range(len(data.names))),
+                predictions_to_coco(predictions, stem_image_ids(own), range(len(data.names))),
             )
             LOGGER.info(
                 f"No '{split}_annotations' in {data.yaml_file}: mAP is the internal metric; wrote "
