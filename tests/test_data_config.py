@@ -54,6 +54,7 @@ def test_names_keys_written_as_strings_are_the_indices(tmp_path: Path) -> None:
         ),
         ("path: ds\ntrain: images/train\nval: images/val\nnames: {0: a, '01': b}\n", r"missing 1; unexpected '01'"),
         ("path: ds\ntrain: images/train\nval: images/val\nnames: c0\n", "must be a list or an index->name mapping"),
+        ("path: ds\ntrain: images/train\nval: images/val\nnames: {0: a, '0': b}\n", "keys '0' repeat the index keys"),
         ("path: ds\ntrain: images/train\nval: images/val\nnames: []\n", "'names' is empty"),
         ("path: ds\ntrain: images/train\nval: images/val\nnames: [a, null, '']\n", "no name for class 1, 2"),
         ("- just\n- a list\n", "expected a mapping"),

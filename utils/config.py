@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from utils.distributed import DEFAULT_TIMEOUT_MINUTES
+from utils.distributed import DEFAULT_TIMEOUT_MINUTES, read_launch_env
 from utils.errors import ConfigError
 
 LOGGER = logging.getLogger(__name__)
@@ -119,13 +118,14 @@ def flag_words(option: str, action: argparse.Action, value: Any, where: str) -> 
 def stride_multiples(sides: Sequence[int], flag: str = "--imgsz") -> tuple[int, ...]:
     """`sides` rounded up to multiples of MAX_STRIDE (at least one stride), as YOLOv5 rounds --img-size.
 
-    A side that changes is one warning, printed by the job's first process only (RANK unset or 0):
-    every rank builds its options before logging is set up. A side below 1 is a one-line ConfigError.
+    A side that changes is one warning, printed by the job's first process only (rank 0 as torchrun
+    or SLURM number it, utils/distributed.py: read_launch_env): every rank builds its options before
+    logging is set up. A side below 1 is a one-line ConfigError.
     """
     if any(side < 1 for side in sides):
         raise ConfigError(f"{flag} {' '.join(map(str, sides))}: sides are positive numbers of pixels")
     rounded = tuple(max(MAX_STRIDE, math.ceil(side / MAX_STRIDE) * MAX_STRIDE) for side in sides)
-    if rounded != tuple(sides) and os.environ.get("RANK", "0") == "0":
+    if rounded != tuple(sides) and read_launch_env()[0] == 0:
         LOGGER.warning(
             f"{flag} {' '.join(map(str, sides))}: sides must be multiples of {MAX_STRIDE} (the largest model "
             f"stride); using {' '.join(map(str, rounded))}"

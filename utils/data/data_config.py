@@ -82,7 +82,11 @@ def parse_names(raw: dict, yaml_file: Path) -> tuple[str, ...]:
         raise ConfigError(f"{yaml_file}: 'nc' must be a positive integer (the number of classes), got {num_classes!r}")
     if isinstance(names, dict):
         # Keys written as strings ('0': person), as YAML converted from JSON has them, are the same indices.
-        names = {_index_key(key): name for key, name in names.items()}
+        indexed = {_index_key(key): name for key, name in names.items()}
+        if len(indexed) < len(names):
+            twice = [key for key in names if key != _index_key(key) and _index_key(key) in names]
+            raise ConfigError(f"{yaml_file}: 'names' keys {_few(twice)} repeat the index keys they spell")
+        names = indexed
         check_names_keys(list(names), yaml_file)
         names = [names[k] for k in range(len(names))]
     if names is None and num_classes is not None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from utils.backends import (
     load_backend,
     resolve_imgsz,
 )
-from utils.config import MAX_STRIDE
+from utils.config import stride_multiples
 from utils.distributed import select_device
 from utils.errors import ConfigError
 from utils.eval.coco import predictions_to_coco
@@ -185,10 +184,8 @@ class Detector(nn.Module):
             sides = []
         if len(sides) != 2 or min(sides) < 1:
             raise ConfigError(f"size {value!r}: give a side in pixels, or an (h, w) pair of them")
-        rounded = [math.ceil(side / MAX_STRIDE) * MAX_STRIDE for side in sides]
-        if rounded != sides:
-            LOGGER.warning(f"size {value!r}: sides must be multiples of {MAX_STRIDE}; running at {tuple(rounded)}")
-        return rounded[0], rounded[1]
+        height, width = stride_multiples(sides, "size")
+        return height, width
 
 
 def _as_bgr(item: Any, index: int) -> tuple[str, np.ndarray]:
