@@ -211,12 +211,20 @@ def test_images_sharing_a_label_file_are_named_and_lists_keep_caches_of_their_ow
     caplog.set_level(logging.INFO)
     scan_labels(train, 1, CTX)
     scan_labels(list_image_files(root / "val.txt"), 1, CTX)
-    assert str(label) in caplog.text
+    assert sum(shared in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == 1
     # YOLOv5's autosplit layout: each list's cache beside it, so alternating splits reuse theirs.
     assert (root / "train.cache").is_file() and (root / "val.cache").is_file()
     caplog.clear()
     scan_labels(list_image_files(root / "train.txt"), 1, CTX)
     assert f"{root / 'train.cache'} (cached)" in caplog.text
+    # Splits of several sources are keyed on all of them: train [a, b] and val a keep a cache each.
+    for name in ("a", "b"):
+        _image(root / "images" / name / f"{name}.jpg")
+    both = list_image_files([root / "images" / "a", root / "images" / "b"])
+    first = list_image_files(root / "images" / "a")
+    assert first.cache_path == root / "labels" / "a.cache"
+    assert both.cache_path.parent == first.cache_path.parent and both.cache_path.name.startswith("a-")
+    assert label_cache_path(both) == both.cache_path and label_cache_path(list(both)) == first.cache_path
 
 
 def test_warnings_past_the_logged_ones_are_all_written_beside_the_cache(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ class ImageFiles(list[str]):
 
     `skipped`: one line per file left out before the scan (a .txt list entry that is no image, a path
     listed twice, an image of a type not read); `notes`: warnings about files kept (images sharing a
-    label file); `cache_path`: where their label cache lives (utils/data/labels.py: label_cache_path).
+    label file); `cache_path`: where their label cache lives (see _cache_path).
     A list, so a caller that wants paths uses it as one; the label scan (utils/data/scan.py:
     scan_labels) warns about both and counts `skipped` once, on rank 0, beside the bad files it finds.
     """
@@ -154,19 +155,30 @@ def _shared_label_files(image_files: Sequence[str]) -> list[str]:
 
 
 def _cache_path(sources: Sequence[str | Path]) -> Path | None:
-    """The label cache of one .txt list (beside it, as YOLOv5) or one folder (beside its labels folder); else None.
+    """Where the label cache of a split read from `sources` lives; None for a split of single image files.
 
-    Keyed on the split's own source, so a train list and a val list of images in one folder keep
-    caches of their own instead of overwriting one file in turn.
+    One .txt list: beside it, as YOLOv5 keeps it (autosplit_train.cache); one folder: beside its
+    labels folder (labels/train.cache); several sources: the first one's name and a digest of them
+    all (labels/a-1f2e3d4c.cache). Keyed on the split's own sources, so a train list and a val list
+    of images in one folder, or splits sharing their first folder, keep caches of their own.
     """
-    if len(sources) != 1:
+    caches = []
+    for source in map(Path, sources):
+        if source.is_file() and source.suffix.lower() == ".txt":
+            caches.append(source.with_suffix(".cache"))
+        elif source.is_dir():
+            caches.append(labels_folder_cache(source / "x.jpg"))
+    if len(caches) != len(sources) or not caches:
         return None
-    source = Path(sources[0])
-    if source.is_file() and source.suffix.lower() == ".txt":
-        return source.with_suffix(".cache")
-    if source.is_dir():
-        return Path(image_to_label_path(source / "x.jpg")).parent.with_suffix(".cache")
-    return None
+    if len(caches) == 1:
+        return caches[0]
+    digest = hashlib.sha256("\0".join(os.fspath(source) for source in sources).encode(errors="surrogateescape"))
+    return caches[0].with_name(f"{caches[0].stem}-{digest.hexdigest()[:8]}.cache")
+
+
+def labels_folder_cache(image_path: str | Path) -> Path:
+    """The label cache beside the labels folder of `image_path`'s label file (labels/train.cache)."""
+    return Path(image_to_label_path(image_path)).parent.with_suffix(".cache")
 
 
 def _repeated_entries(files: list[str], sources: Sequence[str | Path]) -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from utils.data.image_check import BadInputError, check_image
-from utils.data.image_files import image_to_label_path
+from utils.data.image_files import ImageFiles, image_to_label_path, labels_folder_cache
 from utils.data.mapped_npz import load_npz_mapped, save_npz_atomic
 from utils.data.masks import polygon_areas
 
@@ -361,8 +361,11 @@ def build_index(records: list[LabelRecord]) -> LabelIndex:
 
 
 def label_cache_path(image_files: Sequence[str]) -> Path:
-    """Return where the label cache of these images lives: next to their labels folder (labels/train.cache)."""
-    return Path(image_to_label_path(image_files[0])).parent.with_suffix(".cache")
+    """Return where the label cache of these images lives: the split's own (ImageFiles.cache_path) when
+    list_image_files knows it, else next to the first image's labels folder (labels/train.cache)."""
+    if isinstance(image_files, ImageFiles) and image_files.cache_path is not None:
+        return image_files.cache_path
+    return labels_folder_cache(image_files[0])
 
 
 def files_hash(image_files: Sequence[str], label_files: Sequence[str], num_classes: int) -> str:

@@ -442,7 +442,7 @@ def scan_labels(
     """
     label_files = [image_to_label_path(f) for f in image_files]
     listed = image_files if isinstance(image_files, ImageFiles) else ImageFiles(image_files)
-    cache_path = cache_path or listed.cache_path or label_cache_path(image_files)
+    cache_path = cache_path or label_cache_path(listed)
     digest = files_hash(image_files, label_files, num_classes)
     index = load_label_cache(cache_path, digest)
     # One gather answers both questions: do the ranks list the same files, and may every rank use its cache?
