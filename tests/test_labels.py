@@ -242,6 +242,11 @@ def test_warnings_past_the_logged_ones_are_all_written_beside_the_cache(
     assert f"... and 3 more label/image warnings; all {count} are in {written}" in caplog.text
     lines = written.read_text().splitlines()
     assert len(lines) == count and all("corrupt" in line for line in lines) and "12.txt" in lines[-1]
+    assert not list(written.parent.glob(".*.tmp"))
+    for i in range(1, count):  # fixed: the next scan prints every warning, and the old file goes
+        _label(root, f"train/{i:02d}", "0 0.5 0.5 0.2 0.2\n")
+    scan_labels(list_image_files(root / "images" / "train"), 1, CTX)
+    assert not written.exists()
 
 
 def test_image_to_label_path_replaces_last_images_folder() -> None:

@@ -326,11 +326,9 @@ def report_scan(
     messages = [*skipped, *notes, *index.messages]
     for message in messages[:MAX_LOGGED_MESSAGES]:
         LOGGER.warning(message)
+    written = _write_all_warnings(messages, cache_path)
     if len(messages) > MAX_LOGGED_MESSAGES:
-        LOGGER.warning(
-            f"... and {len(messages) - MAX_LOGGED_MESSAGES} more label/image warnings"
-            + _all_warnings_written(messages, cache_path)
-        )
+        LOGGER.warning(f"... and {len(messages) - MAX_LOGGED_MESSAGES} more label/image warnings{written}")
     c = index.counts
     dropped = f", {index.num_degenerate} degenerate instance(s) dropped" if index.num_degenerate else ""
     problems = "".join(f", {count} {reason}" for reason, count in index.problems.items())
@@ -341,14 +339,26 @@ def report_scan(
     )
 
 
-def _all_warnings_written(messages: Sequence[str], cache_path: Path | None) -> str:
-    """Write every warning line beside the label cache; return the end of the log line that says where (or why not)."""
+def _write_all_warnings(messages: Sequence[str], cache_path: Path | None) -> str:
+    """Keep every warning line beside the label cache when some go unprinted; return where, for the log line.
+
+    Written whole or not at all (a temporary file renamed); a file left by an earlier scan that
+    printed everything is removed, so the file always belongs to the scan just reported.
+    """
     if cache_path is None:
         return " not shown"
     target = cache_path.with_suffix(".warnings.txt")
+    if len(messages) <= MAX_LOGGED_MESSAGES:
+        with contextlib.suppress(OSError):
+            target.unlink(missing_ok=True)
+        return ""
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        target.write_text("".join(f"{message}\n" for message in messages), encoding="utf-8", errors="surrogateescape")
+        temporary.write_text("".join(f"{message}\n" for message in messages), "utf-8", "surrogateescape")
+        os.replace(temporary, target)
     except OSError as error:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
         return f" not shown (could not write them to {target}: {error.strerror or error})"
     return f"; all {len(messages)} are in {target}"
 
