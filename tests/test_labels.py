@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 import utils.data.scan as scan_module
+import utils.data.scan_report as scan_report
 from utils.data.cache import read_image
 from utils.data.image_files import image_to_label_path, list_image_files
 from utils.data.labels import label_cache_path, verify_image_label
@@ -231,7 +232,7 @@ def test_warnings_past_the_logged_ones_are_all_written_beside_the_cache(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "ds"
-    count = scan_module.MAX_LOGGED_MESSAGES + 3
+    count = scan_report.MAX_LOGGED_MESSAGES + 3
     for i in range(count):
         _image(root / "images" / "train" / f"{i:02d}.jpg")
         _label(root, f"train/{i:02d}", "7 0.5 0.5 0.2 0.2\n" if i else "0 0.5 0.5 0.2 0.2\n0.5\n")
@@ -258,7 +259,7 @@ def test_scan_skips_bad_repairs_fixable_and_reports_each(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bad, good = _bad_folder(tmp_path)
-    monkeypatch.setattr(scan_module, "MAX_LOGGED_MESSAGES", 100)
+    monkeypatch.setattr(scan_report, "MAX_LOGGED_MESSAGES", 100)
     caplog.set_level(logging.INFO)
     index = scan_labels(list_image_files(tmp_path / "images"), 3, CTX, num_workers=4)
     assert set(index.im_files) == good

@@ -16,7 +16,8 @@ from utils.data.coco_node import load_coco_parse
 from utils.data.coco_reader import BAD_SEGMENTATION, CocoParse, missing_segmentation_notes
 from utils.data.labels import MIN_RELATIVE_AREA, STATUSES, LabelIndex, files_hash, load_label_cache, save_label_cache
 from utils.data.polygons import gather, packed_bounds
-from utils.data.scan import differing_ranks_message, image_list_digest, report_scan, scan_in_rounds
+from utils.data.scan import differing_ranks_message, image_list_digest, scan_in_rounds
+from utils.data.scan_report import report_scan
 from utils.distributed import DistContext, all_gather_objects, barrier
 from utils.errors import ConfigError
 

@@ -60,7 +60,7 @@ class DatasetOptions:
     with `hsv_on_device` training items stay BGR and carry their HSV gains (`hsv`) instead of having
     them applied: the training loop does both on the device (utils/data/colour.py; set on CUDA).
     `names_file` is the dataset YAML that declares the classes, named when labels use class ids
-    >= `num_classes` (utils/data/scan.py: check_class_ids). `canvas_hw` letterboxes every evaluation
+    >= `num_classes` (utils/data/scan_report.py: check_class_ids). `canvas_hw` letterboxes every evaluation
     image to that (h, w) (a file exported at one non-square size); `img_size` is then its long side.
     """
 

@@ -33,7 +33,7 @@ class ClassIdsOutOfRange(BadInputError):
     """A label file, valid otherwise, whose rows use integer class ids >= the dataset's class count.
 
     `class_ids` holds one id per such row. Kept apart from other bad input because a run stops
-    on it (utils/data/scan.py: check_class_ids): it says the dataset YAML's `names` is short,
+    on it (utils/data/scan_report.py: check_class_ids): it says the dataset YAML's `names` is short,
     or the labels belong to another dataset, not that one file is damaged.
     """
 

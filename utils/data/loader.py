@@ -1,4 +1,4 @@
-"""Data loaders: per-rank train/val DataLoaders, worker count and seeding, and the dict-batch collate."""
+"""Data loaders: per-rank train/val DataLoaders (the train one streams epochs), workers, unreadable images."""
 
 from __future__ import annotations
 

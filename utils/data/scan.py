@@ -31,13 +31,13 @@ from utils.data.labels import (
     save_label_cache,
     verify_files,
 )
+from utils.data.scan_report import check_class_ids, check_labelled, report_scan
 from utils.distributed import DistContext, all_gather_objects, barrier, local_cpu_share
 from utils.errors import ConfigError
 from utils.logs import tqdm_disabled
 
 LOGGER = logging.getLogger(__name__)
 
-MAX_LOGGED_MESSAGES = 10
 # Files each rank verifies per round of a scan; each round ends in one all-gather of the packed results, so a
 # collective waits for one round (seconds, even at 50 ms per file on a slow network file system), never the scan.
 SCAN_ROUND_FILES = 2048
@@ -306,121 +306,6 @@ def check_same_image_files(image_files: Sequence[str], what: str, ctx: DistConte
     message = differing_ranks_message(what, facts)
     if message is not None:
         raise ConfigError(message)
-
-
-def report_scan(
-    index: LabelIndex,
-    source: str,
-    skipped: Sequence[str] = (),
-    notes: Sequence[str] = (),
-    cache_path: Path | None = None,
-) -> None:
-    """Log the first bad files (or COCO entries) one per line, how many more there were, and the summary counts.
-
-    Called on rank 0 by every label scan, so the txt and COCO JSON paths report alike. `skipped`
-    are the files left out before the scan (image_files.ImageFiles.skipped): warned first and
-    counted in the summary, so no image is lost without a word; `notes` are warned after them.
-    When there are more than MAX_LOGGED_MESSAGES lines, all of them go to a text file beside the
-    label cache `cache_path` (labels/train.warnings.txt), and the log names it.
-    """
-    messages = [*skipped, *notes, *index.messages]
-    for message in messages[:MAX_LOGGED_MESSAGES]:
-        LOGGER.warning(message)
-    written = _write_all_warnings(messages, cache_path)
-    if len(messages) > MAX_LOGGED_MESSAGES:
-        LOGGER.warning(f"... and {len(messages) - MAX_LOGGED_MESSAGES} more label/image warnings{written}")
-    c = index.counts
-    dropped = f", {index.num_degenerate} degenerate instance(s) dropped" if index.num_degenerate else ""
-    problems = "".join(f", {count} {reason}" for reason, count in index.problems.items())
-    left_out = f", {len(skipped)} file(s) left out before the scan" if skipped else ""
-    LOGGER.info(
-        f"{source}: {c['found']} found, {c['missing']} missing (background), {c['empty']} empty, "
-        f"{c['corrupt']} corrupt{dropped}{problems}{left_out}"
-    )
-
-
-def _write_all_warnings(messages: Sequence[str], cache_path: Path | None) -> str:
-    """Keep every warning line beside the label cache when some go unprinted; return where, for the log line.
-
-    Written whole or not at all (a temporary file renamed); a file left by an earlier scan that
-    printed everything is removed, so the file always belongs to the scan just reported.
-    """
-    if cache_path is None:
-        return " not shown"
-    target = cache_path.with_suffix(".warnings.txt")
-    if len(messages) <= MAX_LOGGED_MESSAGES:
-        with contextlib.suppress(OSError):
-            target.unlink(missing_ok=True)
-        return ""
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text("".join(f"{message}\n" for message in messages), "utf-8", "surrogateescape")
-        os.replace(temporary, target)
-    except OSError as error:
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
-        return f" not shown (could not write them to {target}: {error.strerror or error})"
-    return f"; all {len(messages)} are in {target}"
-
-
-def check_class_ids(index: LabelIndex, num_classes: int, names_file: Path | None) -> None:
-    """Raise a one-line ConfigError when label files use integer class ids >= `num_classes`.
-
-    The rule: one such id in an otherwise valid label file stops the run (as YOLOv5 stops), instead
-    of skipping the file like a damaged one. A class id past the declared classes cannot be
-    trained as labelled: `names` in the dataset YAML (`names_file`) is short, or the labels come
-    from another dataset, and skipping those files would train on what is left without a word
-    about why. The message names the YAML, its class count, the largest id and its label count,
-    and the first label file with such an id and how many there are: only the first
-    MAX_LOGGED_MESSAGES warnings are shown, so the error itself must say where to look.
-    Call it with the gathered index (the same on every rank), so every rank decides alike.
-    """
-    if not index.class_ids_out_of_range:
-        return
-    largest = max(index.class_ids_out_of_range)
-    num_rows = sum(index.class_ids_out_of_range.values())
-    where = str(names_file) if names_file is not None else "the dataset"
-    others = (
-        f"; {num_rows} labels in all use ids >= {num_classes}"
-        if num_rows > index.class_ids_out_of_range[largest]
-        else ""
-    )
-    files = index.out_of_range_files
-    first = f"; first in {files[0]} ({len(files)} label file(s) in all)" if files else ""
-    raise ConfigError(
-        f"{where} declares {num_classes} classes ('names') but the labels use class ids up to {largest} "
-        f"({index.class_ids_out_of_range[largest]} labels with class {largest}{others}){first}; list every class "
-        "in 'names', or fix the labels"
-    )
-
-
-def _labels_folders_text(label_files: Sequence[str]) -> str:
-    """Name the folder(s) the label files of a split are looked for in: the first, and how many others."""
-    folders = list(dict.fromkeys(os.path.dirname(path) for path in label_files))
-    more = f" (and {len(folders) - 1} more folder(s))" if len(folders) > 1 else ""
-    return f"{folders[0]}{more}" if folders else "(no label folder)"
-
-
-def check_labelled(index: LabelIndex, label_files: Sequence[str], is_train: bool, ctx: DistContext) -> None:
-    """Stop a training split that has no label at all, and warn (rank 0) about another split without any.
-
-    A train set of background images only trains the model to find nothing and ends with mAP 0
-    after the whole run, so, as YOLOv5 does ("No labels found"), it is a one-line ConfigError
-    naming the folder of `label_files` (where the labels were looked for). A val or test set
-    without labels can still be predicted on, so it gets one warning instead. Call it with the
-    gathered index (the same on every rank), so every rank decides alike.
-    """
-    if not len(index) or index.counts["found"]:
-        return  # the common case: the folder names (a pass over every path) are built only for the message
-    c, split = index.counts, "train " if is_train else ""
-    what = (
-        f"{_labels_folders_text(label_files)}: none of the {len(index)} {split}images has a label "
-        f"({c['missing']} label files missing, {c['empty']} empty)"
-    )
-    if is_train:
-        raise ConfigError(f"{what}; a train set needs labels: check that the labels folder is there and filled")
-    if ctx.is_main:
-        LOGGER.warning(f"{what}; its metrics will be zero")
 
 
 def scan_labels(
