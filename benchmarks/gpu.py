@@ -110,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cpu":
         args.amp = "off"
         args.step_dtypes = [d for d in args.step_dtypes if d == "fp32"] or ["fp32"]
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds} must be at least 1")
     if len(args.epochs) not in (1, len(args.sizes)):
         parser.error(f"--epochs takes one value or one per size ({len(args.sizes)})")
     return args

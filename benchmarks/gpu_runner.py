@@ -201,6 +201,8 @@ def apply_cudnn_setting(setting: str) -> None:
         return
     cudnn = torch.backends.cudnn
     if setting == "off":
+        # torch's own property class on its module's class: private, but the only way to outvote every later
+        # `cudnn.benchmark = True` in code we do not edit (a benchmark's concern, never the product's).
         getter = torch._C._get_cudnn_benchmark
         type(cudnn).benchmark = torch.backends.ContextProp(getter, lambda value: torch._C._set_cudnn_benchmark(False))
         cudnn.benchmark = False

@@ -70,7 +70,9 @@ def test_batch_not_divisible_by_world_size_is_one_line_error() -> None:
     validate(cfg, DistContext(rank=0, world_size=2))  # 30 = 2 x 15 is fine
 
 
-def test_image_sizes_round_up_to_the_stride_as_yolov5s(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+def test_image_sizes_round_up_to_the_stride_as_yolov5s(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.WARNING):
         assert config_from_args(build_train_parser().parse_args(["--imgsz", "100"])).imgsz == 128
         assert stride_multiples((640, 1), "--img") == (640, 32)

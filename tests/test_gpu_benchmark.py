@@ -77,6 +77,8 @@ def test_step_tables_give_the_first_column_and_each_variant_per_precision() -> N
 def test_rounds_repeat_every_trainer_in_alternating_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     flags = ["--device", "cpu", "--sizes", "300", "--epochs", "2", "--rounds", "3", "--train-variant=--cuda-graph"]
     args = gpu.parse_args(["--out", str(tmp_path), *flags])
+    with pytest.raises(SystemExit):  # no round: nothing would train, silently
+        gpu.parse_args(["--out", str(tmp_path), "--rounds", "0"])
     checkouts = [Checkout(".", tmp_path / "a"), Checkout("old", tmp_path / "b")]
     bench = Bench(args, checkouts, Report(tmp_path), tmp_path, time.time())
     runs: list[tuple[str, int]] = []

@@ -156,7 +156,7 @@ def test_save_json_reports_exactly_what_cocoeval_gives(dataset, weights: Path, t
 
 
 @pytest.mark.slow
-def test_segment_save_json_masks_match_cocoeval_segm(dataset, tmp_path: Path, caplog) -> None:
+def test_segment_save_json_masks_match_cocoeval_segm(dataset, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     data, annotations = dataset
     weights = untrained_checkpoint(tmp_path / "seg.pt", SEGMENT, "yolov5n-seg")
     result = segment_val.main(_val_args(weights, data, tmp_path, "--save-json", imgsz=128))
