@@ -17,6 +17,7 @@ from utils.data.augment import AugmentParams
 from utils.data.cache import resized_hw
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels, rect_batch_shapes
 from utils.distributed import DistContext
+from utils.errors import ConfigError
 
 CTX = DistContext()
 SIZES_WH = [(80, 60), (60, 80), (100, 40), (50, 50), (40, 90), (90, 70), (70, 40), (64, 48)]
@@ -245,6 +246,13 @@ def test_single_cls_class_counts_and_label_sizes(tmp_path: Path) -> None:
     assert single.class_counts().tolist() == [8]
     assert all(single[i]["labels"][:, 1].eq(0).all() for i in range(8))
     assert single.index.labels[:, 0].tolist() == [i % 3 for i in range(8)]  # the packed index is left intact
+    # Class ids past `names` stop a run (the YAML is short), but not a --single-cls one: all are class 0 there.
+    label = sorted((tmp_path / "labels").rglob("*.txt"))[0]
+    label.write_text(label.read_text() + "7 0.5 0.5 0.2 0.2\n")
+    with pytest.raises(ConfigError, match="declares 3 classes"):
+        LoadImagesAndLabels(folder, _options(), CTX)
+    single = LoadImagesAndLabels(folder, _options(single_cls=True), CTX)
+    assert single.class_counts().tolist() == [9] and single.counts["corrupt"] == 0
     with pytest.raises(ValueError, match="cache mode 'gpu'"):
         LoadImagesAndLabels(folder, _options(cache_mode="gpu"), CTX)
 

@@ -28,7 +28,7 @@ from utils.data.coco_labels import CocoSource, scan_coco_labels
 from utils.data.colour import IDENTITY_GAINS, apply_hsv, draw_hsv_gains
 from utils.data.copy_paste import copy_paste, is_box_outline
 from utils.data.image_files import list_image_files
-from utils.data.labels import LabelIndex
+from utils.data.labels import ANY_CLASS_ID, LabelIndex
 from utils.data.masks import polygons_to_masks, polygons_to_overlap_mask
 from utils.data.scan import check_same_image_files, scan_labels
 from utils.data.shm_cache import ShmImageCache, open_shm_cache
@@ -180,9 +180,9 @@ class LoadImagesAndLabels(Dataset):
         else:
             files = list_image_files(sources)
             # A train set (the augmented one) of background images only is refused; another split is warned of.
-            index = scan_labels(
-                files, options.num_classes, ctx, names_file=options.names_file, require_labels=options.augment
-            )
+            # Under --single-cls every class id is 0, so ids past `names` are no reason to stop.
+            num_classes = ANY_CLASS_ID if options.single_cls else options.num_classes
+            index = scan_labels(files, num_classes, ctx, names_file=options.names_file, require_labels=options.augment)
         self.batch_shapes: np.ndarray | None = None  # (num_batches, 2) (h, w) in rect mode
         if options.rect:
             order, batch_shapes = rect_batch_shapes(

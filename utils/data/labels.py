@@ -21,6 +21,9 @@ from utils.data.masks import polygon_areas
 
 LOGGER = logging.getLogger(__name__)
 
+# The class count a --single-cls scan checks ids against: any non-negative integer id is a class there (every
+# label becomes class 0, as YOLOv5 maps them before its nc check). Part of that scan's cache digest.
+ANY_CLASS_ID = 2**31 - 1
 CACHE_VERSION = 6  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
 # Coordinates this far outside [0, 1] are clipped with a warning, further is corrupt; a box row's edges may
 # overhang the image this far (rounding) before its clip is noted as a repair.
