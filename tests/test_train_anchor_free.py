@@ -85,6 +85,13 @@ def test_weights_of_one_family_with_a_cfg_of_another_is_one_line(yolo26_run, tin
         ConfigError, match=r"holds a model of the anchor_free family but --cfg yolov5n is of the yolov5 family"
     ):
         train.main(args)
+    # One family, another network: also refused, where it used to train the checkpoint's under --cfg's name.
+    args = _train_args(tiny_data, tmp_path, "x", "--weights", str(weights), "--cfg", "yolov8n", "--epochs", "1")
+    with pytest.raises(ConfigError, match=r"holds another network than --cfg yolov8n \(layout yolo26 against yolov8"):
+        train.main(args)
+    args = _train_args(tiny_data, tmp_path, "x", "--weights", str(weights), "--cfg", "yolo26s", "--epochs", "1")
+    with pytest.raises(ConfigError, match=r"--cfg yolo26s \(width_multiple 0.25 against 0.5\)"):
+        train.main(args)
 
 
 def test_fine_tuning_keeps_the_checkpoint_family(yolo26_run, tiny_data: Path, tmp_path: Path) -> None:

@@ -302,18 +302,35 @@ def resolve_run_recipe(
     return resolved
 
 
-def _check_weights_family(cfg: TrainConfig, task: Task, source: dict[str, Any], num_classes: int) -> None:
-    """A --cfg given beside --weights must name a model of the checkpoint's family (one line otherwise).
+# The spec fields that make two networks of one family differ (the class count is the data's, anchors AutoAnchor's).
+NETWORK_SHAPE_FIELDS = ("layout", "depth_multiple", "width_multiple", "max_channels", "reg_max", "end_to_end")
 
-    The network comes from the checkpoint; a --cfg of another family would otherwise be silently ignored.
+
+def _check_weights_family(cfg: TrainConfig, task: Task, source: dict[str, Any], num_classes: int) -> None:
+    """A --cfg given beside --weights must name the checkpoint's network: its family and size (one line otherwise).
+
+    The network comes from the checkpoint; a --cfg of another family or size (yolov5s beside a yolov5n
+    checkpoint) would otherwise be silently ignored, and opt.yaml would name a model that never trained.
     """
     if "model" not in cfg.explicit:
         return
     stored = checkpoint_family(source, cfg.weights).name
-    wanted = family_of(task.spec_from_cfg(cfg.model, num_classes)).name
+    wanted_spec = task.spec_from_cfg(cfg.model, num_classes)
+    wanted = family_of(wanted_spec).name
     if wanted != stored:
         raise ConfigError(
             f"--weights {cfg.weights} holds a model of the {stored} family but --cfg {cfg.model} is of the {wanted} "
-            "family; "
-            "drop --cfg to fine-tune the checkpoint's network"
+            "family; drop --cfg to fine-tune the checkpoint's network"
+        )
+    held = spec_from_checkpoint(source, cfg.weights)
+    shape = [name for name in NETWORK_SHAPE_FIELDS if hasattr(wanted_spec, name)]
+    differing = [
+        f"{name} {getattr(held, name, None)} against {getattr(wanted_spec, name)}"
+        for name in shape
+        if getattr(held, name, None) != getattr(wanted_spec, name)
+    ]
+    if differing:
+        raise ConfigError(
+            f"--weights {cfg.weights} holds another network than --cfg {cfg.model} ({', '.join(differing)}); "
+            "drop --cfg to fine-tune the checkpoint's network, or train --cfg from scratch"
         )
