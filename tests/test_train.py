@@ -368,3 +368,25 @@ def test_bf16_autocast_trains_with_finite_losses(tiny_data: Path, tmp_path: Path
     checkpoint = torch.load(result.last, weights_only=True)
     assert checkpoint["scaler"] is None  # bf16 needs no loss scaling
     assert checkpoint["train_config"]["amp"] == "bf16"
+
+
+@pytest.mark.slow
+def test_an_early_stop_under_nosave_saves_its_epoch_and_a_reused_folder_starts_clean(
+    tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from utils.train import engine
+
+    earlier = train.main(_train_args(tiny_data, tmp_path, "reuse", "--epochs", "1", "--noplots"))
+    assert earlier.best.is_file()
+    # The same folder again (--exist-ok) under --nosave, stopped early after its second of 4 epochs: that epoch is
+    # saved as the final one, and nothing of the earlier run's weights is validated or reported as this run's.
+    monkeypatch.setattr(engine.EarlyStopper, "should_stop", lambda self, epoch, fitness: epoch == 1)
+    flags = ("--epochs", "4", "--exist-ok", "--nosave", "--patience", "1", "--noplots")
+    with caplog.at_level(logging.INFO):
+        result = train.main(_train_args(tiny_data, tmp_path, "reuse", *flags))
+    assert result.run_dir == earlier.run_dir and result.epochs_run == 2
+    assert "removed the earlier run's last.pt, best.pt" in caplog.text
+    last = torch.load(result.last, map_location="cpu", weights_only=True)
+    assert last["epoch"] == 1  # this run's stop epoch (0-based), resumable
+    validated = torch.load(result.best, map_location="cpu", weights_only=True)
+    assert validated["train_config"]["epochs"] == 4  # this run's weights, not the earlier 1-epoch run's

@@ -324,10 +324,11 @@ def _train_epochs(run: TrainRun, state: TrainState) -> FitResult:
             row = summary.as_row(task, state.loss_fn.item_names)
             run_on_main(lambda row=row: results.append(row), ctx, "writing results.csv")
             run.fire("on_fit_epoch_end", epoch=epoch + 1, row=dict(row))
-            if not cfg.nosave or epoch + 1 == cfg.epochs:
+            stopping = broadcast_object(stopper.should_stop(epoch, summary.fitness) if ctx.is_main else False, ctx)
+            if not cfg.nosave or epoch + 1 == cfg.epochs or stopping:  # an early stop's epoch is the final one
                 save_epoch(run, state, epoch, summary.fitness)
                 run.fire("on_model_save", epoch=epoch + 1, path=run.last)
-            if broadcast_object(stopper.should_stop(epoch, summary.fitness) if ctx.is_main else False, ctx):
+            if stopping:
                 break
     # best.pt is the deliverable: fp16 EMA weights, no optimizer (several times smaller). last.pt keeps
     # its full state, so an early-stopped run can still be resumed. Validated after stripping, so

@@ -211,7 +211,7 @@ def open_run_dir(cfg: TrainConfig, resuming: bool, ctx: DistContext) -> tuple[Pa
     lock = lambda: lock_run_dir(run_dir, ctx.run_id, restarted)  # noqa: E731
     folder_lock = run_on_main(lock, ctx, f"locking the run folder {run_dir}")
     try:
-        run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx), ctx, f"writing the run folder {run_dir}")
+        run_on_main(lambda: prepare_run_dir(cfg, run_dir, ctx, resuming), ctx, f"writing the run folder {run_dir}")
     except BaseException:
         if folder_lock is not None:
             folder_lock.release()
@@ -219,8 +219,20 @@ def open_run_dir(cfg: TrainConfig, resuming: bool, ctx: DistContext) -> tuple[Pa
     return run_dir, folder_lock
 
 
-def prepare_run_dir(cfg: TrainConfig, run_dir: Path, ctx: DistContext) -> None:
-    """Rank 0: opt.yaml and hyp.yaml, the torchrun job marker, and no temp files of killed saves."""
+def prepare_run_dir(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resuming: bool = False) -> None:
+    """Rank 0: opt.yaml and hyp.yaml, the torchrun job marker, and no temp files of killed saves.
+
+    A new run in a folder an earlier run used (--exist-ok) starts without that run's last.pt and
+    best.pt: under --nosave, or when no epoch of this run beats the earlier best, they would be
+    validated and reported as this run's (or resumed from) at the end.
+    """
     save_run_config(cfg, run_dir, ctx)
     mark_run(run_dir, ctx.run_id)
-    ckpt_io.remove_stale_temp_files(run_dir / "weights")
+    weights = run_dir / "weights"
+    ckpt_io.remove_stale_temp_files(weights)
+    earlier = [path for path in (weights / "last.pt", weights / "best.pt") if not resuming and path.exists()]
+    for path in earlier:
+        path.unlink()
+    if earlier:
+        names = ", ".join(path.name for path in earlier)
+        LOGGER.info(f"{weights}: removed the earlier run's {names} (a new run in the folder, --exist-ok)")
