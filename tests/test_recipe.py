@@ -132,6 +132,18 @@ def _yolov5_hyp_file(tmp_path: Path) -> Path:
     return path
 
 
+def test_a_yolov5_hyp_file_trains_with_sgd_whatever_its_lr0(tmp_path: Path) -> None:
+    # hyp.Objects365.yaml's lr0 is 0.00258, below SGD_MIN_LR0, but it was evolved under YOLOv5's default SGD.
+    path = _yolov5_hyp_file(tmp_path)
+    path.write_text(path.read_text().replace("lr0: 0.01", "lr0: 0.00258"))
+    cfg, line = _resolved(["--hyp", str(path)])
+    assert (cfg.optimizer, cfg.hyp.lr0) == ("SGD", 0.00258)
+    assert "a YOLOv5 hyp file (no nbs) trains with YOLOv5's default optimizer" in line
+    ours = tmp_path / "ours.yaml"  # a file naming its nbs keeps the lr0 rule
+    ours.write_text(DEFAULT_HYP.read_text().replace("lr0: 0.01", "lr0: 0.00258"))
+    assert _resolved(["--hyp", str(ours)])[0].optimizer == "AdamW"
+
+
 @pytest.mark.parametrize("global_batch", [8, 16, 32, 64, 128])
 def test_yolov5_hyp_file_trains_with_yolov5s_accumulation(tmp_path: Path, global_batch: int) -> None:
     argv = ["--hyp", str(_yolov5_hyp_file(tmp_path)), "--batch-size", str(global_batch), "--imgsz", "64"]

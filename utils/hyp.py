@@ -104,6 +104,15 @@ def load_hyp(path: Path, overrides: dict[str, float] | None = None) -> Hyp:
     return Hyp(**values)
 
 
+def is_yolov5_hyp_file(path: Path) -> bool:
+    """Whether the hyp file at `path` is one of YOLOv5's: it has no `nbs`, which YOLOv5's train.py hard-codes.
+
+    Such a file was tuned under YOLOv5's default optimizer, SGD, whatever its lr0 (hyp.Objects365.yaml's
+    0.00258 is an SGD rate there); ours always name their nominal batch.
+    """
+    return "nbs" not in read_yaml_mapping(path)
+
+
 def _log_yolov5_hyp(path: Path, defaults: dict[str, float], anchors: float | None) -> None:
     """Say in one line which of YOLOv5's train.py values filled `path`'s missing keys and that `anchors` is ignored."""
     notes = []

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils.config import AUTO, DEFAULT_HYP, QUICKSTART_HYP, ROOT
-from utils.hyp import Hyp, hyp_overrides, load_hyp
+from utils.hyp import Hyp, hyp_overrides, is_yolov5_hyp_file, load_hyp
 from utils.train.config import TrainConfig
 from utils.train.optim import accumulate_steps
 
@@ -101,8 +101,8 @@ def resolve_recipe(
     """Return `cfg` with a concrete optimizer and hyp, and the one start-up line that says why.
 
     - both given (or restored by --resume): unchanged;
-    - `--hyp FILE` only: the optimizer FILE's lr0 was tuned for (`optimizer_for_lr0`), so YOLOv5's
-      files train with SGD and accumulate to their nbs 64 as in YOLOv5;
+    - `--hyp FILE` only: SGD for a YOLOv5 file (`is_yolov5_hyp_file`), as YOLOv5 trains it whatever its
+      lr0, accumulating to nbs 64; for another file the optimizer its lr0 was tuned for (`optimizer_for_lr0`);
     - `--optimizer NAME` only: the recipe file for NAME (`hyp_file_for`);
     - neither: `auto_recipe` on `num_train_images` (the images listed in the train split), the global
       batch and the epochs. Raises ValueError when that count is needed and not given.
@@ -111,6 +111,10 @@ def resolve_recipe(
     """
     if cfg.optimizer != AUTO and cfg.hyp is not None:
         return cfg, f"recipe: {_describe(cfg.optimizer, cfg.hyp, cfg.hyp_path)}: --optimizer and --hyp given"
+    if cfg.hyp is not None and cfg.hyp_path is not None and is_yolov5_hyp_file(cfg.hyp_path):
+        optimizer, reason = LONG_RUN.optimizer, "a YOLOv5 hyp file (no nbs) trains with YOLOv5's default optimizer"
+        chosen = _describe(optimizer, cfg.hyp, cfg.hyp_path)
+        return dataclasses.replace(cfg, optimizer=optimizer), f"optimizer auto -> {chosen}: {reason}"
     if cfg.hyp is not None:
         optimizer = optimizer_for_lr0(cfg.hyp.lr0)
         kind = "an SGD" if optimizer == LONG_RUN.optimizer else "an Adam/AdamW"
