@@ -390,3 +390,14 @@ def test_an_early_stop_under_nosave_saves_its_epoch_and_a_reused_folder_starts_c
     assert last["epoch"] == 1  # this run's stop epoch (0-based), resumable
     validated = torch.load(result.best, map_location="cpu", weights_only=True)
     assert validated["train_config"]["epochs"] == 4  # this run's weights, not the earlier 1-epoch run's
+
+
+@pytest.mark.slow  # reaches the resume's planning, not its training
+def test_resuming_a_finished_run_is_refused_before_anything_is_set_up(trained_run) -> None:
+    before = sorted(path.name for path in trained_run.run_dir.rglob("*"))
+    message = f"--resume: {trained_run.run_dir} already finished 2 of --epochs 2; nothing to resume"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train.main(["--resume", str(trained_run.last), "--device", "cpu", "--workers", "0"])
+    with pytest.raises(ConfigError, match="already finished 2 of --epochs 1"):  # fewer epochs: as finished
+        train.main(["--resume", str(trained_run.last), "--device", "cpu", "--workers", "0", "--epochs", "1"])
+    assert sorted(path.name for path in trained_run.run_dir.rglob("*")) == before  # no TensorBoard file, no cache

@@ -257,6 +257,11 @@ def _load_resumed(
         explicit=cfg.explicit,
     )
     _check_resumed_batch(resumed, stored, ctx)
+    if checkpoint["epoch"] + 1 >= resumed.epochs:  # before any set-up: nothing is built or written for it
+        raise ConfigError(
+            f"--resume: {run_dir} already finished {checkpoint['epoch'] + 1} of --epochs {resumed.epochs}; "
+            f"nothing to resume (a larger --epochs trains it on)"
+        )
     differ = {name: value for name, value in overrides.items() if value != getattr(stored, name)}
     changed = ", ".join(f"{name} {getattr(stored, name)} -> {value}" for name, value in differ.items())
     # A mid-epoch checkpoint may hold the epoch's last batch (a stop at that step): the epoch's length is
