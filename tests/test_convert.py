@@ -237,3 +237,13 @@ def test_module_entry_point_converts(yolov5n_file: tuple[Path, torch.nn.Module],
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "detect model, 3 classes" in done.stdout and output.is_file()
+
+
+def test_resuming_a_yolov5_checkpoint_says_to_fine_tune_it(yolov5n_file: tuple[Path, torch.nn.Module]) -> None:
+    path, _ = yolov5n_file
+    with pytest.raises(ConfigError) as refused:
+        load_checkpoint(path, for_resume=True)
+    message = str(refused.value)
+    assert message.startswith(f"checkpoint {path} is a YOLOv5 / Ultralytics checkpoint (WeightsUnpickler error: ")
+    assert "models.yolo.DetectionModel" in message and "Please use" not in message  # torch's advice left out
+    assert message.endswith(f"fine-tune from it with --weights {path}; its run cannot be resumed here")

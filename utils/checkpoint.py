@@ -280,6 +280,11 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu", 
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:  # corrupt zip, truncated file, pickled objects: all mean "not loadable"
         reason = _first_useful_line(error)
+        if FOREIGN_MODEL_CLASS.search(reason):  # YOLOv5's or Ultralytics' pickled model
+            raise ConfigError(
+                f"checkpoint {path} is a YOLOv5 / Ultralytics checkpoint ({reason}): "
+                f"fine-tune from it with --weights {path}; its run cannot be resumed here"
+            ) from error
         raise ConfigError(
             f"checkpoint {path} cannot be read safely (corrupt, or not written by this project): {reason}"
         ) from error
@@ -320,14 +325,21 @@ def check_checkpoint_task(ckpt: Checkpoint, task_name: str, path: Path | str, sc
         raise ConfigError(f"{path} is a {stored} checkpoint, not a {task_name} one; use {entry}")
 
 
+# A pickled model class of YOLOv5 (models.yolo.DetectionModel) or Ultralytics (ultralytics.nn.tasks...) named by
+# torch's safe unpickler: such a file fine-tunes through --weights (utils/safe_pickle.py), it never resumes.
+FOREIGN_MODEL_CLASS = re.compile(r"GLOBAL (models\.(yolo|common)|ultralytics)\.")
+
+
 def _first_useful_line(error: Exception) -> str:
     """Return the informative line of a torch.load error (the unpickler's reason, not its advice)."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
     lines = [line for line in lines if line]
     for i, line in enumerate(lines):
         if "WeightsUnpickler error" in line:
-            detail = line.split("WeightsUnpickler error:", 1)[-1].strip()
-            return f"WeightsUnpickler error: {detail or (lines[i + 1] if i + 1 < len(lines) else '')}"[:200]
+            following = lines[i + 1] if i + 1 < len(lines) else ""
+            detail = line.split("WeightsUnpickler error:", 1)[-1].strip() or following
+            detail = detail.split(" Please use", 1)[0].strip()  # torch's advice to allow the class: not ours to give
+            return f"WeightsUnpickler error: {detail}"[:200]
     return (lines[0] if lines else type(error).__name__)[:200]
 
 
