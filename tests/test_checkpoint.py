@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -343,6 +344,27 @@ def test_git_hash_reads_loose_packed_and_detached_heads(tmp_path: Path) -> None:
     assert git_hash(tmp_path) == "c" * 40
     git_hash.cache_clear()
     assert git_hash(tmp_path / "elsewhere") is None
+    # A worktree: `.git` is a file naming its git folder, whose HEAD names a ref of the common folder.
+    worktree, own = tmp_path / "tree", git_dir / "worktrees" / "tree"
+    own.mkdir(parents=True)
+    worktree.mkdir()
+    (worktree / ".git").write_text(f"gitdir: {own}\n")
+    (own / "HEAD").write_text("ref: refs/heads/main\n")
+    (own / "commondir").write_text("../..\n")
+    git_hash.cache_clear()
+    assert git_hash(worktree) == "a" * 40
+
+
+def test_git_hash_of_this_checkout_is_its_commit() -> None:
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    git_hash.cache_clear()
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    if head.returncode != 0:
+        pytest.skip("git is not available")
+    assert git_hash() == head.stdout.strip()  # the default is this repository (a checkpoint's git_hash)
+    git_hash.cache_clear()
 
 
 @pytest.mark.parametrize(

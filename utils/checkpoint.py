@@ -31,7 +31,7 @@ LOGGER = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 TASKS = ("detect", "segment")
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parent.parent  # utils/checkpoint.py -> the repository
 
 
 class _RequiredCheckpoint(TypedDict):
@@ -120,17 +120,22 @@ def git_hash(repo: Path = REPO_ROOT) -> str | None:
     """Return the checked-out commit of `repo`, or None outside a git checkout or before the first commit.
 
     Reads `.git/HEAD` and the ref it names (loose or packed) directly, so saving a
-    checkpoint never starts a subprocess.
+    checkpoint never starts a subprocess. A worktree or submodule, whose `.git` is a file naming
+    its git folder, reads HEAD there and the refs in the repository's common folder.
     """
     git_dir = repo / ".git"
     try:
+        if git_dir.is_file():  # "gitdir: <path>" (git worktree, submodule)
+            git_dir = repo / git_dir.read_text().strip().removeprefix("gitdir:").strip()
+        common = git_dir / (git_dir / "commondir").read_text().strip() if (git_dir / "commondir").is_file() else git_dir
         head = (git_dir / "HEAD").read_text().strip()
         if not head.startswith("ref: "):
             return head or None  # detached HEAD holds the hash itself
         ref = head[len("ref: ") :]
-        if (git_dir / ref).is_file():
-            return (git_dir / ref).read_text().strip() or None
-        packed = (git_dir / "packed-refs").read_text() if (git_dir / "packed-refs").is_file() else ""
+        for folder in (git_dir, common):
+            if (folder / ref).is_file():
+                return (folder / ref).read_text().strip() or None
+        packed = (common / "packed-refs").read_text() if (common / "packed-refs").is_file() else ""
     except OSError:
         return None
     for line in packed.splitlines():
