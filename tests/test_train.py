@@ -289,7 +289,11 @@ def test_resume_refuses_options_it_would_ignore_and_applies_epochs(trained_run, 
     from utils.train.plan import resolve_resume
 
     last = str(_copy_run(trained_run, tmp_path) / "weights" / "last.pt")
-    with pytest.raises(ConfigError, match="--imgsz cannot be changed"):
+    allowed = (
+        "--epochs, --batch-size, --callbacks, --mlflow, --wandb, --device, --workers, --dist-timeout, --amp, "
+        "--compile, --static-loss-shapes, --cuda-graph"
+    )
+    with pytest.raises(ConfigError, match=re.escape(f"--imgsz cannot be changed (allowed with --resume: {allowed})")):
         resolve_resume(train_config_from_argv(["--resume", last, "--imgsz", "128"]), DistContext())
     with pytest.raises(ConfigError, match="--label-smoothing cannot be changed"):
         resolve_resume(train_config_from_argv(["--resume", last, "--label-smoothing", "0.1"]), DistContext())
@@ -393,11 +397,14 @@ def test_an_early_stop_under_nosave_saves_its_epoch_and_a_reused_folder_starts_c
 
 
 @pytest.mark.slow  # reaches the resume's planning, not its training
-def test_resuming_a_finished_run_is_refused_before_anything_is_set_up(trained_run) -> None:
+def test_resuming_a_finished_run_is_refused_before_anything_is_set_up(
+    trained_run, caplog: pytest.LogCaptureFixture
+) -> None:
     before = sorted(path.name for path in trained_run.run_dir.rglob("*"))
     message = f"--resume: {trained_run.run_dir} already finished 2 of --epochs 2; nothing to resume"
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    with caplog.at_level(logging.INFO), pytest.raises(ConfigError, match=re.escape(message)):
         train.main(["--resume", str(trained_run.last), "--device", "cpu", "--workers", "0"])
+    assert "Resuming" not in caplog.text
     with pytest.raises(ConfigError, match="already finished 2 of --epochs 1"):  # fewer epochs: as finished
         train.main(["--resume", str(trained_run.last), "--device", "cpu", "--workers", "0", "--epochs", "1"])
     assert sorted(path.name for path in trained_run.run_dir.rglob("*")) == before  # no TensorBoard file, no cache

@@ -29,7 +29,7 @@ from utils.distributed import (
     run_on_main,
     seed_everything,
 )
-from utils.errors import Preempted
+from utils.errors import ConfigError, Preempted
 from utils.eval.coco import check_coco_target, coco_evaluate
 from utils.eval.evaluate import EvalOptions, EvalResult
 from utils.families import build_model
@@ -264,6 +264,11 @@ def _start_run(
     task = training.task
     plan = plan_run(cfg, training, ctx)
     cfg, resume_ckpt, data, family = plan.cfg, plan.resume, plan.data, plan.family
+    if resume_ckpt is not None and resume_ckpt["epoch"] + 1 >= cfg.epochs:  # before anything is built or written
+        raise ConfigError(
+            f"--resume: {Path(cfg.resume).parent.parent} already finished {resume_ckpt['epoch'] + 1} of --epochs "
+            f"{cfg.epochs}; nothing to resume (a larger --epochs trains it on)"
+        )
     seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
     if ctx.device.type == "cuda" and not cfg.deterministic and not cfg.rect and not cfg.multi_scale:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: cuDNN times its kernels once and keeps the best

@@ -216,12 +216,16 @@ def _refuse_changed_options(cfg: TrainConfig, stored: TrainConfig) -> None:
         if not _is_auto(name, _option(cfg, name)) and not _same(_option(cfg, name), _option(stored, name))
     ]
     if changed:
-        flag = "--" + {"model": "cfg"}.get(changed[0], changed[0]).replace("_", "-")
+        allowed = ", ".join(_flag(name) for name in (*RESUME_OVERRIDES, *MACHINE_OPTIONS) if name != "resume")
         raise ConfigError(
-            f"--resume continues a run with its own options; {flag} cannot be changed "
-            "(allowed with --resume: --epochs, --batch-size, --device, --workers, --dist-timeout, --amp, --compile, "
-            "--callbacks, --mlflow)"
+            f"--resume continues a run with its own options; {_flag(changed[0])} cannot be changed "
+            f"(allowed with --resume: {allowed})"
         )
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of TrainConfig field `name` (`model` is --cfg, `compile_mode` --compile)."""
+    return "--" + {"model": "cfg", "compile_mode": "compile"}.get(name, name).replace("_", "-")
 
 
 def _load_resumed(
@@ -257,18 +261,14 @@ def _load_resumed(
         explicit=cfg.explicit,
     )
     _check_resumed_batch(resumed, stored, ctx)
-    if checkpoint["epoch"] + 1 >= resumed.epochs:  # before any set-up: nothing is built or written for it
-        raise ConfigError(
-            f"--resume: {run_dir} already finished {checkpoint['epoch'] + 1} of --epochs {resumed.epochs}; "
-            f"nothing to resume (a larger --epochs trains it on)"
-        )
     differ = {name: value for name, value in overrides.items() if value != getattr(stored, name)}
     changed = ", ".join(f"{name} {getattr(stored, name)} -> {value}" for name, value in differ.items())
     # A mid-epoch checkpoint may hold the epoch's last batch (a stop at that step): the epoch's length is
     # not known here, so this line says what was done and the start-up line (setup.log_startup) what is next.
     epoch, batches_done = checkpoint["epoch"] + 2, checkpoint.get("batches_done", 0)
     where = f"in epoch {epoch}, after its batch {batches_done}" if batches_done else f"from epoch {epoch}"
-    LOGGER.info(f"Resuming {run_dir} {where}" + (f" ({changed})" if changed else ""))
+    if checkpoint["epoch"] + 1 < resumed.epochs:  # a finished run is refused by fit() before anything is built
+        LOGGER.info(f"Resuming {run_dir} {where}" + (f" ({changed})" if changed else ""))
     return resumed, checkpoint
 
 
