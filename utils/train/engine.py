@@ -304,6 +304,9 @@ def _start_run(
             callbacks.state.update(resume_ckpt.get("callback_state") or {})
             del resume_ckpt, plan  # the checkpoint's tensors are in the model and optimizer now
         log_startup(cfg, bundle, datasets, state.accumulate, ctx)
+        if ctx.is_main and not tqdm_disabled(ctx):  # the progress bar's numbers have no room for their names
+            names = " ".join(state.loss_fn.item_names)
+            LOGGER.info(f"progress bars show the epoch's mean {names} so far and inst, the labels of the last batch")
         run.fire("on_pretrain_routine_end", epoch=state.start_epoch)
     except BaseException as error:
         _end_run(run, error)
