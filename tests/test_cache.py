@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import logging
 from pathlib import Path
 
@@ -207,6 +208,19 @@ def test_disk_cache_writes_npy_and_reuses_them(tmp_path: Path, monkeypatch: pyte
     monkeypatch.undo()
     bigger = ImageCache(paths, shapes, np.array([0]), 48, "disk", CTX, num_threads=2)  # wrong size: rewritten
     assert bigger.get(0).shape == (36, 48, 3) and np.load(written[0]).shape == (36, 48, 3)
+
+
+def test_disk_cache_redoes_an_image_replaced_by_an_older_file_of_the_same_size(tmp_path: Path) -> None:
+    paths, shapes = _images(tmp_path)
+    ImageCache(paths, shapes, np.array([0]), 32, "disk", CTX, num_threads=1)
+    before = Path(paths[0]).stat()
+    # The corrected image arrives as an unpacked archive or `rsync -a` delivers it: same size, an older time.
+    replacement = 255 - cv2.imread(paths[0])
+    assert cv2.imwrite(paths[0], replacement)
+    os.utime(paths[0], ns=(before.st_atime_ns, before.st_mtime_ns - 3600 * 10**9))
+    again = ImageCache(paths, shapes, np.array([0]), 32, "disk", CTX, num_threads=1)
+    np.testing.assert_array_equal(again.get(0), read_resized(paths[0], 32))
+    assert disk_cache_path(paths[0]).stat().st_mtime_ns == Path(paths[0]).stat().st_mtime_ns
 
 
 def test_available_memory_is_read_and_bad_mode_rejected(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -140,8 +141,8 @@ class ImageCache:
     mode "auto": "ram" when the shards of this node's ranks need at most AUTO_CACHE_FRACTION of
     the available memory (small datasets: decoding then stops competing with training for the
     CPUs), else nothing is cached; either way one info line says which.
-    mode "disk": a .npy per image next to it, written atomically, reused when present with the
-    right shape. Every rank fills its own indices with a thread pool, in parallel with the
+    mode "disk": a .npy per image next to it, written atomically with the image's modification
+    time, reused when present with that time and the right shape. Every rank fills its own indices with a thread pool, in parallel with the
     others. An image that cannot be read or written is left out (counted, warned) and read
     from its file later. `shapes_wh`: (N, 2) (w, h) of every dataset image after EXIF rotation.
     """
@@ -231,8 +232,13 @@ class ImageCache:
         """Fill one slot (decode + resize into the buffer, or into a .npy); None once cached, else why not."""
         path = self.image_files[self.indices[slot]]
         expected = (*self.hw[slot], 3)
-        if self.mode == "disk" and _is_current_npy(path, expected):
-            return None
+        if self.mode == "disk":
+            try:  # before the decode: an image replaced meanwhile leaves a .npy that the next run redoes
+                image_mtime_ns = os.stat(path).st_mtime_ns
+            except OSError:
+                return "unreadable"
+            if _is_current_npy(path, image_mtime_ns, expected):
+                return None
         image = read_resized(path, self.img_size, self.augment)
         if image is None:
             return "unreadable"
@@ -241,7 +247,7 @@ class ImageCache:
         if self.mode == "ram":
             self.buffer[self.offsets[slot] : self.offsets[slot + 1]] = image.reshape(-1)
             return None
-        return _write_npy(disk_cache_path(path), image)
+        return _write_npy(disk_cache_path(path), image, image_mtime_ns)
 
     def _fill(self, ctx: DistContext, num_threads: int) -> None:
         """Fill every slot with a thread pool (decoding releases the GIL), then log what this rank holds."""
@@ -266,19 +272,26 @@ class ImageCache:
         (LOGGER.info if ctx.is_main else LOGGER.debug)(message)
 
 
-def _is_current_npy(image_path: str, expected_shape: tuple[int, ...]) -> bool:
-    """Return whether the image's .npy exists, is not older than the image and holds `expected_shape`."""
+def _is_current_npy(image_path: str, image_mtime_ns: int, expected_shape: tuple[int, ...]) -> bool:
+    """Return whether the image's .npy exists, carries the image's modification time and holds `expected_shape`.
+
+    `_write_npy` stamps each .npy with its image's time, so any other time means the image was
+    replaced, also by an older file (an archive unpacked or a folder synced with their times kept).
+    """
     target = disk_cache_path(image_path)
     try:
-        if target.stat().st_mtime_ns < os.stat(image_path).st_mtime_ns:
+        if target.stat().st_mtime_ns != image_mtime_ns:
             return False
         return np.load(target, mmap_mode="r", allow_pickle=False).shape == expected_shape  # reads the header only
     except (OSError, ValueError, EOFError):
         return False
 
 
-def _write_npy(target: Path, image: np.ndarray) -> str | None:
-    """Save `image` to `target` atomically (unique temp file, then rename); None, or why the folder refused."""
+def _write_npy(target: Path, image: np.ndarray, image_mtime_ns: int) -> str | None:
+    """Save `image` to `target` atomically (unique temp file, then rename) with its image's modification time.
+
+    Returns None, or why the folder refused.
+    """
     tmp: Path | None = None
     try:
         handle, tmp_name = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".tmp", dir=target.parent)
@@ -286,6 +299,7 @@ def _write_npy(target: Path, image: np.ndarray) -> str | None:
         with os.fdopen(handle, "wb") as file:
             np.save(file, image, allow_pickle=False)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; the other ranks' users must read it
+        os.utime(tmp, ns=(time.time_ns(), image_mtime_ns))  # what _is_current_npy compares
         os.replace(tmp, target)
         return None
     except OSError as error:
