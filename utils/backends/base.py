@@ -53,6 +53,12 @@ class BackendRequest:
     nms: bool = False  # --nms: an end-to-end model's one-to-many head and NMS
     augment: bool = False  # --augment: test-time augmentation (utils/backends/augmented.py), detection only
 
+    @classmethod
+    def from_flags(cls, flags: Any, task: str, script: str, device: torch.device) -> BackendRequest:
+        """The request of an entry point whose options (`flags`: ValConfig, PredictConfig) carry the inference flags."""
+        inference = {name: getattr(flags, name) for name in ("half", "channels_last", "nms", "augment")}
+        return cls(task=task, script=script, device=device, **inference)
+
 
 class InferenceBackend(nn.Module):
     """A model ready for inference: images in, the eval model's outputs out, the same for every storage format.

@@ -158,15 +158,7 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     """
     per_rank = per_rank_batch(cfg.batch_size, ctx)
     # First: cheap, and a wrong file fails fast.
-    request = BackendRequest(
-        task=task.name,
-        script="val",
-        device=ctx.device,
-        half=cfg.half,
-        channels_last=cfg.channels_last,
-        nms=cfg.nms,
-        augment=cfg.augment,
-    )
+    request = BackendRequest.from_flags(cfg, task.name, "val", ctx.device)
     model = load_backend(cfg.weights, request)
     imgsz = val_imgsz(model.info, cfg.imgsz)
     cfg = dataclasses.replace(cfg, data=default_data(cfg.data, model.info, ctx))

@@ -263,15 +263,7 @@ def load_predictor_model(
     The size is --imgsz, else the one the checkpoint was trained at (trained_imgsz) or the file was
     exported at; a fixed-size export refuses another. --classes is checked against the model's classes.
     """
-    request = BackendRequest(
-        task=task.name,
-        script="predict",
-        device=ctx.device,
-        half=cfg.half,
-        channels_last=cfg.channels_last,
-        nms=cfg.nms,
-        augment=cfg.augment,
-    )
+    request = BackendRequest.from_flags(cfg, task.name, "predict", ctx.device)
     backend = load_backend(cfg.weights, request)
     names = backend.info.names
     if cfg.classes is not None and max(cfg.classes) >= len(names):
