@@ -142,9 +142,10 @@ class ImageCache:
     the available memory (small datasets: decoding then stops competing with training for the
     CPUs), else nothing is cached; either way one info line says which.
     mode "disk": a .npy per image next to it, written atomically with the image's modification
-    time, reused when present with that time and the right shape. Every rank fills its own indices with a thread pool, in parallel with the
-    others. An image that cannot be read or written is left out (counted, warned) and read
-    from its file later. `shapes_wh`: (N, 2) (w, h) of every dataset image after EXIF rotation.
+    time, reused when present with that time and the right shape. Every rank fills its own
+    indices with a thread pool, in parallel with the others. An image that cannot be read or
+    written is left out (counted, warned) and read from its file later. `shapes_wh`: (N, 2) (w, h)
+    of every dataset image after EXIF rotation.
     """
 
     def __init__(
