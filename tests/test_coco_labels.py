@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,14 +13,15 @@ import pytest
 
 import utils.data.coco_labels as coco_labels_module
 import utils.data.coco_node as coco_node
-from tests.coco_fakes import CLIPPED_ID, NAMES, write_coco_dataset
+from tests.coco_fakes import CATEGORIES, CLIPPED_ID, NAMES, write_coco_dataset
 from tests.dist_helpers import run_distributed
 from utils.data.coco_labels import OTHER_CATEGORY, scan_coco_labels
 from utils.data.coco_reader import CROWD, OUTSIDE
 from utils.data.data_config import load_data_config
+from utils.data.labels import LabelIndex
 from utils.distributed import DistContext
 from utils.errors import ConfigError
-from utils.eval.coco import _coco_api, load_coco_target, predictions_to_coco, run_cocoeval
+from utils.eval.coco import _coco_api, _score, load_coco_target, predictions_to_coco, run_cocoeval
 from utils.eval.evaluate import ImagePredictions
 
 INDEX_ARRAYS = ("shapes", "labels", "label_offsets", "seg_points", "seg_offsets")
@@ -118,15 +120,7 @@ def test_labels_written_back_as_predictions_carry_the_original_category_ids(coco
     index = scan_coco_labels(data.coco_source("val"), False, DistContext())
     target = load_coco_target(data, "val")
     assert target is not None and target.category_ids == (3, 7, 9)  # sorted ids, as the labels were mapped
-    predictions = []
-    for i, path in enumerate(index.im_files):
-        width, height = index.shapes[i].tolist()
-        labels = index.labels_of(i).astype(np.float64)
-        xyxy = np.concatenate([labels[:, 1:3] - labels[:, 3:] / 2, labels[:, 1:3] + labels[:, 3:] / 2], 1)
-        detections = np.concatenate(
-            [xyxy * [width, height, width, height], np.ones((len(labels), 1)), labels[:, :1]], 1
-        )
-        predictions.append(ImagePredictions(path, (height, width), detections, None))
+    predictions = _labels_as_predictions(index)
     results = predictions_to_coco(predictions, target.annotations.image_ids, target.category_ids)
     sizes: dict[int, tuple[int, int]] = {}
     for image in target.annotations.dataset["images"]:  # the first entry of an id counts (the reader's rule)
@@ -140,10 +134,67 @@ def test_labels_written_back_as_predictions_carry_the_original_category_ids(coco
             and np.allclose(_clipped(a["bbox"], width, height), result["bbox"], atol=1e-3)
         ]
         assert len(matches) == 1 and matches[0]["category_id"] == result["category_id"], result
-    evaluator = run_cocoeval(_coco_api(target.annotations), results, "bbox", sorted({r["image_id"] for r in results}))
+    evaluator = run_cocoeval(
+        _coco_api(target.scored_dataset()), results, "bbox", sorted({r["image_id"] for r in results})
+    )
     # AP50: 14 of the 17 ground truths of known categories; the clipped box and the boxes left out
     # (outside the image, zero area) are missed. A wrong class -> category mapping would score near 0.
     assert 0.8 < evaluator.stats[1] < 0.9
+
+
+def _labels_as_predictions(index: LabelIndex) -> list[ImagePredictions]:
+    """Every label of `index` as a detection of score 1, in original pixels."""
+    predictions = []
+    for i, path in enumerate(index.im_files):
+        width, height = index.shapes[i].tolist()
+        labels = index.labels_of(i).astype(np.float64)
+        xyxy = np.concatenate([labels[:, 1:3] - labels[:, 3:] / 2, labels[:, 1:3] + labels[:, 3:] / 2], 1)
+        detections = np.concatenate(
+            [xyxy * [width, height, width, height], np.ones((len(labels), 1)), labels[:, :1]], 1
+        )
+        predictions.append(ImagePredictions(path, (height, width), detections, None))
+    return predictions
+
+
+@pytest.mark.parametrize("single_cls", [False, True])
+def test_categories_the_dataset_leaves_out_are_not_scored(coco_yaml: Path, tmp_path: Path, single_cls: bool) -> None:
+    """A file with more categories than classes (`category_ids:` picks the classes) scores as one without them."""
+    data = load_data_config(coco_yaml, DistContext())
+    predictions = _labels_as_predictions(scan_coco_labels(data.coco_source("val"), False, DistContext()))
+    if single_cls:  # one class: every detection is class 0
+        for prediction in predictions:
+            prediction.detections[:, 5] = 0
+    class_ids = {"bbox": np.arange(1 if single_cls else len(NAMES))}
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "more").mkdir()
+    plain = load_coco_target(data, "val", single_cls)
+    assert plain is not None
+    expected = _score(predictions, plain, class_ids, tmp_path / "plain")["bbox"]
+    # Another category with a ground truth in every image: scoring it would add misses (and, with
+    # categories, a class of AP 0 to the mean).
+    content = plain.annotations.dataset
+    extra = [
+        {"id": 10_000 + image["id"], "image_id": image["id"], "category_id": 11, "bbox": [1, 1, 4, 4], "area": 16.0}
+        for image in content["images"]
+    ]
+    file = tmp_path / "more_categories.json"
+    file.write_text(
+        json.dumps(
+            {
+                **content,
+                "categories": [*CATEGORIES, {"id": 11, "name": "other"}],
+                "annotations": content["annotations"] + extra,
+            }
+        )  # fmt: skip
+    )
+    yaml_text = coco_yaml.read_text().replace("annotations/instances_train.json", str(file))
+    yaml_path = tmp_path / "more_categories.yaml"
+    yaml_path.write_text(yaml_text + f"names: {list(NAMES)}\ncategory_ids: [3, 7, 9]\n")
+    target = load_coco_target(load_data_config(yaml_path, DistContext()), "val", single_cls)
+    assert target is not None
+    scored = _score(predictions, target, class_ids, tmp_path / "more")["bbox"]
+    assert scored["stats"]["AP"] == pytest.approx(expected["stats"]["AP"]) and 0.5 < expected["stats"]["AP"] < 1
+    assert scored["ap"] == pytest.approx(expected["ap"])
 
 
 def _clipped(bbox: list[float], width: int, height: int) -> list[float]:

@@ -43,14 +43,30 @@ class CocoAnnotations:
 
 @dataclass(frozen=True)
 class CocoTarget:
-    """What a split is scored against: the annotations and the COCO category id of each class index.
+    """What a split is scored against: the annotations, the COCO category id of each class index, and the
+    categories whose annotations count (the dataset's classes: a file may hold more, its `category_ids:`
+    left out of training).
 
-    With `use_categories` False (--single-cls) COCOeval ignores categories (params.useCats = 0).
+    With `use_categories` False (--single-cls) COCOeval ignores categories (params.useCats = 0), and
+    `category_ids` is the one id every prediction is written with.
     """
 
     annotations: CocoAnnotations
     category_ids: tuple[int, ...]
     use_categories: bool = True
+    scored_categories: tuple[int, ...] = ()  # () for every category of the file
+
+    def scored_dataset(self) -> dict[str, Any]:
+        """The annotations file's content with only the scored categories and their annotations."""
+        dataset = self.annotations.dataset
+        wanted = set(self.scored_categories)
+        if not wanted or wanted >= {category["id"] for category in dataset["categories"]}:
+            return dataset
+        return {
+            **dataset,
+            "categories": [category for category in dataset["categories"] if category["id"] in wanted],
+            "annotations": [ann for ann in dataset["annotations"] if ann["category_id"] in wanted],
+        }
 
 
 def load_annotations(path: Path) -> CocoAnnotations:
@@ -102,11 +118,11 @@ def load_coco_target(data: DataConfig, split: str, single_cls: bool = False) -> 
     if path is None:
         return None
     annotations = load_annotations(path)
+    # The classes' categories: a file's other categories (left out of training by `category_ids:`) are not scored.
+    mapping = category_mapping(data.names, annotations.dataset["categories"], data.category_ids, path)
     if single_cls:
-        return CocoTarget(annotations, (min(c["id"] for c in annotations.dataset["categories"]),), False)
-    return CocoTarget(
-        annotations, category_mapping(data.names, annotations.dataset["categories"], data.category_ids, path)
-    )
+        return CocoTarget(annotations, (min(mapping),), False, mapping)
+    return CocoTarget(annotations, mapping, scored_categories=mapping)
 
 
 def predictions_to_coco(
@@ -318,8 +334,9 @@ def _score(
     results = predictions_to_coco(predictions, known, target.category_ids, str(path))
     _write_json(save_dir / PREDICTIONS_FILE, results)
     iou_types = ["bbox"]
+    scored = target.scored_dataset()
     if any(p.masks_rle is not None for p in predictions):
-        unscorable = unscorable_segmentations(target.annotations.dataset, set(image_ids))
+        unscorable = unscorable_segmentations(scored, set(image_ids))
         if not unscorable:
             iou_types.append("segm")
         else:
@@ -328,7 +345,7 @@ def _score(
                 f"score (missing, empty, a first polygon of 4 numbers or fewer, or an RLE of another size than its "
                 f"image; first: id {unscorable[0]}); masks are scored by the internal metric"
             )
-    gt = _coco_api(target.annotations)
+    gt = _coco_api(scored)
     start = time.perf_counter()
     scores = {}
     for iou_type in iou_types:
@@ -394,12 +411,12 @@ def _with_scores(metrics: DetectionMetrics, scores: dict[str, Any]) -> Detection
     )
 
 
-def _coco_api(annotations: CocoAnnotations) -> Any:
-    """Build a pycocotools COCO over the loaded dataset without reading the file again (its prints dropped)."""
+def _coco_api(dataset: dict[str, Any]) -> Any:
+    """Build a pycocotools COCO over a loaded file's content without reading the file again (its prints dropped)."""
     from pycocotools.coco import COCO
 
     gt = COCO()
-    gt.dataset = annotations.dataset
+    gt.dataset = dataset
     with contextlib.redirect_stdout(io.StringIO()):
         gt.createIndex()
     return gt
