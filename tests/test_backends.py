@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 import subprocess
 import sys
@@ -407,9 +408,11 @@ def test_val_and_detect_take_augment(files: dict[str, dict[str, Path]], tiny_dat
 
 @pytest.mark.slow
 def test_val_single_cls_scores_a_multi_class_model_as_one_class(
-    files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path
+    files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    result = _val(val, files["yolov8n"]["pt"], tiny_data, tmp_path, "--single-cls")
+    with caplog.at_level(logging.INFO):
+        result = _val(val, files["yolov8n"]["pt"], tiny_data, tmp_path, "--single-cls")
+    assert "; class-agnostic single-label (--single-cls) NMS at --conf-thres 0.001" in caplog.text
     assert result.metrics.class_ids.tolist() == [0]
     assert all((item.detections[:, 5] == 0).all() for item in result.predictions)  # the one class, id 0
     assert sum(len(item.detections) for item in result.predictions) > 0

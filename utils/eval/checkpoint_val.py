@@ -88,7 +88,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
             result, setup.data, cfg.split, setup.save_dir, ctx,
             single_cls=cfg.single_cls, target=setup.coco_target, stems=stems,
         )  # fmt: skip
-    report(result, setup.names, cfg, ctx, annotations)
+    report(result, setup.names, cfg, ctx, annotations, agnostic=eval_options.class_agnostic)
     if cfg.save_txt and setup.save_dir is not None:
         save_txt(result, setup.save_dir / "labels", stems, cfg.save_conf)
     if cfg.plots and setup.save_dir is not None and ctx.is_main:
@@ -202,11 +202,18 @@ def val_imgsz(info: BackendInfo, requested: int | None) -> int:
 
 
 def report(
-    result: EvalResult, names: tuple[str, ...], cfg: ValConfig, ctx: DistContext, annotations: Path | None = None
+    result: EvalResult,
+    names: tuple[str, ...],
+    cfg: ValConfig,
+    ctx: DistContext,
+    annotations: Path | None = None,
+    *,
+    agnostic: bool = False,
 ) -> None:
     """Log the metrics table (per class with --verbose), per-image stage times and the metric source on rank 0.
 
-    `annotations` is the split's COCO file from the dataset YAML, if any. `--task speed` logs the times only.
+    `annotations` is the split's COCO file from the dataset YAML, if any; `agnostic`: the NMS ignored
+    classes (a multi-class model scored --single-cls). `--task speed` logs the times only.
     """
     speeds = all_gather_objects(result.speed_ms, ctx)
     mean = {key: float(np.mean([s[key] for s in speeds])) for key in speeds[0]}
@@ -219,7 +226,10 @@ def report(
         f"{mean['nms']:.1f} ms NMS at batch {per_rank_batch(cfg.batch_size, ctx)} per rank, size {cfg.imgsz}"
     )
     if not cfg.speed_only:
-        labels = "multi-label" if cfg.multi_label else "single-label (--no-multi-label)"
+        if agnostic:  # one box per object whatever its class: multi-label would only repeat it
+            labels = "class-agnostic single-label (--single-cls)"
+        else:
+            labels = "multi-label" if cfg.multi_label else "single-label (--no-multi-label)"
         source = metric_source_text(result, cfg.save_json, annotations)
         LOGGER.info(f"Metric source: {source}; {labels} NMS at --conf-thres {cfg.conf_thres}")
 

@@ -96,8 +96,9 @@ def val_config_from_args(args: argparse.Namespace) -> ValConfig:
     for flag, value in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{flag} {value} must be within [0, 1]")
-    if args.batch_size < 1:
-        raise ConfigError(f"--batch-size {args.batch_size} must be at least 1")
+    for flag, value in (("--batch-size", args.batch_size), ("--max-det", args.max_det)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be at least 1")
     check_dist_timeout(args.dist_timeout)
     names = {f.name for f in fields(ValConfig)}
     values = {key: value for key, value in vars(args).items() if key in names}
