@@ -14,6 +14,7 @@ from utils.boxes import (
     clip_boxes,
     non_max_suppression,
     scale_boxes,
+    top_detections,
     xywh_to_xyxy,
     xywhn_to_xyxy,
     xyxy_to_xywh,
@@ -255,6 +256,10 @@ def test_nms_empty_and_invalid_thresholds() -> None:
         non_max_suppression(pred, conf_thres=1.5)
     with pytest.raises(ValueError, match="iou_thres"):
         non_max_suppression(pred, iou_thres=-0.1)
+    with pytest.raises(ValueError, match="max_det=-5 must be at least 1"):  # as a slice bound it would drop rows
+        non_max_suppression(pred, max_det=-5)
+    with pytest.raises(ValueError, match="max_det=0 must be at least 1"):
+        top_detections(torch.zeros(2, 10, 4 + 2), max_det=0)
 
 
 # ---------------------------------------------------------------- letterbox undo

@@ -174,6 +174,12 @@ def _check_fraction(name: str, value: float) -> None:
         raise ValueError(f"non_max_suppression: {name}={value} must be in [0, 1]")
 
 
+def _check_max_det(max_det: int) -> None:
+    """Raise a one-line ValueError for a `max_det` below 1 (as a slice bound it would drop detections silently)."""
+    if max_det < 1:
+        raise ValueError(f"non_max_suppression: max_det={max_det} must be at least 1")
+
+
 def _batch_candidates(
     pred: torch.Tensor,
     num_classes: int,
@@ -236,6 +242,7 @@ def non_max_suppression(
     """
     _check_fraction("conf_thres", conf_thres)
     _check_fraction("iou_thres", iou_thres)
+    _check_max_det(max_det)
     num_classes = pred.shape[2] - (5 if objectness else 4) - num_masks
     if num_classes < 1:
         raise ValueError(f"non_max_suppression: pred has {pred.shape[2]} columns, too few for {num_masks} masks")
@@ -276,6 +283,7 @@ def top_detections(
     Returns B tensors (n, 6 + nm) [x1, y1, x2, y2, conf, cls, coeffs...], conf descending.
     """
     _check_fraction("conf_thres", conf_thres)
+    _check_max_det(max_det)
     num_classes = pred.shape[2] - 4 - num_masks
     if num_classes < 1:
         raise ValueError(f"top_detections: pred has {pred.shape[2]} columns, too few for {num_masks} masks")
