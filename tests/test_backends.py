@@ -541,3 +541,19 @@ def test_nms_on_a_model_without_an_nms_free_head_is_warned_about(
     assert caplog.messages == [
         "--nms changes nothing here: only end-to-end models (yolo26) have an NMS-free head to turn off"
     ]
+
+
+def test_agnostic_nms_on_an_nms_free_head_is_warned_about(
+    files: dict[str, dict[str, Path]], caplog: pytest.LogCaptureFixture
+) -> None:
+    from utils.predict.config import PredictConfig
+    from utils.predict.predictor import load_predictor_model
+
+    for name, nms in (("yolov8n", False), ("yolo26n", True), ("yolo26n", False)):  # warned about the last only
+        cfg = PredictConfig(weights=files[name]["pt"], source="", agnostic_nms=True, nms=nms)
+        with caplog.at_level("WARNING", logger="utils.predict.predictor"):
+            load_predictor_model(cfg, DETECT, DistContext())
+    assert caplog.messages == [
+        f"--agnostic-nms changes nothing here: {files['yolo26n']['pt']} selects with its NMS-free head, which "
+        "suppresses nothing (--nms for its other head and NMS)"
+    ]

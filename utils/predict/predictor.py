@@ -265,6 +265,11 @@ def load_predictor_model(
     """
     request = BackendRequest.from_flags(cfg, task.name, "predict", ctx.device)
     backend = load_backend(cfg.weights, request)
+    if cfg.agnostic_nms and backend.info.end_to_end:
+        LOGGER.warning(
+            f"--agnostic-nms changes nothing here: {cfg.weights} selects with its NMS-free head, which suppresses "
+            "nothing (--nms for its other head and NMS)"
+        )
     names = backend.info.names
     if cfg.classes is not None and max(cfg.classes) >= len(names):
         raise ConfigError(
