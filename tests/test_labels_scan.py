@@ -23,6 +23,7 @@ from utils.config import DEFAULT_HYP
 from utils.data.data_config import load_data_config
 from utils.data.image_files import image_to_label_path, list_image_files
 from utils.data.labels import (
+    ANY_CLASS_ID,
     LabelIndex,
     build_index,
     files_hash,
@@ -68,22 +69,21 @@ def _folder(root: Path, sizes: list[tuple[int, int]] = SIZES_WH) -> Path:
 
 def _assert_same_index(a: LabelIndex, b: LabelIndex) -> None:
     assert a.im_files == b.im_files and a.counts == b.counts and a.messages == b.messages
-    assert a.num_degenerate == b.num_degenerate and a.class_ids_out_of_range == b.class_ids_out_of_range
-    assert a.out_of_range_files == b.out_of_range_files
+    assert a.num_degenerate == b.num_degenerate and a.problems == b.problems
     for name in ("shapes", "labels", "label_offsets", "seg_points", "seg_offsets"):
         first, second = getattr(a, name), getattr(b, name)
         assert first.dtype == second.dtype, name
         np.testing.assert_array_equal(first, second, err_msg=name)
 
 
-def _reference_index(files: list[str], num_classes: int = 2) -> LabelIndex:
+def _reference_index(files: list[str]) -> LabelIndex:
     """The index one build_index over every record gives: what every scan must reproduce."""
-    return build_index([verify_image_label(f, image_to_label_path(f), num_classes) for f in files])
+    return build_index([verify_image_label(f, image_to_label_path(f)) for f in files])
 
 
 def test_joined_runs_equal_one_index_even_with_empty_runs(tmp_path: Path) -> None:
     files = list_image_files(_folder(tmp_path))
-    records = [verify_image_label(f, image_to_label_path(f), 2) for f in files]
+    records = [verify_image_label(f, image_to_label_path(f)) for f in files]
     whole = build_index(records)
     assert whole.counts["corrupt"] == 1 and whole.counts["missing"] > 0 and len(whole.seg_points) > 0
     for cuts in ([0, 3, 3, 7, 12], [0, 12, 12], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]):
@@ -100,7 +100,7 @@ def test_scan_in_rounds_in_one_process_matches_one_index(tmp_path: Path, monkeyp
 
 
 def _digest(files: list[str]) -> str:
-    return files_hash(files, [image_to_label_path(f) for f in files], 2)
+    return files_hash(files, [image_to_label_path(f) for f in files])
 
 
 def test_differing_ranks_message_names_ranks_counts_and_digests() -> None:
@@ -162,7 +162,7 @@ def _varied_folder(root: Path) -> Path:
 
 def _varied_reference(root: Path) -> tuple[list[str], LabelIndex]:
     files = list_image_files(_varied_folder(root))
-    reference = _reference_index(files, num_classes=3)
+    reference = _reference_index(files)
     assert all(reference.counts[status] for status in ("found", "missing", "empty", "corrupt")), reference.counts
     assert len(reference.messages) >= 9 and reference.num_degenerate == 1 and len(reference.seg_points) > 900
     return files, reference
@@ -174,11 +174,11 @@ def test_worker_processes_give_exactly_the_in_process_index(tmp_path: Path, monk
     files, reference = _varied_reference(tmp_path)
     with VerifierPool(2) as pool:
         assert pool.num_workers == 2
-        _assert_same_index(pool.verify(files, 3), reference)  # order, counts, messages, arrays and dtypes
-        _assert_same_index(pool.verify(files[5:6], 3), _reference_index(files[5:6], 3))  # more jobs, same workers
+        _assert_same_index(pool.verify(files, True), reference)  # order, counts, messages, arrays and dtypes
+        _assert_same_index(pool.verify(files[5:6], True), _reference_index(files[5:6]))  # more jobs, same workers
         workers = list(pool.workers)
     assert [worker.returncode for worker in workers] == [0, 0]  # closing the pool let each worker exit by itself
-    _assert_same_index(VerifierPool(1).verify(files, 3), reference)  # one worker: verified in this process
+    _assert_same_index(VerifierPool(1).verify(files, True), reference)  # one worker: verified in this process
 
 
 @pytest.mark.distributed  # starts worker processes
@@ -193,9 +193,9 @@ def test_scan_labels_verifies_in_worker_processes_round_by_round(
     blocks: list[tuple[int, int]] = []
     verify = VerifierPool.verify
 
-    def recording_verify(pool: VerifierPool, image_files: list[str], num_classes: int) -> LabelIndex:
+    def recording_verify(pool: VerifierPool, image_files: list[str], read_labels: bool) -> LabelIndex:
         blocks.append((len(image_files), pool.num_workers))
-        return verify(pool, image_files, num_classes)
+        return verify(pool, image_files, read_labels)
 
     monkeypatch.setattr(VerifierPool, "verify", recording_verify)
     _assert_same_index(scan_labels(files, 3, DistContext(), num_workers=8), reference)
@@ -210,7 +210,7 @@ def test_a_worker_that_died_is_an_error_naming_it_not_a_hang(tmp_path: Path) -> 
         victim.kill()
         victim.wait()
         with pytest.raises(RuntimeError, match=rf"label scan worker {victim.pid} stopped \(exit status -9\)"):
-            pool.verify(files, 2)
+            pool.verify(files, True)
     assert all(worker.returncode is not None for worker in pool.workers)
 
 
@@ -285,10 +285,10 @@ def _scan_on_rank(ctx: DistContext, folder: str) -> dict[str, Any]:
     writes: list[str] = []
     verify, save = scan_module.VerifierPool.verify, scan_module.save_label_cache
 
-    def recording_verify(pool: scan_module.VerifierPool, image_files: list[str], num_classes: int) -> LabelIndex:
+    def recording_verify(pool: scan_module.VerifierPool, image_files: list[str], read_labels: bool) -> LabelIndex:
         verified.extend(image_files)
         workers.append(pool.num_workers)
-        return verify(pool, image_files, num_classes)
+        return verify(pool, image_files, read_labels)
 
     def recording_save(path: Path, index: LabelIndex, digest: str) -> bool:
         writes.append(str(path))
@@ -406,11 +406,22 @@ SHORT_NAMES_ERROR = (
 )
 
 
-def test_names_shorter_than_the_labels_stop_the_run_with_one_line(tmp_path: Path) -> None:
+def test_names_shorter_than_the_labels_stop_the_run_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     yaml_file = _short_names_dataset(tmp_path)
     scanned, cached = _build_short_names(DistContext(), str(yaml_file))
     assert SHORT_NAMES_ERROR in scanned and str(yaml_file) in scanned and "\n" not in scanned
-    assert cached == scanned  # the label cache keeps the out-of-range ids: a rerun stops the same way
+    first = image_to_label_path(tmp_path / "images" / "train" / "09.png")
+    assert scanned.endswith(
+        f"; first in {first} (2 label file(s) in all); list every class in 'names', or fix the labels"
+    )
+    assert cached == scanned  # the check runs on the cached labels: a rerun stops the same way
+    # Names corrected, or --single-cls: the same cache serves them, nothing is scanned again.
+    monkeypatch.setattr(scan_module, "_scan_in_rounds", lambda *args: pytest.fail("scanned again"))
+    files = list_image_files(tmp_path / "images" / "train")
+    for num_classes in (6, ANY_CLASS_ID):
+        assert scan_labels(files, num_classes, DistContext()).labels[:, 0].max() == 5
 
 
 @pytest.mark.slow

@@ -260,7 +260,7 @@ def scan_coco_labels(
         raise ConfigError(message)
     where = f"{cache_path} (cached)"
     if not all(has_cache for _, _, has_cache in facts):
-        verified = scan_in_rounds(files, None, ctx, len(facts), num_workers)
+        verified = scan_in_rounds(files, False, ctx, len(facts), num_workers)
         verified.counts["corrupt"] += len(missing)
         verified.messages[:0] = missing
         rows = dict(zip(files, image_rows.tolist(), strict=True))

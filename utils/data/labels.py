@@ -21,28 +21,15 @@ from utils.data.masks import polygon_areas
 
 LOGGER = logging.getLogger(__name__)
 
-# The class count a --single-cls scan checks ids against: any non-negative integer id is a class there (every
-# label becomes class 0, as YOLOv5 maps them before its nc check). Part of that scan's cache digest.
+# The class count of a --single-cls run: any non-negative integer id is a class there (every label becomes
+# class 0, as YOLOv5 maps them before its nc check), so no id is past the classes (scan_report.check_class_ids).
 ANY_CLASS_ID = 2**31 - 1
-CACHE_VERSION = 6  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
+CACHE_VERSION = 7  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
 # Coordinates this far outside [0, 1] are clipped with a warning, further is corrupt; a box row's edges may
 # overhang the image this far (rounding) before its clip is noted as a repair.
 COORD_TOLERANCE = 0.01
 MIN_RELATIVE_AREA = 1e-8  # an instance covering less of the image (shoelace area) is degenerate and dropped
 STATUSES = ("found", "missing", "empty", "corrupt")
-
-
-class ClassIdsOutOfRange(BadInputError):
-    """A label file, valid otherwise, whose rows use integer class ids >= the dataset's class count.
-
-    `class_ids` holds one id per such row. Kept apart from other bad input because a run stops
-    on it (utils/data/scan_report.py: check_class_ids): it says the dataset YAML's `names` is short,
-    or the labels belong to another dataset, not that one file is damaged.
-    """
-
-    def __init__(self, message: str, class_ids: list[int]) -> None:
-        super().__init__(message)
-        self.class_ids = class_ids
 
 
 @dataclass
@@ -53,9 +40,9 @@ class LabelRecord:
     "corrupt" (image skipped). `labels`: (n, 5) float32 [cls, cx, cy, w, h] normalised, the box
     being the min/max of the polygon; `segments`: n (k, 2) float32 normalised polygons (the 4
     corners for a box-only row). `message` is one line naming the file, empty when clean.
-    `num_degenerate` counts the zero-area rows left out of `labels`. `class_ids_out_of_range` lists
-    the class id of each row whose id is an integer >= num_classes in an otherwise valid file
-    (the file is then "corrupt"); `label_path` is that file, so the error can name it.
+    `num_degenerate` counts the zero-area rows left out of `labels`. Class ids are checked to be
+    non-negative integers only: whether they are among the dataset's classes is decided on the
+    whole index (scan_report.check_class_ids), so the cache does not depend on the class count.
     """
 
     image_path: str
@@ -65,8 +52,6 @@ class LabelRecord:
     segments: list[np.ndarray] = field(default_factory=list)
     message: str = ""
     num_degenerate: int = 0
-    class_ids_out_of_range: list[int] = field(default_factory=list)
-    label_path: str = ""
 
 
 def _read_label_rows(label_path: str) -> list[tuple[int, tuple[float, ...]]]:
@@ -96,15 +81,11 @@ def _read_label_rows(label_path: str) -> list[tuple[int, tuple[float, ...]]]:
     return rows
 
 
-def _check_rows(
-    numbered_rows: list[tuple[int, tuple[float, ...]]], num_classes: int
-) -> tuple[list[np.ndarray], list[str]]:
+def _check_rows(numbered_rows: list[tuple[int, tuple[float, ...]]]) -> tuple[list[np.ndarray], list[str]]:
     """Validate and repair parsed (line number, row) pairs; return the cleaned rows and a list of the repairs made.
 
     Duplicate rows are removed (the first is kept) and coordinates within COORD_TOLERANCE of
     [0, 1] are clipped; anything else wrong raises BadInputError naming the line in the file.
-    Integer class ids >= `num_classes` are collected over the whole file and raised last, as
-    ClassIdsOutOfRange, so a file that has only that problem is told apart from a damaged one.
     """
     fixes = []
     first_line: dict[tuple[float, ...], int] = {}
@@ -114,15 +95,12 @@ def _check_rows(
         fixes.append(f"removed {len(numbered_rows) - len(first_line)} duplicate row(s)")
     arrays = [np.array(row, dtype=np.float64) for row in first_line]
     num_clipped = 0
-    out_of_range: list[tuple[int, int]] = []  # (line number, class id)
     for line_number, row in zip(first_line.values(), arrays, strict=True):
         if not np.isfinite(row).all():
             raise BadInputError(f"line {line_number} has a non-finite value")
         class_id = row[0]
         if class_id != int(class_id) or class_id < 0:
             raise BadInputError(f"line {line_number} class id {class_id:g} is not a non-negative integer")
-        if class_id >= num_classes:
-            out_of_range.append((line_number, int(class_id)))
         coords = row[1:]
         if coords.min() < -COORD_TOLERANCE or coords.max() > 1 + COORD_TOLERANCE:
             bad = coords[(coords < -COORD_TOLERANCE) | (coords > 1 + COORD_TOLERANCE)][0]
@@ -132,13 +110,6 @@ def _check_rows(
         np.clip(coords, 0.0, 1.0, out=coords)
     if num_clipped:
         fixes.append(f"clipped {num_clipped} coordinate(s) slightly outside [0, 1]")
-    if out_of_range:
-        line_number, class_id = out_of_range[0]
-        more = f" (and {len(out_of_range) - 1} more row(s))" if len(out_of_range) > 1 else ""
-        raise ClassIdsOutOfRange(
-            f"line {line_number} class id {class_id} is out of range [0, {num_classes}){more}",
-            [class_id for _, class_id in out_of_range],
-        )
     return arrays, fixes
 
 
@@ -185,7 +156,7 @@ def _drop_degenerate(labels: np.ndarray, segments: list[np.ndarray]) -> tuple[np
     return labels[keep], [segments[i] for i in keep], len(segments) - len(keep)
 
 
-def verify_image_label(image_path: str, label_path: str | None, num_classes: int) -> LabelRecord:
+def verify_image_label(image_path: str, label_path: str | None) -> LabelRecord:
     """Check one image and its label file and return what the dataset should use.
 
     Never raises for bad data: an unusable image or label gives status "corrupt" with a
@@ -202,13 +173,7 @@ def verify_image_label(image_path: str, label_path: str | None, num_classes: int
     if label_path is None or not os.path.lexists(label_path):
         return LabelRecord(image_path, "missing", shape_wh, message=image_message)
     try:
-        rows, fixes = _check_rows(_read_label_rows(label_path), num_classes)
-    except ClassIdsOutOfRange as error:
-        message = f"corrupt label {label_path}: {error}; skipped"
-        ids = error.class_ids
-        return LabelRecord(
-            image_path, "corrupt", shape_wh, message=message, class_ids_out_of_range=ids, label_path=label_path
-        )
+        rows, fixes = _check_rows(_read_label_rows(label_path))
     except BadInputError as error:
         return LabelRecord(image_path, "corrupt", shape_wh, message=f"corrupt label {label_path}: {error}; skipped")
     num_overhanging = _count_overhanging_boxes(rows)
@@ -223,26 +188,23 @@ def verify_image_label(image_path: str, label_path: str | None, num_classes: int
     return LabelRecord(image_path, status, shape_wh, labels, segments, message, num_degenerate)
 
 
-def verify_files(image_files: Sequence[str], num_classes: int | None) -> LabelIndex:
+def verify_files(image_files: Sequence[str], read_labels: bool = True) -> LabelIndex:
     """Verify a run of images with their label files and pack the records: one job of a label scan.
 
     Returns build_index of the verify_image_label records in file order, so indices of
     consecutive runs concatenate (utils/data/scan.py: concatenate_indices) to the index of the
     whole list. Packed, a job's answer is a few arrays, not one Python object per polygon.
-    `num_classes` None verifies the images only (labels from a COCO JSON; no label file is read).
+    Without `read_labels` it verifies the images only (labels from a COCO JSON; no label file is read).
     """
     return build_index(
-        [
-            verify_image_label(path, None if num_classes is None else image_to_label_path(path), num_classes or 0)
-            for path in image_files
-        ]
+        [verify_image_label(path, image_to_label_path(path) if read_labels else None) for path in image_files]
     )
 
 
 def serve_verification() -> None:
     """Run as a label-scan worker process: answer each job read from stdin with its LabelIndex on stdout.
 
-    A job is a pickled (image_files, num_classes), its answer the pickled verify_files result;
+    A job is a pickled (image_files, read_labels), its answer the pickled verify_files result;
     the process returns when stdin closes (the scanning process is done, or gone). It lives in
     this module because a worker imports only this module (numpy, PIL; yaml via image_files), not
     torch: it starts in ~0.2 s. Only answers go to the original stdout; anything a library prints goes to stderr.
@@ -256,10 +218,10 @@ def serve_verification() -> None:
     jobs = sys.stdin.buffer
     while True:
         try:
-            image_files, num_classes = pickle.load(jobs)  # the parent's own pipe: trusted data
+            image_files, read_labels = pickle.load(jobs)  # the parent's own pipe: trusted data
         except EOFError:
             return
-        pickle.dump(verify_files(image_files, num_classes), answers, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dump(verify_files(image_files, read_labels), answers, protocol=pickle.HIGHEST_PROTOCOL)
         answers.flush()
 
 
@@ -275,11 +237,7 @@ class LabelIndex:
     `counts` maps found/missing/empty/corrupt to numbers of images; `messages` holds one line per
     bad or repaired file (or COCO JSON entry); `num_degenerate` is how many zero-area instances were
     left out in all; `problems` counts a COCO JSON's entries repaired or left out, by reason (empty
-    for YOLO txt labels); `class_ids_out_of_range` maps each integer class id >= num_classes found in
-    otherwise valid label files to its number of rows (always empty for a COCO JSON, whose categories
-    map to classes by utils/data/coco_labels.py: category_mapping), and `out_of_range_files` names
-    the label files holding them, in file order, so an error can name one however many warnings
-    were shown. Arrays read from a label cache are read-only memory maps of the file.
+    for YOLO txt labels). Arrays read from a label cache are read-only memory maps of the file.
     """
 
     im_files: list[str]
@@ -292,8 +250,6 @@ class LabelIndex:
     messages: list[str]
     num_degenerate: int = 0
     problems: dict[str, int] = field(default_factory=dict)
-    class_ids_out_of_range: dict[int, int] = field(default_factory=dict)
-    out_of_range_files: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.im_files)
@@ -327,8 +283,6 @@ class LabelIndex:
             self.messages,
             self.num_degenerate,
             self.problems,
-            self.class_ids_out_of_range,
-            self.out_of_range_files,
         )
 
 
@@ -354,13 +308,7 @@ def build_index(records: list[LabelRecord]) -> LabelIndex:
     packed = _pack([r.labels for r in kept], [r.segments for r in kept])
     messages = [r.message for r in records if r.message]
     num_degenerate = sum(r.num_degenerate for r in records)
-    ids, id_counts = np.unique(
-        np.array([i for r in records for i in r.class_ids_out_of_range], np.int64), return_counts=True
-    )
-    out_of_range = dict(zip(ids.tolist(), id_counts.tolist(), strict=True))
-    files = [r.image_path for r in kept]
-    out_of_range_files = [r.label_path for r in records if r.class_ids_out_of_range]
-    return LabelIndex(files, shapes, *packed, counts, messages, num_degenerate, {}, out_of_range, out_of_range_files)
+    return LabelIndex([r.image_path for r in kept], shapes, *packed, counts, messages, num_degenerate)
 
 
 def label_cache_path(image_files: Sequence[str]) -> Path:
@@ -371,9 +319,9 @@ def label_cache_path(image_files: Sequence[str]) -> Path:
     return labels_folder_cache(image_files[0])
 
 
-def files_hash(image_files: Sequence[str], label_files: Sequence[str], num_classes: int) -> str:
-    """Return a digest of every path, size and modification time (and num_classes) the index depends on."""
-    digest = hashlib.sha256(f"{CACHE_VERSION}:{num_classes}".encode())
+def files_hash(image_files: Sequence[str], label_files: Sequence[str], salt: object = "") -> str:
+    """Return a digest of every path, size and modification time the index depends on (and `salt`, if any)."""
+    digest = hashlib.sha256(f"{CACHE_VERSION}:{salt}".encode())
     for path in (*image_files, *label_files):
         try:
             stat = os.stat(path)
@@ -402,9 +350,6 @@ def save_label_cache(path: Path, index: LabelIndex, digest: str) -> bool:
                 "num_degenerate": np.array(index.num_degenerate, dtype=np.int64),
                 "problem_reasons": np.array(list(index.problems), dtype=str),
                 "problem_counts": np.array(list(index.problems.values()), dtype=np.int64),
-                "out_of_range_ids": np.array(list(index.class_ids_out_of_range), dtype=np.int64),
-                "out_of_range_counts": np.array(list(index.class_ids_out_of_range.values()), dtype=np.int64),
-                "out_of_range_files": np.array(index.out_of_range_files, dtype=str),
             },
         )
         return True
@@ -436,8 +381,6 @@ def load_label_cache(path: Path, digest: str) -> LabelIndex | None:
             data["messages"].tolist(),
             int(data["num_degenerate"]),
             problems,
-            dict(zip(data["out_of_range_ids"].tolist(), data["out_of_range_counts"].tolist(), strict=True)),
-            data["out_of_range_files"].tolist(),
         )
     except Exception:  # missing, truncated or foreign file: treat as no cache and rebuild
         return None

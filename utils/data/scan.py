@@ -120,20 +120,20 @@ class VerifierPool:
         """Worker processes in use; 0 when files are verified in this process."""
         return len(self.workers)
 
-    def verify(self, image_files: Sequence[str], num_classes: int | None) -> LabelIndex:
-        """Return exactly verify_files(image_files, num_classes), computed in jobs of CHUNK_FILES files."""
+    def verify(self, image_files: Sequence[str], read_labels: bool) -> LabelIndex:
+        """Return exactly verify_files(image_files, read_labels), computed in jobs of CHUNK_FILES files."""
         if self.threads is None:
-            return verify_files(image_files, num_classes)
+            return verify_files(image_files, read_labels)
         chunks = [image_files[i : i + CHUNK_FILES] for i in range(0, len(image_files), CHUNK_FILES)]
-        job = functools.partial(self._verify_chunk, num_classes=num_classes)
+        job = functools.partial(self._verify_chunk, read_labels=read_labels)
         return concatenate_indices(list(self.threads.map(job, chunks)))
 
-    def _verify_chunk(self, image_files: Sequence[str], num_classes: int | None) -> LabelIndex:
+    def _verify_chunk(self, image_files: Sequence[str], read_labels: bool) -> LabelIndex:
         """Send one job to an idle worker and return its answer; a worker that stopped is a RuntimeError."""
         worker = self.idle.get()  # as many threads as workers: one is idle whenever a thread gets here
         assert worker.stdin is not None and worker.stdout is not None  # both are pipes
         try:
-            pickle.dump((list(image_files), num_classes), worker.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump((list(image_files), read_labels), worker.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             worker.stdin.flush()
             return pickle.load(worker.stdout)  # our own worker's answer: trusted data
         except (EOFError, OSError, pickle.UnpicklingError) as error:
@@ -174,9 +174,7 @@ def _start_pool(num_workers: int, ctx: DistContext) -> VerifierPool:
         return VerifierPool(0)
 
 
-def _scan_in_rounds(
-    image_files: Sequence[str], num_classes: int | None, ctx: DistContext, num_workers: int
-) -> LabelIndex:
+def _scan_in_rounds(image_files: Sequence[str], read_labels: bool, ctx: DistContext, num_workers: int) -> LabelIndex:
     """Verify every image/label pair, split across ranks in rounds, and return the same index on every rank.
 
     Every rank must call it with the same `image_files`. Each round covers the next world_size x
@@ -205,7 +203,7 @@ def _scan_in_rounds(
             stop = min(start + span, len(image_files))
             error: Exception | None = None
             try:
-                part: LabelIndex | str = pool.verify(image_files[_block_of_rank(start, stop, ctx)], num_classes)
+                part: LabelIndex | str = pool.verify(image_files[_block_of_rank(start, stop, ctx)], read_labels)
             except Exception as exc:  # re-raised below, after the other ranks have been told
                 part, error = f"{type(exc).__name__}: {exc}", exc
             gathered = all_gather_objects(part, ctx)
@@ -220,9 +218,9 @@ def _scan_in_rounds(
 
 
 def scan_in_rounds(
-    image_files: Sequence[str], num_classes: int | None, ctx: DistContext, num_gathered: int, num_workers: int | None
+    image_files: Sequence[str], read_labels: bool, ctx: DistContext, num_gathered: int, num_workers: int | None
 ) -> LabelIndex:
-    """Verify every image (and, unless `num_classes` is None, its YOLO label file) split across ranks in rounds.
+    """Verify every image (and, with `read_labels`, its YOLO label file) split across ranks in rounds.
 
     Every rank must call it with the same list and the number of entries its last all-gather
     returned (`num_gathered`): a hand-built context (tests) without a process group gathers from
@@ -230,7 +228,7 @@ def scan_in_rounds(
     """
     scan_ctx = ctx if num_gathered == ctx.world_size else dataclasses.replace(ctx, rank=0, world_size=1)
     workers = scan_workers(len(image_files), scan_ctx, num_workers)
-    return _scan_in_rounds(image_files, num_classes, scan_ctx, workers)
+    return _scan_in_rounds(image_files, read_labels, scan_ctx, workers)
 
 
 def _block_of_rank(start: int, stop: int, ctx: DistContext) -> slice:
@@ -259,8 +257,6 @@ def concatenate_indices(parts: Sequence[LabelIndex]) -> LabelIndex:
         [message for part in parts for message in part.messages],
         sum(part.num_degenerate for part in parts),
         _summed([part.problems for part in parts]),
-        dict(sorted(_summed([part.class_ids_out_of_range for part in parts]).items())),
-        [path for part in parts for path in part.out_of_range_files],
     )
 
 
@@ -319,26 +315,26 @@ def scan_labels(
 ) -> LabelIndex:
     """Verify every image and label (or reuse the label cache) and return the packed index, the same on every rank.
 
-    Every rank must call it, with the same `image_files`; a rank holding another list (count or
-    paths) makes every rank raise a one-line ConfigError. When every rank finds a current label
-    cache (default `label_cache_path`; current while the digest of paths, sizes, modification
-    times and num_classes matches) it is read. Otherwise all ranks scan together in short rounds
-    (`_scan_in_rounds`), so no rank waits in a collective for the whole scan and a scan longer
-    than the process-group timeout (--dist-timeout) is fine; the local main rank of each node
-    then writes the cache, and every rank returns once it is written. Rank 0 logs the bad files
-    and the counts. Raises a one-line ConfigError when no usable image remains. Each rank
-    verifies with up to `num_workers` worker processes (default and upper bound: its share of the
-    CPUs; see scan_workers); reading a current cache opens no image. Label files whose class ids reach
-    `num_classes` make every rank raise a one-line ConfigError naming `names_file`, the dataset
-    YAML (check_class_ids). With `require_labels` (a train set) no labelled image at all is a
-    one-line ConfigError naming the labels folder; without it, one warning (check_labelled).
-    Entries of .txt image lists left out by list_image_files (`image_files.skipped`) are warned
-    and counted with the scan's summary.
+    Every rank must call it, with the same `image_files`; a rank holding another list (count or paths)
+    makes every rank raise a one-line ConfigError. When every rank finds a current label cache (default
+    `label_cache_path`; current while the digest of paths, sizes and modification times matches,
+    whatever `num_classes`: a corrected `names` or --single-cls scans nothing again) it is read.
+    Otherwise all ranks scan together in short rounds (`_scan_in_rounds`), so no rank waits in a
+    collective for the whole scan and a scan longer than the process-group timeout (--dist-timeout) is
+    fine; the local main rank of each node then writes the cache, and every rank returns once it is
+    written. Rank 0 logs the bad files and the counts. Raises a one-line ConfigError when no usable
+    image remains. Each rank verifies with up to `num_workers` worker processes (default and upper
+    bound: its share of the CPUs; see scan_workers); reading a current cache opens no image. Labels
+    whose class ids reach `num_classes` make every rank raise a one-line ConfigError naming
+    `names_file`, the dataset YAML (check_class_ids). With `require_labels` (a train set) no labelled
+    image at all is a one-line ConfigError naming the labels folder; without it, one warning
+    (check_labelled). Entries of .txt image lists left out by list_image_files (`image_files.skipped`)
+    are warned and counted with the scan's summary.
     """
     label_files = [image_to_label_path(f) for f in image_files]
     listed = image_files if isinstance(image_files, ImageFiles) else ImageFiles(image_files)
     cache_path = cache_path or label_cache_path(listed)
-    digest = files_hash(image_files, label_files, num_classes)
+    digest = files_hash(image_files, label_files)
     index = load_label_cache(cache_path, digest)
     # One gather answers both questions: do the ranks list the same files, and may every rank use its cache?
     facts = all_gather_objects((len(image_files), image_list_digest(image_files), index is not None), ctx)
@@ -347,7 +343,7 @@ def scan_labels(
         raise ConfigError(message)
     source = f"{cache_path} (cached)"
     if not all(has_cache for _, _, has_cache in facts):
-        index = scan_in_rounds(image_files, num_classes, ctx, len(facts), num_workers)
+        index = scan_in_rounds(image_files, True, ctx, len(facts), num_workers)
         source = f"scanned the labels of {len(image_files)} images (cache {cache_path})"
         if ctx.is_local_main:
             save_label_cache(cache_path, index, digest)

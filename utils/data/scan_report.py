@@ -12,6 +12,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
+from utils.data.image_files import image_to_label_path
 from utils.data.labels import LabelIndex
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -77,33 +80,32 @@ def _write_all_warnings(messages: Sequence[str], cache_path: Path | None) -> str
 
 
 def check_class_ids(index: LabelIndex, num_classes: int, names_file: Path | None) -> None:
-    """Raise a one-line ConfigError when label files use integer class ids >= `num_classes`.
+    """Raise a one-line ConfigError when labels use integer class ids >= `num_classes`.
 
-    The rule: one such id in an otherwise valid label file stops the run (as YOLOv5 stops), instead
-    of skipping the file like a damaged one. A class id past the declared classes cannot be
-    trained as labelled: `names` in the dataset YAML (`names_file`) is short, or the labels come
-    from another dataset, and skipping those files would train on what is left without a word
-    about why. The message names the YAML, its class count, the largest id and its label count,
-    and the first label file with such an id and how many there are: only the first
-    MAX_LOGGED_MESSAGES warnings are shown, so the error itself must say where to look.
-    Call it with the gathered index (the same on every rank), so every rank decides alike.
+    The rule: one such id stops the run (as YOLOv5 stops), instead of skipping its file like a
+    damaged one. A class id past the declared classes cannot be trained as labelled: `names` in
+    the dataset YAML (`names_file`) is short, or the labels come from another dataset, and
+    skipping those files would train on what is left without a word about why. The message names
+    the YAML, its class count, the largest id and its label count, and the first label file with
+    such an id and how many there are. Decided on the index, not while scanning, so the label cache
+    serves any class count: a corrected `names` (or --single-cls) reads the cache instead of
+    scanning again. Call it with the gathered index (the same on every rank), so every rank decides alike.
     """
-    if not index.class_ids_out_of_range:
+    classes = index.labels[:, 0]
+    beyond = classes >= num_classes
+    if not beyond.any():
         return
-    largest = max(index.class_ids_out_of_range)
-    num_rows = sum(index.class_ids_out_of_range.values())
+    ids, counts = np.unique(classes[beyond].astype(np.int64), return_counts=True)
+    largest, num_largest, num_rows = int(ids[-1]), int(counts[-1]), int(counts.sum())
+    image_of_row = np.repeat(np.arange(len(index)), np.diff(index.label_offsets))
+    images = np.unique(image_of_row[beyond])
     where = str(names_file) if names_file is not None else "the dataset"
-    others = (
-        f"; {num_rows} labels in all use ids >= {num_classes}"
-        if num_rows > index.class_ids_out_of_range[largest]
-        else ""
-    )
-    files = index.out_of_range_files
-    first = f"; first in {files[0]} ({len(files)} label file(s) in all)" if files else ""
+    others = f"; {num_rows} labels in all use ids >= {num_classes}" if num_rows > num_largest else ""
+    first = image_to_label_path(index.im_files[int(images[0])])
     raise ConfigError(
         f"{where} declares {num_classes} classes ('names') but the labels use class ids up to {largest} "
-        f"({index.class_ids_out_of_range[largest]} labels with class {largest}{others}){first}; list every class "
-        "in 'names', or fix the labels"
+        f"({num_largest} labels with class {largest}{others}); first in {first} ({len(images)} label file(s) in "
+        "all); list every class in 'names', or fix the labels"
     )
 
 
