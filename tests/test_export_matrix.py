@@ -52,6 +52,7 @@ def _formats() -> tuple[str, ...]:
 
 
 pytestmark = [
+    pytest.mark.slow,  # about a minute of exports: out of the fast loop
     pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning"),  # TorchScript is under test
 ]

@@ -64,6 +64,7 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_dataset(tmp_path_factory.mktemp("openvino-data"), TINY)
 
 
+@pytest.mark.slow  # OpenVINO conversions: out of the fast loop
 @pytest.mark.parametrize("name", MODELS)
 def test_an_openvino_folder_holds_the_ir_and_the_metadata_the_backend_reports(
     folders: dict[str, dict[str, Path]], name: str
@@ -82,6 +83,7 @@ def test_an_openvino_folder_holds_the_ir_and_the_metadata_the_backend_reports(
     assert load_backend(folder / "best.xml", _request(task)).info == info  # its .xml stands for it, as in YOLOv5
 
 
+@pytest.mark.slow  # OpenVINO conversions: out of the fast loop
 @pytest.mark.parametrize("name", MODELS)
 def test_openvino_returns_the_checkpoints_detections(folders: dict[str, dict[str, Path]], name: str) -> None:
     task = MODELS[name]
@@ -188,6 +190,7 @@ def test_an_fp16_file_is_checked_against_the_weights_it_stores() -> None:
     assert _parity_reference(wrapper, "onnx", half) is wrapper  # a CUDA FP16 file is checked against the FP16 graph
 
 
+@pytest.mark.slow  # OpenVINO conversions: out of the fast loop
 def test_half_writes_fp16_weights_on_cpu_that_take_fp32_input(
     folders: dict[str, dict[str, Path]], tmp_path: Path
 ) -> None:

@@ -131,6 +131,7 @@ def test_segmentation_losses_are_the_same_with_static_shapes(cfg: str) -> None:
         assert (static_grad - grad).norm() <= 1e-4 * grad.norm()
 
 
+@pytest.mark.slow  # torch.compile: out of the fast loop
 def test_compiled_static_loss_compiles_twice_over_label_counts_and_epochs() -> None:
     """--compile with --static-loss-shapes: the label count becomes dynamic, the end-to-end weight an input."""
     model, loss_fn, images, _ = _loss_and_step("yolo26n", static=True)
