@@ -197,6 +197,17 @@ def test_categories_the_dataset_leaves_out_are_not_scored(coco_yaml: Path, tmp_p
     assert scored["ap"] == pytest.approx(expected["ap"])
 
 
+def test_single_cls_scores_every_category_when_the_names_do_not_map_to_them(coco_yaml: Path, tmp_path: Path) -> None:
+    yaml_path = tmp_path / "one_name.yaml"
+    yaml_path.write_text(coco_yaml.read_text() + "names: [item]\n")
+    data = load_data_config(yaml_path, DistContext())
+    with pytest.raises(ConfigError, match="3 categories but the dataset has 1 classes"):
+        load_coco_target(data, "val")
+    target = load_coco_target(data, "val", single_cls=True)  # one class: any object counts
+    assert target is not None and target.scored_categories == (3, 7, 9) and target.category_ids == (3,)
+    assert target.scored_dataset() is target.annotations.dataset
+
+
 def _clipped(bbox: list[float], width: int, height: int) -> list[float]:
     """A COCO [x, y, w, h] box cut to the image."""
     x1, y1 = max(bbox[0], 0), max(bbox[1], 0)

@@ -118,10 +118,15 @@ def load_coco_target(data: DataConfig, split: str, single_cls: bool = False) -> 
     if path is None:
         return None
     annotations = load_annotations(path)
+    categories = annotations.dataset["categories"]
+    if single_cls:  # every object one class: the classes' categories when they map, else every category
+        try:
+            scored = category_mapping(data.names, categories, data.category_ids, path)
+        except ConfigError:
+            scored = tuple(sorted(category["id"] for category in categories))
+        return CocoTarget(annotations, (min(scored),), False, scored)
     # The classes' categories: a file's other categories (left out of training by `category_ids:`) are not scored.
-    mapping = category_mapping(data.names, annotations.dataset["categories"], data.category_ids, path)
-    if single_cls:
-        return CocoTarget(annotations, (min(mapping),), False, mapping)
+    mapping = category_mapping(data.names, categories, data.category_ids, path)
     return CocoTarget(annotations, mapping, scored_categories=mapping)
 
 
