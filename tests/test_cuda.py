@@ -28,9 +28,9 @@ from utils.tasks import DETECT
 from utils.train.config import TrainConfig
 from utils.train.cuda_graph import GraphedForward
 from utils.train.ema import ModelEMA
-from utils.train.engine import _optimizer_step
 from utils.train.optim import build_optimizer
 from utils.train.records import DETECT_TRAINING, family_training
+from utils.train.step import _optimizer_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 TINY = SyntheticSpec(num_train=8, num_val=4, max_objects=3, min_object_frac=0.2)

@@ -34,10 +34,11 @@ from utils.families import build_model as build_family_model
 from utils.hyp import load_hyp
 from utils.tasks import DETECT, Task
 from utils.train.config import TrainConfig, build_train_parser, config_from_args
-from utils.train.engine import fit, train_one_epoch
+from utils.train.engine import fit
 from utils.train.records import ANCHOR_FREE_TRAINING, DETECT_TRAINING
 from utils.train.setup import ModelBundle, verify_identical_weights
 from utils.train.state import build_train_state
+from utils.train.step import train_one_epoch
 
 IMGSZ = 64
 NUM_CLASSES = 3

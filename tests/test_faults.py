@@ -22,7 +22,7 @@ from utils.data import workers
 from utils.data.synthetic import SyntheticSpec
 from utils.data.workers import outlast_stop_signals
 from utils.errors import Preempted
-from utils.train import engine
+from utils.train import step as step_module
 from utils.train.faults import StopSignals, find_restarted_run, mark_run
 
 FORK = multiprocessing.get_context("fork")  # the child shares this test's code, not a re-import
@@ -94,9 +94,9 @@ def test_a_stop_signal_mid_epoch_then_resume_is_bit_identical(
     # loader workers, as torchrun (killpg) and SLURM signal them; every rank agrees on it at the next step,
     # which is then saved while the workers still serve it batches.
     steps = {"count": 0}
-    real_step = engine._optimizer_step
+    real_step = step_module._optimizer_step
 
-    def step_then_signal(state: engine.TrainState) -> None:
+    def step_then_signal(state: step_module.TrainState) -> None:
         real_step(state)
         steps["count"] += 1
         if steps["count"] == signal_after:
@@ -104,10 +104,10 @@ def test_a_stop_signal_mid_epoch_then_resume_is_bit_identical(
                 os.kill(child.pid, getattr(signal, signal_name))
             os.kill(os.getpid(), getattr(signal, signal_name))
 
-    monkeypatch.setattr(engine, "_optimizer_step", step_then_signal)
+    monkeypatch.setattr(step_module, "_optimizer_step", step_then_signal)
     with pytest.raises(Preempted) as stopped:
         train.main(_args(tiny_data, tmp_path, "cut", workers, batch))
-    monkeypatch.setattr(engine, "_optimizer_step", real_step)
+    monkeypatch.setattr(step_module, "_optimizer_step", real_step)
     # Its loader's workers were stopped with the run, not left to the garbage collector (5 s each there).
     assert multiprocessing.active_children() == []
     checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
@@ -265,17 +265,17 @@ def test_a_stop_in_a_later_epoch_with_accumulation_resumes_bit_identical(tiny_da
     hyp.write_text(text)
     args = [*_args(tiny_data, tmp_path, "whole", 0), "--hyp", str(hyp)]
     uninterrupted = train.main(args)
-    real_step = engine._optimizer_step
+    real_step = step_module._optimizer_step
     steps = {"count": 0}
 
-    def step_then_stop(state: engine.TrainState) -> None:
+    def step_then_stop(state: step_module.TrainState) -> None:
         real_step(state)
         steps["count"] += 1
         if steps["count"] == 2:
             state.stop.request("SIGTERM")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine, "_optimizer_step", step_then_stop)
+        patch.setattr(step_module, "_optimizer_step", step_then_stop)
         with pytest.raises(Preempted) as stopped:
             train.main([*_args(tiny_data, tmp_path, "cut", 0), "--hyp", str(hyp)])
     checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
@@ -295,17 +295,17 @@ def test_a_resume_on_another_batch_size_trains_the_rest_of_its_epoch_once(tiny_d
     hyp = tmp_path / "hyp.yaml"
     source = Path(train.__file__).parent / "data" / "hyps" / "hyp.scratch-low.yaml"
     hyp.write_text(source.read_text().replace("warmup_epochs: 3.0", "warmup_epochs: 0.0").replace("nbs: 64", "nbs: 4"))
-    real_step, real_lent = engine._optimizer_step, TrainLoader.lent
+    real_step, real_lent = step_module._optimizer_step, TrainLoader.lent
     steps, drawn, stepped = {"count": 0}, {"cut": [], "resumed": []}, []
     attempt = "cut"
 
-    def step_then_stop(state: engine.TrainState) -> None:
+    def step_then_stop(state: step_module.TrainState) -> None:
         real_step(state)
         steps["count"] += 1
         if steps["count"] == 4:
             state.stop.request("SIGTERM")
 
-    def counted_step(state: engine.TrainState) -> None:
+    def counted_step(state: step_module.TrainState) -> None:
         real_step(state)
         stepped.append(drawn["resumed"][-1][0])  # the epoch of the batch just trained
 
@@ -315,12 +315,12 @@ def test_a_resume_on_another_batch_size_trains_the_rest_of_its_epoch_once(tiny_d
             yield batch
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine, "_optimizer_step", step_then_stop)
+        patch.setattr(step_module, "_optimizer_step", step_then_stop)
         patch.setattr(TrainLoader, "lent", recording_lent)
         with pytest.raises(Preempted) as stopped:
             train.main([*_args(tiny_data, tmp_path, "cut", 0), "--hyp", str(hyp), "--epochs", "3"])
         checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
-        patch.setattr(engine, "_optimizer_step", counted_step)
+        patch.setattr(step_module, "_optimizer_step", counted_step)
         attempt = "resumed"
         resume = ["--resume", str(stopped.value.checkpoint), "--device", "cpu", "--workers", "0", "--batch-size", "2"]
         train.main(resume)
@@ -348,13 +348,13 @@ def test_a_remainder_stopped_again_and_resumed_on_a_third_batch_size_still_train
     hyp = tmp_path / "hyp.yaml"
     source = Path(train.__file__).parent / "data" / "hyps" / "hyp.scratch-low.yaml"
     hyp.write_text(source.read_text().replace("warmup_epochs: 3.0", "warmup_epochs: 0.0").replace("nbs: 64", "nbs: 4"))
-    real_step, real_lent = engine._optimizer_step, TrainLoader.lent
+    real_step, real_lent = step_module._optimizer_step, TrainLoader.lent
     last_drawn: list[tuple[int, list[str]]] = []
 
     def stop_after(count: int):  # noqa: ANN202
         steps = {"count": 0}
 
-        def step(state: engine.TrainState) -> None:
+        def step(state: step_module.TrainState) -> None:
             real_step(state)
             steps["count"] += 1
             if steps["count"] == count:
@@ -373,15 +373,15 @@ def test_a_remainder_stopped_again_and_resumed_on_a_third_batch_size_still_train
     resume = ["--device", "cpu", "--workers", "0", "--resume"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(TrainLoader, "lent", recording_lent)
-        patch.setattr(engine, "_optimizer_step", stop_after(4))  # saved at step 5: epoch 2, batch 1 of 4
+        patch.setattr(step_module, "_optimizer_step", stop_after(4))  # saved at step 5: epoch 2, batch 1 of 4
         with pytest.raises(Preempted) as first:
             train.main([*_args(tiny_data, tmp_path, "chain", 0), "--hyp", str(hyp), "--epochs", "3"])
         first_seen = seen(first.value.checkpoint)
-        patch.setattr(engine, "_optimizer_step", stop_after(1))  # saved at the rest's second step
+        patch.setattr(step_module, "_optimizer_step", stop_after(1))  # saved at the rest's second step
         with pytest.raises(Preempted) as second:
             train.main([*resume, str(first.value.checkpoint), "--batch-size", "2"])
         second_seen = seen(second.value.checkpoint)
-        patch.setattr(engine, "_optimizer_step", real_step)
+        patch.setattr(step_module, "_optimizer_step", real_step)
         last_drawn.clear()
         train.main([*resume, str(second.value.checkpoint), "--batch-size", "8"])
     every = sorted(str(path) for path in (tiny_data.parent / "shapes" / "images" / "train").glob("*.jpg"))

@@ -26,10 +26,10 @@ from utils.hyp import load_hyp
 from utils.tasks import DETECT
 from utils.train.config import TrainConfig, train_config_from_argv
 from utils.train.ema import ModelEMA
-from utils.train.engine import _optimizer_step
 from utils.train.optim import build_optimizer
 from utils.train.records import DETECT_TRAINING, family_training
 from utils.train.state import compiled_loss
+from utils.train.step import _optimizer_step
 
 aten = torch.ops.aten
 # Operators whose result's size or value the host reads from the device, or that copy host data to it.

@@ -1,1 +1,1 @@
-"""Training: the engine (fit, train_one_epoch), run set-up, optimizer, EMA, loss, checkpoints, results.csv."""
+"""Training: the engine (fit), its epoch (step.py), run set-up, optimizer, EMA, loss, checkpoints, results.csv."""
