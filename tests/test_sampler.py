@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helpers import run_distributed
-from utils.data.sampler import ShardedInferenceSampler, SmartDistributedSampler, inference_range, order_seed
+from utils.data.sampler import ShardedInferenceSampler, SmartDistributedSampler, inference_batches, order_seed
 from utils.distributed import DistContext
 
 SIZES = [(10, 2), (11, 2), (13, 2), (10, 3), (11, 3), (13, 3)]
@@ -115,36 +115,40 @@ def test_rejects_shard_that_does_not_match_dataset() -> None:
         SmartDistributedSampler(np.arange(1), DistContext(rank=0, world_size=3), 0, dataset_len=2)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("batch_size", [1, 2, 4, 5])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("batch", [1, 2, 3])
 @pytest.mark.parametrize("num_items", [1, 7, 10, 11, 13])
-def test_inference_ranges_cover_each_index_once_on_batch_boundaries(
-    num_items: int, batch_size: int, world_size: int
+def test_inference_batches_cover_each_index_once_and_never_cross_a_global_batch(
+    num_items: int, batch: int, world_size: int
 ) -> None:
+    group = batch * world_size  # the global batch the dataset's rectangles were computed with
     samplers = [
-        ShardedInferenceSampler(num_items, DistContext(rank=r, world_size=world_size), batch_size)
+        ShardedInferenceSampler(num_items, DistContext(rank=r, world_size=world_size), group, batch)
         for r in range(world_size)
     ]
-    concatenated = [index for sampler in samplers for index in sampler]
-    assert concatenated == list(range(num_items))  # no padding, no duplicates, contiguous in rank order
-    assert sum(len(sampler) for sampler in samplers) == num_items
-    lengths = []
+    batches = [indices for sampler in samplers for indices in sampler]
+    assert [i for indices in batches for i in indices] == list(range(num_items))  # no padding, no duplicates
+    # Each batch lies inside one global batch: its images get that batch's rectangle on any number of ranks.
+    assert all(len({i // group for i in indices}) == 1 and len(indices) <= batch for indices in batches)
+    lengths = [len(sampler) for sampler in samplers]
+    assert max(lengths) - min(lengths) <= 1  # balanced to one batch
     for sampler in samplers:
-        if len(sampler):
-            assert sampler.indices.start % batch_size == 0  # whole global batches
-        lengths.append(math.ceil(len(sampler) / batch_size))
-    assert max(lengths) - min(lengths) <= 1
+        assert list(sampler.indices) == [i for indices in sampler for i in indices]
 
 
-def test_inference_range_rejects_bad_batch() -> None:
-    with pytest.raises(ValueError, match="batch size"):
-        inference_range(10, 0, 2, 0)
+def test_inference_batches_reject_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="batch sizes"):
+        inference_batches(10, 0, 2, 4, 0)
 
 
 def _gather_sampler_indices(ctx: DistContext, num_items: int, seed: int) -> None:
     train = SmartDistributedSampler(stand_in_rank_shard(num_items, ctx, seed), ctx, seed, dataset_len=num_items)
     train.set_epoch(1)
-    mine = (list(train), train.shard.tolist(), list(ShardedInferenceSampler(num_items, ctx, batch_size=2)))
+    mine = (
+        list(train),
+        train.shard.tolist(),
+        list(ShardedInferenceSampler(num_items, ctx, 2 * ctx.world_size, 2).indices),
+    )
     every: list[tuple[list[int], list[int], list[int]] | None] = [None] * ctx.world_size
     dist.all_gather_object(every, mine)
     assert len({len(indices) for indices, _, _ in every}) == 1  # equal steps on every rank

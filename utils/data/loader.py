@@ -11,7 +11,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset
 
 from utils.data.batch import Batch, collate_batch
 from utils.data.batch_slots import BatchSlots
@@ -302,24 +302,20 @@ def _stop_workers(iteration: Any) -> None:
 
 
 def build_val_loader(dataset: Any, per_rank_batch: int, num_workers: int, ctx: DistContext) -> EvalLoader:
-    """Build this rank's evaluation loader: contiguous whole batches, no padding, no shuffling.
+    """Build this rank's evaluation loader: contiguous batches of `per_rank_batch`, no padding, no shuffling.
 
-    Distributed, each rank reads its `ShardedInferenceSampler` range; ranks may get different
-    batch counts, so evaluation gathers results once at the end (never per step). In a single
-    process all images are read in order. `per_rank_batch` must be the batch size the dataset
-    computed its rectangular shapes with. Items are fetched with plain int indices. Images that
-    cannot be read are left out and reported (`EvalLoader`).
+    The dataset must have computed its rectangular shapes with the global batch, `per_rank_batch` x
+    the world size. Each rank reads its `ShardedInferenceSampler` batches, none crossing a global
+    batch, so every image is letterboxed as one process with the global batch letterboxes it and the
+    metrics do not depend on the number of ranks; batch counts differ by at most one between ranks.
+    Evaluation gathers results once at the end (never per step). Items are fetched with plain int
+    indices. Images that cannot be read are left out and reported (`EvalLoader`).
     """
-    if ctx.is_distributed:
-        sampler: Sampler[int] = ShardedInferenceSampler(len(dataset), ctx, per_rank_batch)
-    else:
-        sampler = SequentialSampler(dataset)
-    workers = resolve_num_workers(num_workers, ctx, per_rank_batch) if len(sampler) else 0
+    batches = ShardedInferenceSampler(len(dataset), ctx, per_rank_batch * ctx.world_size, per_rank_batch)
+    workers = resolve_num_workers(num_workers, ctx, per_rank_batch) if len(batches) else 0
     return EvalLoader(
         dataset,
-        batch_size=per_rank_batch,
-        sampler=sampler,
-        drop_last=False,
+        batch_sampler=batches,
         num_workers=workers,
         collate_fn=collate_batch,
         pin_memory=ctx.device.type == "cuda",

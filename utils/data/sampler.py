@@ -244,39 +244,43 @@ def _check_shard(shard: np.ndarray, dataset_len: int, ctx: DistContext) -> None:
         raise ValueError(f"rank {ctx.rank} shard has indices outside 0..{dataset_len - 1}")
 
 
-def inference_range(dataset_len: int, rank: int, world_size: int, batch_size: int) -> range:
-    """Return the contiguous dataset indices `rank` evaluates: a run of whole global batches.
+def inference_batches(dataset_len: int, rank: int, world_size: int, group: int, batch: int) -> list[range]:
+    """Return `rank`'s evaluation batches, contiguous and in dataset order.
 
-    The dataset is cut into batches of `batch_size` (the last may be short) and rank r takes
-    batches [r * B // W, (r + 1) * B // W), so each rank's range starts on a batch boundary and
-    its loader batches coincide with the global ones (rectangular batch shapes stay valid).
-    Counts differ by up to one batch between ranks; a rank may get an empty range when there
-    are fewer batches than ranks.
+    The dataset is cut into groups of `group` items (the batch its rectangular shapes were computed
+    with: one shape per group), each group into batches of at most `batch`, and rank r takes batches
+    [r * S // W, (r + 1) * S // W) of the S in all. No batch crosses a group, so every image is
+    letterboxed as one process with batches of `group` letterboxes it, whatever the number of ranks,
+    and the ranks' batch counts differ by at most one. A rank may get none when there are fewer
+    batches than ranks.
     """
-    if batch_size < 1:
-        raise ValueError(f"inference batch size must be >= 1, got {batch_size}")
-    num_batches = math.ceil(dataset_len / batch_size)
-    first = rank * num_batches // world_size
-    last = (rank + 1) * num_batches // world_size
-    return range(first * batch_size, min(last * batch_size, dataset_len))
+    if group < 1 or batch < 1:
+        raise ValueError(f"inference batch sizes must be >= 1, got group {group} and batch {batch}")
+    batches = [
+        range(start, min(start + batch, first + group, dataset_len))
+        for first in range(0, dataset_len, group)
+        for start in range(first, min(first + group, dataset_len), batch)
+    ]
+    return batches[rank * len(batches) // world_size : (rank + 1) * len(batches) // world_size]
 
 
-class ShardedInferenceSampler(Sampler[int]):
-    """Yield this rank's contiguous slice of whole batches for evaluation; never pads or duplicates.
+class ShardedInferenceSampler(Sampler[list[int]]):
+    """The evaluation batch sampler: this rank's contiguous batches (`inference_batches`); never pads or duplicates.
 
     The union over ranks is every index exactly once, so gathered predictions need no de-dup
     and metrics count each image once. Because ranks may get different numbers of batches
     (and a rank may get none), evaluation must not run a collective per step (no per-batch
     all-reduce, no DDP forward): run the bare model, keep results locally, and gather them
-    once at the end on every rank. The loader batch size must equal `batch_size`, the batch
-    size the dataset's rectangular shapes were computed with.
+    once at the end on every rank. `group` is the batch the dataset's rectangular shapes were
+    computed with (the global one), `batch` the loader's.
     """
 
-    def __init__(self, dataset_len: int, ctx: DistContext, batch_size: int) -> None:
-        self.indices = inference_range(dataset_len, ctx.rank, ctx.world_size, batch_size)
+    def __init__(self, dataset_len: int, ctx: DistContext, group: int, batch: int) -> None:
+        self.batches = inference_batches(dataset_len, ctx.rank, ctx.world_size, group, batch)
+        self.indices = range(self.batches[0].start, self.batches[-1].stop) if self.batches else range(0)
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
+    def __iter__(self) -> Iterator[list[int]]:
+        return (list(indices) for indices in self.batches)
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.batches)

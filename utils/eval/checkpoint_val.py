@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from utils.backends import (
     BackendInfo,
     BackendRequest,
@@ -24,7 +22,7 @@ from utils.config import DEFAULT_DATA
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
 from utils.data.loader import build_val_loader
-from utils.distributed import DistContext, all_gather_objects, per_rank_batch
+from utils.distributed import DistContext, per_rank_batch
 from utils.errors import ConfigError
 from utils.eval.coco import CocoTarget, check_coco_target, coco_evaluate, output_stems
 from utils.eval.config import ValConfig
@@ -172,7 +170,7 @@ def prepare_validation(cfg: ValConfig, task: Task, ctx: DistContext) -> ValSetup
     save_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok, ctx) if wants_dir else None
     options = DatasetOptions.for_evaluation(
         img_size=imgsz,
-        batch_size=per_rank,
+        batch_size=per_rank * ctx.world_size,  # the global batch: the same letterbox on any number of ranks
         stride=model.info.stride,
         single_cls=cfg.single_cls,
         with_masks=task.with_masks,
@@ -215,8 +213,7 @@ def report(
     `annotations` is the split's COCO file from the dataset YAML, if any; `agnostic`: the NMS ignored
     classes (a multi-class model scored --single-cls). `--task speed` logs the times only.
     """
-    speeds = all_gather_objects(result.speed_ms, ctx)
-    mean = {key: float(np.mean([s[key] for s in speeds])) for key in speeds[0]}
+    mean = result.speed_ms  # per image over every rank's images
     if not ctx.is_main:
         return
     if not cfg.speed_only:

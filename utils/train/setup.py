@@ -165,7 +165,8 @@ def build_datasets(cfg: TrainConfig, task: Task, data: DataConfig, bundle: Model
         **common,
     )
     train = LoadImagesAndLabels(data.split("train"), train_options, ctx, data.coco_source("train"))
-    val_options = DatasetOptions.for_evaluation(batch_size=per_rank * 2, **common)
+    # Rectangles of the global validation batch: the same letterbox, hence the same metrics, on any number of ranks.
+    val_options = DatasetOptions.for_evaluation(batch_size=per_rank * 2 * ctx.world_size, **common)
     val = LoadImagesAndLabels(data.split("val"), val_options, ctx, data.coco_source("val"))
     # Shards and sharded validation assume one dataset: nodes with differing copies fail here, not later.
     train.check_same_on_every_rank("train set")
