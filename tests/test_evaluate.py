@@ -117,3 +117,24 @@ def test_the_segmentation_table_keeps_its_column_titles_apart() -> None:
     titles = [f"{title}({kind})" for kind in "BM" for title in ("P", "R", "mAP50", "mAP50-95")]
     assert header.split() == ["Class", "Images", "Instances", *titles]
     assert row.split() == ["all", "3", "4", *["0.500", "0.400", "0.300", "0.200"] * 2]
+
+
+def _speed_over_uneven_ranks(ctx: DistContext) -> dict[str, float]:
+    """Rank 0 evaluated no image, rank 1 three images in 0.3 / 0.6 / 0.9 s of pre-process / inference / NMS."""
+    from utils.eval.evaluate import _Stats, _summarise
+
+    images = 3 * ctx.rank
+    seen = torch.tensor([float(images), 0.0])
+    timings = np.array([0.1, 0.2, 0.3]) * images
+    result = _summarise(_Stats(), torch.zeros(3), seen, timings, None, EvalOptions(num_classes=1), ctx, False)
+    return result.speed_ms
+
+
+@pytest.mark.distributed
+def test_speed_per_image_counts_every_rank_by_its_images(tmp_path) -> None:
+    from tests.dist_helpers import run_distributed
+
+    speeds = run_distributed(_speed_over_uneven_ranks, 2, tmp_path)
+    # 100 / 200 / 300 ms per image, on every rank; a mean of the ranks' means would halve them.
+    for speed in speeds:
+        assert speed == pytest.approx({"preprocess": 100.0, "inference": 200.0, "nms": 300.0})

@@ -71,7 +71,9 @@ class EvalResult:
     num_images: int
     num_instances: int
     loss_items: np.ndarray | None  # mean validation losses (the loss's item_names), None without a loss function
-    speed_ms: dict[str, float]  # per image on this rank: preprocess, inference, nms (CUDA: each shape warmed untimed)
+    # Per image over every rank's images (each rank's seconds summed, over all images): preprocess, inference,
+    # nms (CUDA: each shape warmed untimed).
+    speed_ms: dict[str, float]
     class_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # labels per class, all ranks
     predictions: list[ImagePredictions] = field(default_factory=list)  # this rank's only
     mask_metrics: DetectionMetrics | None = None  # segmentation: the same metrics on masks
@@ -319,8 +321,6 @@ def _count_confusion(confusion: ConfusionMatrix, outputs: list[torch.Tensor], ta
 
 def _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, with_masks: bool) -> EvalResult:
     """Gather per-rank statistics and compute the metrics every rank returns."""
-    images_here = max(int(seen[0].item()), 1)
-    speed = dict(zip(("preprocess", "inference", "nms"), (1000 * timings / images_here).tolist(), strict=True))
     gathered = all_gather_objects(stats.concatenated(), ctx)
     correct, conf, pred_cls, target_cls, mask_correct, image_classes = (
         np.concatenate(parts, 0) for parts in zip(*gathered, strict=True)
@@ -333,6 +333,10 @@ def _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, with_m
     )
     all_reduce_sum(loss_sum, ctx)
     all_reduce_sum(seen, ctx)
+    # Weighted by images: a rank with few (or none) counts as little as it timed, not as one rank in W.
+    seconds = all_reduce_sum(torch.as_tensor(timings, dtype=torch.float64, device=seen.device), ctx)
+    per_image = (1000 * seconds / max(int(seen[0].item()), 1)).tolist()
+    speed = dict(zip(("preprocess", "inference", "nms"), per_image, strict=True))
     loss_items = (loss_sum / seen[1]).cpu().numpy() if seen[1] > 0 else None
     counts = np.bincount(target_cls.astype(np.int64), minlength=options.num_classes)
     images = np.bincount(image_classes.astype(np.int64), minlength=options.num_classes)
