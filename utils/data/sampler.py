@@ -277,7 +277,6 @@ class ShardedInferenceSampler(Sampler[list[int]]):
 
     def __init__(self, dataset_len: int, ctx: DistContext, group: int, batch: int) -> None:
         self.batches = inference_batches(dataset_len, ctx.rank, ctx.world_size, group, batch)
-        self.indices = range(self.batches[0].start, self.batches[-1].stop) if self.batches else range(0)
 
     def __iter__(self) -> Iterator[list[int]]:
         return (list(indices) for indices in self.batches)

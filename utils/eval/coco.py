@@ -53,14 +53,14 @@ class CocoTarget:
 
     annotations: CocoAnnotations
     category_ids: tuple[int, ...]
+    scored_categories: tuple[int, ...]
     use_categories: bool = True
-    scored_categories: tuple[int, ...] = ()  # () for every category of the file
 
     def scored_dataset(self) -> dict[str, Any]:
         """The annotations file's content with only the scored categories and their annotations."""
         dataset = self.annotations.dataset
         wanted = set(self.scored_categories)
-        if not wanted or wanted >= {category["id"] for category in dataset["categories"]}:
+        if wanted >= {category["id"] for category in dataset["categories"]}:  # all of them: no copy
             return dataset
         return {
             **dataset,
@@ -124,10 +124,10 @@ def load_coco_target(data: DataConfig, split: str, single_cls: bool = False) -> 
             scored = category_mapping(data.names, categories, data.category_ids, path)
         except ConfigError:
             scored = tuple(sorted(category["id"] for category in categories))
-        return CocoTarget(annotations, (min(scored),), False, scored)
+        return CocoTarget(annotations, (min(scored),), scored, use_categories=False)
     # The classes' categories: a file's other categories (left out of training by `category_ids:`) are not scored.
     mapping = category_mapping(data.names, categories, data.category_ids, path)
-    return CocoTarget(annotations, mapping, scored_categories=mapping)
+    return CocoTarget(annotations, mapping, mapping)
 
 
 def predictions_to_coco(
