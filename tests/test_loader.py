@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import random
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -174,6 +177,34 @@ def test_workers_draw_different_random_streams(monkeypatch: pytest.MonkeyPatch) 
     assert len(draws) == 2
     first, second = draws.values()
     assert first != second
+
+
+class UnpicklableDataset(FakeDataset):
+    """FakeDataset a worker gets only by fork (pickling it, a copy per worker, fails); path: the builder's parent."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("the dataset was pickled for a worker")
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, object]:
+        return {**super().__getitem__(key), "path": str(os.getppid())}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="loader workers are forked on Linux only")
+def test_workers_are_forked_and_share_the_dataset_whatever_the_default_start_method(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Python 3.14's default 'forkserver' would pickle the dataset, RAM image cache included, into every worker."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    ctx = DistContext()
+    default = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("forkserver", force=True)
+    try:
+        train = build_train_loader(UnpicklableDataset(4, ctx), 2, 2, ctx, seed=0)
+        val = build_val_loader(UnpicklableDataset(4, ctx), 2, 2, ctx)
+        parents = {path for loader in (train, val) for batch in loader for path in batch["paths"]}
+    finally:
+        multiprocessing.set_start_method(default, force=True)
+    assert parents == {str(os.getpid())}  # each worker is a child of this process, not of a fork server
 
 
 class TimedDataset(FakeDataset):

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from utils.data.batch import Batch, collate_batch
 from utils.data.batch_slots import BatchSlots
 from utils.data.sampler import EpochStream, ShardedInferenceSampler, SmartDistributedSampler
-from utils.data.workers import resolve_num_workers, worker_init
+from utils.data.workers import resolve_num_workers, worker_init, worker_start_method
 from utils.distributed import DistContext
 
 LOGGER = logging.getLogger(__name__)
@@ -229,9 +229,10 @@ def build_train_loader(
     `dataset` must have `shard` (its `rank_shard` indices), `__len__`, and a `__getitem__` that
     accepts an `(index, epoch)` tuple. The batch is `per_rank_batch` images (global batch //
     world size), the last batch of an epoch may be short (drop_last=False). `num_workers` is
-    capped by `resolve_num_workers`; workers persist across epochs (no re-fork, cache pages
-    and file handles stay warm), run at WORKER_NICENESS lower priority than training and are seeded
-    by `seed_worker` from (seed, rank, worker id).
+    capped by `resolve_num_workers`; workers start by `worker_start_method` (forked on Linux: they
+    share the dataset) and persist across epochs (no re-fork, cache pages and file handles stay
+    warm), run at WORKER_NICENESS lower priority than training and are seeded by `seed_worker`
+    from (seed, rank, worker id).
     Memory is pinned when the device is CUDA. `shuffle=False` (rectangular training) walks the
     shard in dataset order, which is aspect-ratio order there, so each batch holds similar shapes.
     The workers build batches across epoch boundaries (`EpochStream`, `TrainLoader`), through epoch
@@ -252,6 +253,7 @@ def build_train_loader(
         collate_fn=functools.partial(collate_batch, slots=slots),
         pin_memory=ctx.device.type == "cuda",
         worker_init_fn=worker_init(seed, ctx.rank),
+        multiprocessing_context=worker_start_method() if workers > 0 else None,
         generator=torch.Generator().manual_seed(seed + ctx.rank),
         persistent_workers=workers > 0,
         prefetch_factor=prefetch_factor if workers > 0 else None,
@@ -320,5 +322,6 @@ def build_val_loader(dataset: Any, per_rank_batch: int, num_workers: int, ctx: D
         collate_fn=collate_batch,
         pin_memory=ctx.device.type == "cuda",
         worker_init_fn=worker_init(0, ctx.rank),
+        multiprocessing_context=worker_start_method() if workers > 0 else None,
         persistent_workers=workers > 0,
     )

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import random
 import signal
+import sys
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -32,6 +33,23 @@ def resolve_num_workers(requested: int, ctx: DistContext, per_rank_batch: int) -
     in the main process.
     """
     return max(0, min(requested, local_cpu_share(ctx), per_rank_batch))
+
+
+def worker_start_method() -> multiprocessing.context.BaseContext | None:
+    """Return how every loader starts its workers: 'fork' on Linux, else None (the platform's default).
+
+    A forked worker shares the training process's dataset (its label index, its RAM image cache)
+    page by page until either writes it, and starts at once. Python 3.14 made 'forkserver' the
+    default on Linux; there each worker would import the main script again and get its own
+    pickled copy of the dataset: on 2 cores, 1,000 images cached at 640 px and 2 workers, the
+    first optimizer step came at 10.7 s instead of 5.1 s and the processes held 3.4 GB of memory
+    instead of 2.5 GB. Forking a process that runs CUDA and gloo/NCCL threads is safe for
+    workers that use neither, which is how DataLoader forked on Linux before 3.14. macOS keeps
+    'spawn' (its system libraries do not survive a fork).
+    """
+    if sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return None
 
 
 # Added to each loader worker's nice value. When workers and the training process want more CPU than the
