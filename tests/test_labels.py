@@ -16,6 +16,7 @@ import utils.data.scan_report as scan_report
 from utils.data.cache import read_image
 from utils.data.image_files import image_to_label_path, list_image_files
 from utils.data.labels import label_cache_path, verify_image_label
+from utils.data.packed_strings import PackedStrings
 from utils.data.scan import scan_labels
 from utils.distributed import DistContext
 from utils.errors import ConfigError, exit_on_user_error
@@ -339,7 +340,7 @@ def test_label_cache_reused_then_invalidated(tmp_path: Path, monkeypatch: pytest
     cache = label_cache_path(files)
     assert cache == tmp_path / "labels.cache" and cache.is_file()
     with np.load(cache, allow_pickle=False) as data:  # pickle-free on disk
-        assert data["im_files"].tolist() == files
+        assert PackedStrings(data["im_files_data"], data["im_files_offsets"]) == files
 
     def must_not_verify(*args: object) -> None:
         raise AssertionError("verified again although the cache is valid")
@@ -348,6 +349,7 @@ def test_label_cache_reused_then_invalidated(tmp_path: Path, monkeypatch: pytest
     second = scan_labels(files, 3, CTX)
     np.testing.assert_array_equal(second.labels, first.labels)
     assert second.counts == first.counts and second.im_files == first.im_files
+    assert isinstance(second.im_files, PackedStrings) and not second.im_files.data.flags.writeable  # the file's map
     monkeypatch.undo()
     label = tmp_path / "labels" / "1.txt"
     label.write_text("2 0.5 0.5 0.4 0.4\n2 0.2 0.2 0.1 0.1\n")

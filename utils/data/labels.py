@@ -18,13 +18,14 @@ from utils.data.image_check import BadInputError, check_image
 from utils.data.image_files import ImageFiles, image_to_label_path, labels_folder_cache
 from utils.data.mapped_npz import load_npz_mapped, save_npz_atomic
 from utils.data.masks import polygon_areas
+from utils.data.packed_strings import PackedStrings
 
 LOGGER = logging.getLogger(__name__)
 
 # The class count of a --single-cls run: any non-negative integer id is a class there (every label becomes
 # class 0, as YOLOv5 maps them before its nc check), so no id is past the classes (scan_report.check_class_ids).
 ANY_CLASS_ID = 2**31 - 1
-CACHE_VERSION = 7  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
+CACHE_VERSION = 8  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
 # Coordinates this far outside [0, 1] are clipped with a warning, further is corrupt; a box row's edges may
 # overhang the image this far (rounding) before its clip is noted as a repair.
 COORD_TOLERANCE = 0.01
@@ -230,7 +231,8 @@ class LabelIndex:
     """Every usable image with its labels and polygons, packed into a few flat arrays.
 
     Packed so that forked DataLoader workers share the pages instead of copying millions of
-    small Python objects (reference counting writes to every object it touches).
+    small Python objects (reference counting writes to every object it touches). `im_files`: the
+    image paths, a PackedStrings (any sequence of str given is packed).
     `shapes`: (N, 2) int32 (w, h) after EXIF rotation. `labels`: (M, 5) float32
     [cls, cx, cy, w, h] normalised; image i owns rows label_offsets[i]:label_offsets[i+1].
     `seg_points`: (P, 2) float32 normalised; instance j owns rows seg_offsets[j]:seg_offsets[j+1].
@@ -240,7 +242,7 @@ class LabelIndex:
     for YOLO txt labels). Arrays read from a label cache are read-only memory maps of the file.
     """
 
-    im_files: list[str]
+    im_files: PackedStrings
     shapes: np.ndarray
     labels: np.ndarray
     label_offsets: np.ndarray
@@ -250,6 +252,9 @@ class LabelIndex:
     messages: list[str]
     num_degenerate: int = 0
     problems: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.im_files = PackedStrings.pack(self.im_files)
 
     def __len__(self) -> int:
         return len(self.im_files)
@@ -274,9 +279,8 @@ class LabelIndex:
         """Return a new index holding images in `order` (e.g. sorted by aspect ratio), packed afresh."""
         records = [(self.labels_of(i), self.segments_of(i)) for i in order]
         packed = _pack([r[0] for r in records], [r[1] for r in records])
-        files = [self.im_files[i] for i in order]
         return LabelIndex(
-            files,
+            self.im_files.take(order),
             self.shapes[order],
             *packed,
             self.counts,
@@ -339,7 +343,8 @@ def save_label_cache(path: Path, index: LabelIndex, digest: str) -> bool:
             {
                 "version": np.array(CACHE_VERSION),
                 "digest": np.array(digest),
-                "im_files": np.array(index.im_files, dtype=str),
+                "im_files_data": index.im_files.data,
+                "im_files_offsets": index.im_files.offsets,
                 "shapes": index.shapes,
                 "labels": index.labels,
                 "label_offsets": index.label_offsets,
@@ -371,7 +376,7 @@ def load_label_cache(path: Path, digest: str) -> LabelIndex | None:
         reasons = data["problem_reasons"].tolist() if "problem_reasons" in data else []
         problems = dict(zip(reasons, data["problem_counts"].tolist() if reasons else [], strict=True))
         return LabelIndex(
-            data["im_files"].tolist(),
+            PackedStrings(data["im_files_data"], data["im_files_offsets"]),
             data["shapes"],
             data["labels"],
             data["label_offsets"],

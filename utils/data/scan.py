@@ -31,6 +31,7 @@ from utils.data.labels import (
     save_label_cache,
     verify_files,
 )
+from utils.data.packed_strings import PackedStrings
 from utils.data.scan_report import check_class_ids, check_labelled, report_scan
 from utils.distributed import DistContext, all_gather_objects, barrier, local_cpu_share
 from utils.errors import ConfigError
@@ -247,7 +248,7 @@ def concatenate_indices(parts: Sequence[LabelIndex]) -> LabelIndex:
         seg_offsets.append(part.seg_offsets[1:] + num_points)
         num_labels, num_points = num_labels + len(part.labels), num_points + len(part.seg_points)
     return LabelIndex(
-        [path for part in parts for path in part.im_files],
+        PackedStrings.concatenate([part.im_files for part in parts]),
         np.concatenate([np.zeros((0, 2), np.int32), *(part.shapes for part in parts)]),
         np.concatenate([np.zeros((0, 5), np.float32), *(part.labels for part in parts)]),
         np.concatenate(label_offsets),
