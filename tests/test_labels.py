@@ -339,6 +339,7 @@ def test_label_cache_reused_then_invalidated(tmp_path: Path, monkeypatch: pytest
     first = scan_labels(files, 3, CTX)
     cache = label_cache_path(files)
     assert cache == tmp_path / "labels.cache" and cache.is_file()
+    assert not first.labels.flags.writeable and not first.shapes.flags.writeable  # the scan returns the file's map
     with np.load(cache, allow_pickle=False) as data:  # pickle-free on disk
         assert PackedStrings(data["im_files_data"], data["im_files_offsets"]) == files
 

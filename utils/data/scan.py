@@ -322,8 +322,8 @@ def scan_labels(
     whatever `num_classes`: a corrected `names` or --single-cls scans nothing again) it is read.
     Otherwise all ranks scan together in short rounds (`_scan_in_rounds`), so no rank waits in a
     collective for the whole scan and a scan longer than the process-group timeout (--dist-timeout) is
-    fine; the local main rank of each node then writes the cache, and every rank returns once it is
-    written. Rank 0 logs the bad files and the counts. Raises a one-line ConfigError when no usable
+    fine; the local main rank of each node then writes the cache, and every rank returns its memory
+    map once it is written (the scanned index where it could not be written). Rank 0 logs the bad files and the counts. Raises a one-line ConfigError when no usable
     image remains. Each rank verifies with up to `num_workers` worker processes (default and upper
     bound: its share of the CPUs; see scan_workers); reading a current cache opens no image. Labels
     whose class ids reach `num_classes` make every rank raise a one-line ConfigError naming
@@ -351,6 +351,9 @@ def scan_labels(
         # Wait for the write (seconds), so a rank that scans the same files next (a val set equal to the
         # train set) finds the cache instead of starting a second scan for every rank.
         barrier(ctx)
+        # Then hold the file's pages, which the node's ranks and their workers share, not a private copy each.
+        mapped = load_label_cache(cache_path, digest)
+        index = index if mapped is None else mapped
     if ctx.is_main:
         report_scan(index, source, listed.skipped, listed.notes, cache_path)
     check_class_ids(index, num_classes, names_file)  # after the gather: every rank holds the same index
