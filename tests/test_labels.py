@@ -15,7 +15,7 @@ import utils.data.scan as scan_module
 import utils.data.scan_report as scan_report
 from utils.data.cache import read_image
 from utils.data.image_files import image_to_label_path, list_image_files
-from utils.data.labels import label_cache_path, verify_image_label
+from utils.data.labels import LabelIndex, _pack, label_cache_path, verify_image_label
 from utils.data.packed_strings import PackedStrings
 from utils.data.scan import scan_labels
 from utils.distributed import DistContext
@@ -251,6 +251,22 @@ def test_warnings_past_the_logged_ones_are_all_written_beside_the_cache(
     assert not written.exists()
 
 
+def test_the_log_names_files_left_out_before_repaired_ones(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "ds"
+    count = scan_report.MAX_LOGGED_MESSAGES + 5
+    for i in range(count):  # every label overhangs the edge a little: repaired (clipped) and kept
+        _image(root / "images" / f"{i:02d}.jpg")
+        _label(root, f"{i:02d}", "0 0.5 0.5 0.2 1.01\n")
+    (root / "images" / "99_broken.jpg").write_bytes(b"not an image")  # last in file order
+    caplog.set_level(logging.INFO)
+    index = scan_labels(list_image_files(root / "images"), 1, CTX)
+    assert index.counts["corrupt"] == 1 and index.counts["found"] == count
+    shown = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][: scan_report.MAX_LOGGED_MESSAGES]
+    assert "99_broken.jpg" in shown[0] and shown[0].endswith("skipped")
+    assert all("fixed label" in line for line in shown[1:]) and "00.txt" in shown[1]  # then the repairs, in order
+    assert "99_broken.jpg" in (root / "labels.warnings.txt").read_text().splitlines()[-1]  # the file: file order
+
+
 def test_image_to_label_path_replaces_last_images_folder() -> None:
     assert image_to_label_path("/d/images/set/images/x.jpeg") == "/d/images/set/labels/x.txt"
     assert image_to_label_path("/d/pics/x.png") == "/d/pics/x.txt"
@@ -455,6 +471,9 @@ def test_degenerate_instances_are_dropped_counted_and_reported(
     cached = scan_labels(files, 3, CTX)
     assert "(cached)" in caplog.text and cached.num_degenerate == 4
     assert cached.reordered(np.array([2, 1, 0])).num_degenerate == 4
+    assert isinstance(cached.messages, PackedStrings) and list(cached.messages) == list(index.messages)
+    with np.load(label_cache_path(files), allow_pickle=False) as data:  # the lines' bytes, none padded to the longest
+        assert data["messages_data"].nbytes == sum(len(os.fsencode(message)) for message in index.messages)
 
 
 def test_class_ids_say_what_is_wrong_and_any_integer_id_is_kept_for_the_class_check(tmp_path: Path) -> None:
@@ -532,3 +551,23 @@ def test_file_names_that_are_not_utf8_are_scanned_and_read(tmp_path: Path) -> No
     assert index.counts["found"] == 1
     image = read_image(name)
     assert image is not None and image.shape == (30, 40, 3)
+
+
+def test_reordered_index_gives_each_image_its_own_labels_and_polygons() -> None:
+    rng = np.random.default_rng(0)
+    labels = [rng.random((int(rng.integers(0, 4)), 5)).astype(np.float32) for _ in range(60)]
+    polygons = [[rng.random((int(rng.integers(3, 9)), 2)).astype(np.float32) for _ in rows] for rows in labels]
+    packed = _pack(labels, polygons)
+    index = LabelIndex([f"{i}.jpg" for i in range(60)], np.arange(120, dtype=np.int32).reshape(60, 2), *packed, {}, [])
+    order = np.concatenate([rng.permutation(60), [5, 5]])  # repeats allowed
+    moved = index.reordered(order)
+    assert list(moved.im_files) == [f"{i}.jpg" for i in order] and len(moved) == 62
+    for k, i in enumerate(order):
+        np.testing.assert_array_equal(moved.shapes[k], index.shapes[i])
+        np.testing.assert_array_equal(moved.labels_of(k), labels[i])
+        assert len(moved.segments_of(k)) == len(polygons[i])
+        for got, want in zip(moved.segments_of(k), polygons[i], strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert moved.labels.dtype == np.float32 and moved.seg_offsets.dtype == np.int64
+    nothing = index.reordered(np.zeros(0, np.int64))
+    assert len(nothing) == 0 and nothing.labels.shape == (0, 5) and nothing.seg_points.shape == (0, 2)

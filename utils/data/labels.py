@@ -19,6 +19,7 @@ from utils.data.image_files import ImageFiles, image_to_label_path, labels_folde
 from utils.data.mapped_npz import load_npz_mapped, save_npz_atomic
 from utils.data.masks import polygon_areas
 from utils.data.packed_strings import PackedStrings
+from utils.data.polygons import gather
 
 LOGGER = logging.getLogger(__name__)
 
@@ -237,7 +238,8 @@ class LabelIndex:
     [cls, cx, cy, w, h] normalised; image i owns rows label_offsets[i]:label_offsets[i+1].
     `seg_points`: (P, 2) float32 normalised; instance j owns rows seg_offsets[j]:seg_offsets[j+1].
     `counts` maps found/missing/empty/corrupt to numbers of images; `messages` holds one line per
-    bad or repaired file (or COCO JSON entry); `num_degenerate` is how many zero-area instances were
+    bad or repaired file (or COCO JSON entry): a list, or a read-only PackedStrings when read from
+    the label cache; `num_degenerate` is how many zero-area instances were
     left out in all; `problems` counts a COCO JSON's entries repaired or left out, by reason (empty
     for YOLO txt labels). Arrays read from a label cache are read-only memory maps of the file.
     """
@@ -249,7 +251,7 @@ class LabelIndex:
     seg_points: np.ndarray
     seg_offsets: np.ndarray
     counts: dict[str, int]
-    messages: list[str]
+    messages: Sequence[str]
     num_degenerate: int = 0
     problems: dict[str, int] = field(default_factory=dict)
 
@@ -276,13 +278,22 @@ class LabelIndex:
         return self.seg_points[offsets[0] : offsets[-1]], np.diff(offsets)
 
     def reordered(self, order: np.ndarray) -> LabelIndex:
-        """Return a new index holding images in `order` (e.g. sorted by aspect ratio), packed afresh."""
-        records = [(self.labels_of(i), self.segments_of(i)) for i in order]
-        packed = _pack([r[0] for r in records], [r[1] for r in records])
+        """Return a new index holding images in `order` (e.g. sorted by aspect ratio), packed afresh.
+
+        Gathered with array operations (no Python work per image): a million images take about a second.
+        """
+        order = np.asarray(order, np.int64)
+        label_counts = np.diff(self.label_offsets)
+        labels, new_label_counts = gather(self.labels, label_counts, order)
+        instances = np.repeat(self.label_offsets[:-1][order], new_label_counts) + _within(new_label_counts)
+        points, point_counts = gather(self.seg_points, np.diff(self.seg_offsets), instances)
         return LabelIndex(
             self.im_files.take(order),
             self.shapes[order],
-            *packed,
+            labels.reshape(-1, 5),
+            _offsets(new_label_counts),
+            points.reshape(-1, 2),
+            _offsets(point_counts),
             self.counts,
             self.messages,
             self.num_degenerate,
@@ -290,15 +301,25 @@ class LabelIndex:
         )
 
 
+def _within(counts: np.ndarray) -> np.ndarray:
+    """0 .. counts[i] - 1 for every i, concatenated."""
+    return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """(n + 1,) int64 offsets of consecutive runs of `counts` rows."""
+    offsets = np.zeros(len(counts) + 1, np.int64)
+    offsets[1:] = np.cumsum(counts)
+    return offsets
+
+
 def _pack(
     labels: list[np.ndarray], segments: list[list[np.ndarray]]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Concatenate per-image labels and polygons into (labels, label_offsets, seg_points, seg_offsets)."""
-    label_offsets = np.zeros(len(labels) + 1, dtype=np.int64)
-    label_offsets[1:] = np.cumsum([len(x) for x in labels])
+    label_offsets = _offsets(np.array([len(x) for x in labels], np.int64))
     flat_segments = [s for image_segments in segments for s in image_segments]
-    seg_offsets = np.zeros(len(flat_segments) + 1, dtype=np.int64)
-    seg_offsets[1:] = np.cumsum([len(s) for s in flat_segments])
+    seg_offsets = _offsets(np.array([len(s) for s in flat_segments], np.int64))
     all_labels = np.concatenate(labels).astype(np.float32) if labels else np.zeros((0, 5), np.float32)
     points = np.concatenate(flat_segments).astype(np.float32) if flat_segments else np.zeros((0, 2), np.float32)
     return all_labels.reshape(-1, 5), label_offsets, points.reshape(-1, 2), seg_offsets
@@ -337,6 +358,7 @@ def files_hash(image_files: Sequence[str], label_files: Sequence[str], salt: obj
 
 def save_label_cache(path: Path, index: LabelIndex, digest: str) -> bool:
     """Write `index` to `path` as a pickle-free .npz, atomically; warn and return False if it cannot be written."""
+    messages = PackedStrings.pack(index.messages)  # a text array would give each line the longest one's width
     try:
         save_npz_atomic(
             path,
@@ -351,7 +373,8 @@ def save_label_cache(path: Path, index: LabelIndex, digest: str) -> bool:
                 "seg_points": index.seg_points,
                 "seg_offsets": index.seg_offsets,
                 "counts": np.array([index.counts[s] for s in STATUSES], dtype=np.int64),
-                "messages": np.array(index.messages, dtype=str),
+                "messages_data": messages.data,
+                "messages_offsets": messages.offsets,
                 "num_degenerate": np.array(index.num_degenerate, dtype=np.int64),
                 "problem_reasons": np.array(list(index.problems), dtype=str),
                 "problem_counts": np.array(list(index.problems.values()), dtype=np.int64),
@@ -383,7 +406,7 @@ def load_label_cache(path: Path, digest: str) -> LabelIndex | None:
             data["seg_points"],
             data["seg_offsets"],
             dict(zip(STATUSES, data["counts"].tolist(), strict=True)),
-            data["messages"].tolist(),
+            PackedStrings(data["messages_data"], data["messages_offsets"]),
             int(data["num_degenerate"]),
             problems,
         )

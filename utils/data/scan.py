@@ -323,9 +323,10 @@ def scan_labels(
     Otherwise all ranks scan together in short rounds (`_scan_in_rounds`), so no rank waits in a
     collective for the whole scan and a scan longer than the process-group timeout (--dist-timeout) is
     fine; the local main rank of each node then writes the cache, and every rank returns its memory
-    map once it is written (the scanned index where it could not be written). Rank 0 logs the bad files and the counts. Raises a one-line ConfigError when no usable
-    image remains. Each rank verifies with up to `num_workers` worker processes (default and upper
-    bound: its share of the CPUs; see scan_workers); reading a current cache opens no image. Labels
+    map once it is written (the scanned index where it could not be written). Rank 0 logs the bad
+    files and the counts. Raises a one-line ConfigError when no usable image remains. Each rank
+    verifies with up to `num_workers` worker processes (default and upper bound: its share of the
+    CPUs; see scan_workers); reading a current cache opens no image. Labels
     whose class ids reach `num_classes` make every rank raise a one-line ConfigError naming
     `names_file`, the dataset YAML (check_class_ids). With `require_labels` (a train set) no labelled
     image at all is a one-line ConfigError naming the labels folder; without it, one warning

@@ -7,6 +7,7 @@ The stops are the two findings a run cannot train past: class ids beyond the dat
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -22,6 +23,9 @@ from utils.errors import ConfigError
 LOGGER = logging.getLogger(__name__)
 
 MAX_LOGGED_MESSAGES = 10  # bad files named in the log; past it, all of them go to <cache>.warnings.txt
+# How the line of a file or JSON entry that is not used ends (labels.verify_image_label, the COCO readers),
+# as opposed to one that was repaired and kept: the log names those first.
+LEFT_OUT_ENDINGS = ("skipped", "left out")
 
 
 def report_scan(
@@ -36,11 +40,12 @@ def report_scan(
     Called on rank 0 by every label scan, so the txt and COCO JSON paths report alike. `skipped`
     are the files left out before the scan (image_files.ImageFiles.skipped): warned first and
     counted in the summary, so no image is lost without a word; `notes` are warned after them.
-    When there are more than MAX_LOGGED_MESSAGES lines, all of them go to a text file beside the
-    label cache `cache_path` (labels/train.warnings.txt), and the log names it.
+    When there are more than MAX_LOGGED_MESSAGES lines, the log shows those of files and entries
+    left out before those of repairs, and all of them, in file order, go to a text file beside the
+    label cache `cache_path` (labels/train.warnings.txt), which the log names.
     """
     messages = [*skipped, *notes, *index.messages]
-    for message in messages[:MAX_LOGGED_MESSAGES]:
+    for message in _named_in_log(messages):
         LOGGER.warning(message)
     written = _write_all_warnings(messages, cache_path)
     if len(messages) > MAX_LOGGED_MESSAGES:
@@ -53,6 +58,19 @@ def report_scan(
         f"{source}: {c['found']} found, {c['missing']} missing (background), {c['empty']} empty, "
         f"{c['corrupt']} corrupt{dropped}{problems}{left_out}"
     )
+
+
+def _named_in_log(messages: list[str]) -> list[str]:
+    """The first MAX_LOGGED_MESSAGES lines of files or entries left out, then of the rest, each in file order.
+
+    Among thousands of repaired labels a handful of unusable images would otherwise only be counted.
+    """
+    if len(messages) <= MAX_LOGGED_MESSAGES:
+        return messages
+    left_out = [i for i, message in enumerate(messages) if message.endswith(LEFT_OUT_ENDINGS)][:MAX_LOGGED_MESSAGES]
+    chosen = set(left_out)
+    kept = (i for i in range(len(messages)) if i not in chosen)
+    return [messages[i] for i in left_out + list(itertools.islice(kept, MAX_LOGGED_MESSAGES - len(left_out)))]
 
 
 def _write_all_warnings(messages: Sequence[str], cache_path: Path | None) -> str:
