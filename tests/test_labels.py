@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -270,6 +271,20 @@ def test_the_log_names_files_left_out_before_repaired_ones(tmp_path: Path, caplo
 def test_image_to_label_path_replaces_last_images_folder() -> None:
     assert image_to_label_path("/d/images/set/images/x.jpeg") == "/d/images/set/labels/x.txt"
     assert image_to_label_path("/d/pics/x.png") == "/d/pics/x.txt"
+
+
+def test_image_to_label_path_equals_pathlibs_answer_for_odd_names() -> None:
+    def by_pathlib(path: str) -> str:
+        head, sep, tail = path.rpartition(f"{os.sep}images{os.sep}")
+        return str(Path(f"{head}{os.sep}labels{os.sep}{tail}" if sep else path).with_suffix(".txt"))
+
+    parts = ["a", ".", "..", "images", "x.jpg", "x.", ".x", "x..jpg", "a.b.c", "", "\u00e9 y.PNG"]
+    for count in (1, 2, 3):
+        for names in itertools.product(parts, repeat=count):
+            for lead in ("", os.sep, f".{os.sep}", os.sep * 2):
+                path = lead + os.sep.join(names)
+                if Path(path).name:  # with_suffix refuses an empty name, as image_to_label_path does
+                    assert image_to_label_path(path) == by_pathlib(path), path
 
 
 def test_scan_skips_bad_repairs_fixable_and_reports_each(
