@@ -47,18 +47,26 @@ def _read_image_list(list_file: Path) -> tuple[list[str], list[str]]:
     naming the list, its line and why: YOLOv5 drops them silently, which loses images without a word.
     """
     paths, skipped = [], []
+    folder = str(list_file.parent)
     for line_number, line in enumerate(list_file.read_text(encoding="utf-8").splitlines(), 1):
         entry = line.strip()
         if not entry:
             continue
-        suffix = Path(entry).suffix
+        # os.path, not pathlib: 1M entries took 12 s with Path objects
+        suffix = name_suffix(os.path.basename(os.path.normpath(entry)))
         if suffix.lower() in IMAGE_SUFFIXES:
-            paths.append(os.path.normpath(list_file.parent / entry))
+            paths.append(os.path.normpath(os.path.join(folder, entry)))
             continue
         why = f"{suffix!r} is not an image suffix" if suffix else "it has no file suffix"
         known = ", ".join(sorted(IMAGE_SUFFIXES))
         skipped.append(f"image list {list_file}: line {line_number} '{entry}' left out: {why} ({known})")
     return paths, skipped
+
+
+def name_suffix(name: str) -> str:
+    """A file name's suffix as pathlib gives it: from the last dot, unless the name starts or ends there ('' then)."""
+    dot = name.rfind(".")
+    return name[dot:] if 0 < dot < len(name) - 1 else ""
 
 
 def list_image_files(sources: str | Path | Sequence[str | Path]) -> ImageFiles:
@@ -206,10 +214,8 @@ def image_to_label_path(path: str | Path) -> str:
     if sep:
         text = f"{head}{os.sep}labels{os.sep}{tail}"
     if not _pathlib_would_normalise(text):
-        name_start = text.rfind(os.sep) + 1
-        dot = text.rfind(".", name_start)
-        # pathlib's suffix: from the name's last dot, unless the name starts or ends with it
-        return f"{text[:dot] if name_start < dot < len(text) - 1 else text}.txt"
+        suffix = name_suffix(text[text.rfind(os.sep) + 1 :])
+        return f"{text[: len(text) - len(suffix)]}.txt"
     return str(Path(text).with_suffix(".txt"))
 
 
