@@ -15,7 +15,7 @@ import numpy as np
 from utils.data.coco_node import load_coco_parse
 from utils.data.coco_reader import BAD_SEGMENTATION, CocoParse, missing_segmentation_notes
 from utils.data.labels import MIN_RELATIVE_AREA, STATUSES, LabelIndex, files_hash, load_label_cache, save_label_cache
-from utils.data.polygons import gather, packed_bounds
+from utils.data.polygons import gather, packed_bounds, ranges
 from utils.data.scan import differing_ranks_message, image_list_digest, scan_in_rounds
 from utils.data.scan_report import report_scan
 from utils.distributed import DistContext, all_gather_objects, barrier
@@ -106,11 +106,6 @@ def resolve_image_files(parse: CocoParse, source: CocoSource) -> tuple[list[str]
     return files, np.array([found[path] for path in files], np.int64), messages
 
 
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenated aranges starts[i] .. starts[i] + counts[i]."""
-    return np.repeat(starts, counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
-
-
 def _box_corners(boxes_xywhn: np.ndarray) -> np.ndarray:
     """Corners (n, 4, 2) float32 in [0, 1] of normalised boxes, computed as a YOLO box row's are (labels.py)."""
     cx, cy, w, h = boxes_xywhn.T
@@ -143,11 +138,11 @@ def _instance_outlines(
     starts = np.cumsum(counts) - counts
     points = np.empty((int(counts.sum()), 2), np.float32)
     polygons = np.flatnonzero(is_polygon)
-    points[_ranges(starts[polygons], counts[polygons])] = parse.points[
-        _ranges(parse.polygon_offsets[instances[polygons]], counts[polygons])
+    points[ranges(starts[polygons], counts[polygons])] = parse.points[
+        ranges(parse.polygon_offsets[instances[polygons]], counts[polygons])
     ]
     boxes = np.flatnonzero(~is_polygon)
-    points[_ranges(starts[boxes], counts[boxes])] = _box_corners(parse.boxes_xywhn[instances[boxes]]).reshape(-1, 2)
+    points[ranges(starts[boxes], counts[boxes])] = _box_corners(parse.boxes_xywhn[instances[boxes]]).reshape(-1, 2)
     return points, counts, is_polygon
 
 
@@ -165,7 +160,7 @@ def build_coco_index(
     image_rows = np.array([rows[path] for path in verified.im_files], np.int64)
     first = parse.instance_offsets[image_rows]
     per_image = parse.instance_offsets[image_rows + 1] - first
-    instances = _ranges(first, per_image)
+    instances = ranges(first, per_image)
     owner = np.repeat(np.arange(len(image_rows)), per_image)
     instance_classes = classes[parse.categories[instances]]
     messages, problems = [], {}

@@ -19,7 +19,7 @@ from utils.data.image_files import ImageFiles, image_to_label_path, labels_folde
 from utils.data.mapped_npz import load_npz_mapped, save_npz_atomic
 from utils.data.masks import polygon_areas
 from utils.data.packed_strings import PackedStrings
-from utils.data.polygons import gather
+from utils.data.polygons import gather, ranges
 
 LOGGER = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ class LabelIndex:
         order = np.asarray(order, np.int64)
         label_counts = np.diff(self.label_offsets)
         labels, new_label_counts = gather(self.labels, label_counts, order)
-        instances = np.repeat(self.label_offsets[:-1][order], new_label_counts) + _within(new_label_counts)
+        instances = ranges(self.label_offsets[:-1][order], new_label_counts)
         points, point_counts = gather(self.seg_points, np.diff(self.seg_offsets), instances)
         return LabelIndex(
             self.im_files.take(order),
@@ -299,11 +299,6 @@ class LabelIndex:
             self.num_degenerate,
             self.problems,
         )
-
-
-def _within(counts: np.ndarray) -> np.ndarray:
-    """0 .. counts[i] - 1 for every i, concatenated."""
-    return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:

@@ -35,12 +35,16 @@ def unpack(points: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
     return np.split(points, np.cumsum(counts)[:-1]) if len(counts) else []
 
 
+def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated aranges starts[i] .. starts[i] + counts[i] - 1: the rows of runs of packed rows."""
+    return np.repeat(starts, counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
+
+
 def gather(points: np.ndarray, counts: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Packed polygons `index` (any order, repeats allowed) of packed (points, counts)."""
     starts = np.cumsum(counts) - counts
     picked = counts[index]
-    within = np.arange(picked.sum()) - np.repeat(np.cumsum(picked) - picked, picked)
-    return points[np.repeat(starts[index], picked) + within], picked
+    return points[ranges(starts[index], picked)], picked
 
 
 def replace(

@@ -67,10 +67,9 @@ def _named_in_log(messages: list[str]) -> list[str]:
     """
     if len(messages) <= MAX_LOGGED_MESSAGES:
         return messages
-    left_out = [i for i, message in enumerate(messages) if message.endswith(LEFT_OUT_ENDINGS)][:MAX_LOGGED_MESSAGES]
-    chosen = set(left_out)
-    kept = (i for i in range(len(messages)) if i not in chosen)
-    return [messages[i] for i in left_out + list(itertools.islice(kept, MAX_LOGGED_MESSAGES - len(left_out)))]
+    left_out = list(itertools.islice((m for m in messages if m.endswith(LEFT_OUT_ENDINGS)), MAX_LOGGED_MESSAGES))
+    repaired = (m for m in messages if not m.endswith(LEFT_OUT_ENDINGS))
+    return left_out + list(itertools.islice(repaired, MAX_LOGGED_MESSAGES - len(left_out)))
 
 
 def _write_all_warnings(messages: Sequence[str], cache_path: Path | None) -> str:
