@@ -153,6 +153,7 @@ def test_sigterm_to_the_job_saves_mid_epoch_and_a_new_start_resumes_there(tiny_d
     job.send_signal(signal.SIGTERM)  # to torchrun, which passes it on to both ranks
     output = _finish(job)
     assert job.returncode != 0
+    assert output.count("preempted: stopped by") == 1, output  # rank 0 says it, for the job
     checkpoint = torch.load(run_dir / "weights" / "last.pt", weights_only=True)
     assert checkpoint["epoch"] == 0 and 0 < checkpoint["batches_done"] <= 8, output  # inside epoch 2 of 8 batches
     assert len(checkpoint["rank_states"]) == 2

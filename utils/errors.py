@@ -31,11 +31,15 @@ class ConfigError(ValueError):
 
 
 class Preempted(Exception):
-    """Raised on every rank once the checkpoint after a stop signal is saved; the run can be resumed."""
+    """Raised on every rank once the checkpoint after a stop signal is saved; the run can be resumed.
 
-    def __init__(self, signal_name: str, checkpoint: Path) -> None:
+    `is_main`: raised on rank 0, the one rank that says so (every rank exits REQUEUE_EXIT_CODE).
+    """
+
+    def __init__(self, signal_name: str, checkpoint: Path, is_main: bool = True) -> None:
         super().__init__(f"stopped by {signal_name}; saved {checkpoint}; resume with --resume {checkpoint}")
         self.checkpoint = checkpoint
+        self.is_main = is_main
 
 
 class StudyStopped(Exception):
@@ -52,7 +56,8 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)
     except Preempted as stopped:  # the checkpoint is written: tell the job script to requeue
-        print(f"preempted: {stopped}", file=sys.stderr)
+        if stopped.is_main:  # one line for the job, not one per rank
+            print(f"preempted: {stopped}", file=sys.stderr)
         sys.exit(REQUEUE_EXIT_CODE)
     except StudyStopped as stopped:
         print(f"stopped: {stopped}", file=sys.stderr)
