@@ -26,7 +26,6 @@ from utils.data.labels import (
     ANY_CLASS_ID,
     LabelIndex,
     build_index,
-    files_hash,
     label_cache_path,
     load_label_cache,
     verify_image_label,
@@ -35,6 +34,7 @@ from utils.data.scan import (
     VerifierPool,
     concatenate_indices,
     differing_ranks_message,
+    files_hash,
     scan_labels,
     scan_pool_size,
     scan_workers,
@@ -100,7 +100,7 @@ def test_scan_in_rounds_in_one_process_matches_one_index(tmp_path: Path, monkeyp
 
 
 def _digest(files: list[str]) -> str:
-    return files_hash(files, [image_to_label_path(f) for f in files])
+    return files_hash(files, [image_to_label_path(f) for f in files], DistContext())
 
 
 def test_differing_ranks_message_names_ranks_counts_and_digests() -> None:

@@ -14,9 +14,9 @@ import numpy as np
 
 from utils.data.coco_node import load_coco_parse
 from utils.data.coco_reader import BAD_SEGMENTATION, CocoParse, missing_segmentation_notes
-from utils.data.labels import MIN_RELATIVE_AREA, STATUSES, LabelIndex, files_hash, load_label_cache, save_label_cache
+from utils.data.labels import MIN_RELATIVE_AREA, STATUSES, LabelIndex, load_label_cache, save_label_cache
 from utils.data.polygons import gather, packed_bounds, ranges
-from utils.data.scan import differing_ranks_message, image_list_digest, scan_in_rounds
+from utils.data.scan import check_same_image_files, files_hash, scan_in_rounds
 from utils.data.scan_report import report_scan
 from utils.distributed import DistContext, all_gather_objects, barrier
 from utils.errors import ConfigError
@@ -246,16 +246,14 @@ def scan_coco_labels(
     classes = class_of_category(parse, source)
     files, image_rows, missing = resolve_image_files(parse, source)
     cache_path = coco_cache_path(source.annotations, with_masks)
-    base = files_hash(files, [str(source.annotations)], len(source.names))
+    check_same_image_files(files, f"image list of {source.annotations}", ctx)
+    base = files_hash(files, [str(source.annotations)], ctx, len(source.names))
     digest = hashlib.sha256(f"{base}\0{with_masks}\0{classes.tolist()}\0{source.image_root}".encode()).hexdigest()
     index = load_label_cache(cache_path, digest)
-    facts = all_gather_objects((len(files), image_list_digest(files), index is not None), ctx)
-    message = differing_ranks_message(f"image list of {source.annotations}", [fact[:2] for fact in facts])
-    if message is not None:
-        raise ConfigError(message)
+    has_cache = all_gather_objects(index is not None, ctx)
     where = f"{cache_path} (cached)"
-    if not all(has_cache for _, _, has_cache in facts):
-        verified = scan_in_rounds(files, False, ctx, len(facts), num_workers)
+    if not all(has_cache):
+        verified = scan_in_rounds(files, False, ctx, len(has_cache), num_workers)
         verified.counts["corrupt"] += len(missing)
         verified.messages[:0] = missing
         rows = dict(zip(files, image_rows.tolist(), strict=True))

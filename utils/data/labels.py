@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import pickle
@@ -337,18 +336,6 @@ def label_cache_path(image_files: Sequence[str]) -> Path:
     if isinstance(image_files, ImageFiles) and image_files.cache_path is not None:
         return image_files.cache_path
     return labels_folder_cache(image_files[0])
-
-
-def files_hash(image_files: Sequence[str], label_files: Sequence[str], salt: object = "") -> str:
-    """Return a digest of every path, size and modification time the index depends on (and `salt`, if any)."""
-    digest = hashlib.sha256(f"{CACHE_VERSION}:{salt}".encode())
-    for path in (*image_files, *label_files):
-        try:
-            stat = os.stat(path)
-            digest.update(os.fsencode(path) + f"\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-        except OSError:
-            digest.update(os.fsencode(path) + b"\0missing\n")  # fsencode: names need not be UTF-8
-    return digest.hexdigest()
 
 
 def save_label_cache(path: Path, index: LabelIndex, digest: str) -> bool:

@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from utils.data.file_digest import stat_digest
 from utils.data.image_files import ImageFiles, image_to_label_path
 from utils.data.labels import (
+    CACHE_VERSION,
     STATUSES,
     LabelIndex,
-    files_hash,
     label_cache_path,
     load_label_cache,
     save_label_cache,
@@ -270,6 +271,15 @@ def _summed(counts: Sequence[dict[Any, int]]) -> dict[Any, int]:
     return total
 
 
+def files_hash(image_files: Sequence[str], label_files: Sequence[str], ctx: DistContext, salt: object = "") -> str:
+    """Return the digest of every path, size and modification time a label index depends on (and `salt`).
+
+    Every rank must call it with the same files: the ranks of a node split the stat calls
+    (file_digest.stat_digest). The cache version is hashed in, so a cache of another version never matches.
+    """
+    return stat_digest([image_files, label_files], f"{CACHE_VERSION}:{salt}".encode(), ctx).hex()
+
+
 def image_list_digest(image_files: Sequence[str]) -> str:
     """Return the sha256 of the image paths in order (bytes as the file system holds them, NUL-separated)."""
     digest = hashlib.sha256()
@@ -336,16 +346,13 @@ def scan_labels(
     label_files = [image_to_label_path(f) for f in image_files]
     listed = image_files if isinstance(image_files, ImageFiles) else ImageFiles(image_files)
     cache_path = cache_path or label_cache_path(listed)
-    digest = files_hash(image_files, label_files)
+    check_same_image_files(image_files, f"image list under {Path(image_files[0]).parent}", ctx)
+    digest = files_hash(image_files, label_files, ctx)
     index = load_label_cache(cache_path, digest)
-    # One gather answers both questions: do the ranks list the same files, and may every rank use its cache?
-    facts = all_gather_objects((len(image_files), image_list_digest(image_files), index is not None), ctx)
-    message = differing_ranks_message(f"image list under {Path(image_files[0]).parent}", [f[:2] for f in facts])
-    if message is not None:
-        raise ConfigError(message)
+    has_cache = all_gather_objects(index is not None, ctx)  # may every rank use its cache?
     source = f"{cache_path} (cached)"
-    if not all(has_cache for _, _, has_cache in facts):
-        index = scan_in_rounds(image_files, True, ctx, len(facts), num_workers)
+    if not all(has_cache):
+        index = scan_in_rounds(image_files, True, ctx, len(has_cache), num_workers)
         source = f"scanned the labels of {len(image_files)} images (cache {cache_path})"
         if ctx.is_local_main:
             save_label_cache(cache_path, index, digest)

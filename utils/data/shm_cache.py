@@ -40,6 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from utils.data.cache import GB, read_resized, resized_table
+from utils.data.file_digest import mount_identity
 from utils.data.shm_segment import (
     FORMAT_VERSION,
     HEADER,
@@ -49,7 +50,6 @@ from utils.data.shm_segment import (
     claim_segment,
     content_key,
     mark_complete,
-    node_identity,
     parse_header,
     segment_path,
 )
@@ -127,22 +127,23 @@ def open_shm_cache(
 ) -> ShmImageCache | None:
     """Give every rank the node's shared segment of all resized images; None on every rank to fall back to RAM.
 
-    Every rank must call it with the same files (three small all-gathers). `shapes_wh`: (N, 2)
+    Every rank must call it with the same files (five small all-gathers). `shapes_wh`: (N, 2)
     (w, h) of every image after EXIF rotation; `augment` selects the resize of training (see
     `resize_long_side`). See the module doc for who fills, reuses, replaces and removes.
     """
     hw, offsets = resized_table(shapes_wh, img_size)
     layout = SegmentLayout(len(image_files), int(offsets[-1]))
     path = segment_path(image_files, img_size, augment, directory)
-    identities = all_gather_objects(node_identity(directory), ctx)
+    identities = all_gather_objects(mount_identity(directory), ctx)
     peers = [rank for rank, identity in enumerate(identities) if identity == identities[ctx.rank]]
     is_leader = peers[0] == ctx.rank
+    key = content_key(image_files, img_size, augment, ctx)
     plan = None
     if is_leader and identities[ctx.rank] is None:
         plan = NodePlan("ram", f"{directory} does not exist on rank {ctx.rank}")
     elif is_leader:
         try:
-            plan = claim_segment(path, layout, content_key(image_files, img_size, augment), ctx)
+            plan = claim_segment(path, layout, key, ctx)
         except OSError as error:  # e.g. a folder this user may not write: the other ranks wait for this answer
             plan = NodePlan("ram", f"cannot use {path}: {error}")
     plans: list[NodePlan | None] = all_gather_objects(plan, ctx)

@@ -21,7 +21,6 @@ import hashlib
 import logging
 import mmap
 import os
-import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from utils.data.cache import GB, MEMORY_SAFETY_MARGIN, available_memory_bytes
+from utils.data.file_digest import stat_digest
 from utils.distributed import DistContext
 
 LOGGER = logging.getLogger(__name__)
@@ -102,16 +102,14 @@ def segment_path(image_files: Sequence[str], img_size: int, augment: bool, direc
     return Path(directory) / f"{SEGMENT_PREFIX}{os.getuid()}-{digest}"
 
 
-def content_key(image_files: Sequence[str], img_size: int, augment: bool) -> bytes:
-    """Return the 32-byte key a segment must carry: the name's digest plus every file's size and mtime."""
-    digest = _name_digest(image_files, img_size, augment)
-    for path in image_files:
-        try:
-            stat = os.stat(path)
-            digest.update(f"{stat.st_size}:{stat.st_mtime_ns}\n".encode())
-        except OSError:
-            digest.update(b"missing\n")
-    return digest.digest()
+def content_key(image_files: Sequence[str], img_size: int, augment: bool, ctx: DistContext) -> bytes:
+    """Return the 32-byte key a segment must carry: the name's digest plus every file's size and mtime.
+
+    Every rank must call it with the same files: the ranks of a node split the stat calls
+    (file_digest.stat_digest), and the node's leader checks or writes the key.
+    """
+    name = _name_digest(image_files, img_size, augment).digest()
+    return stat_digest([image_files], name, ctx, with_names=False)  # the names are in `name` already
 
 
 def room_for_segment(directory: Path) -> int:
@@ -121,23 +119,6 @@ def room_for_segment(directory: Path) -> int:
     """
     stat = os.statvfs(directory)
     return min(stat.f_bavail * stat.f_frsize, available_memory_bytes())
-
-
-def node_identity(directory: Path) -> str | None:
-    """Name the shm mount `directory` is on (host, boot, device, inode), or None if it is missing.
-
-    Ranks with the same identity share one segment. Host names alone could merge two containers'
-    separate /dev/shm mounts; device and inode numbers alone could match across machines.
-    """
-    try:
-        stat = os.stat(directory)
-    except OSError:
-        return None
-    try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot_id = ""
-    return f"{socket.gethostname()}:{boot_id}:{stat.st_dev}:{stat.st_ino}"
 
 
 def process_start_time(pid: int) -> int | None:
