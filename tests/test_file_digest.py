@@ -67,8 +67,18 @@ def test_without_names_only_sizes_and_times_count() -> None:
     assert stat_digest([missing], b"", DistContext()) != stat_digest([other], b"", DistContext())
 
 
-def test_an_empty_list_has_a_digest(tmp_path: Path) -> None:
-    assert stat_digest([[], []], b"p", DistContext()) == stat_digest([[]], b"p", DistContext())
+def test_where_each_group_ends_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(file_digest, "STAT_CHUNK_PATHS", 2)
+    a, b, c = (str(tmp_path / name) for name in "abc")
+    assert stat_digest([[a, b], [c]], b"p", DistContext()) != stat_digest([[a, b, c], []], b"p", DistContext())
+    assert stat_digest([[], []], b"p", DistContext()) != stat_digest([[]], b"p", DistContext())
+
+
+def test_a_name_stat_cannot_take_is_hashed_as_missing(tmp_path: Path) -> None:
+    # A .txt image list may carry a NUL: os.stat raises ValueError, which must not stop one rank alone.
+    names = [str(tmp_path / "a.jpg"), str(tmp_path / "b\0c.jpg")]
+    assert len(stat_digest([names], b"", DistContext())) == 32
+    assert mount_identity(str(tmp_path / "b\0c")) is None
 
 
 def test_the_mount_identity_names_this_host_and_folder(tmp_path: Path) -> None:
@@ -79,11 +89,17 @@ def test_the_mount_identity_names_this_host_and_folder(tmp_path: Path) -> None:
     assert mount_identity(tmp_path / "missing") is None
 
 
-def _digest_on_rank(ctx: DistContext, root: str, separate_hosts: bool) -> dict[str, Any]:
-    """stat_digest of _files(root) on this rank, with small chunks; which of the files this rank statted."""
+def _digest_on_rank(ctx: DistContext, root: str, hosts: str) -> dict[str, Any]:
+    """stat_digest of _files(root) on this rank, with small chunks; which of the files this rank statted.
+
+    `hosts`: "one" (as the machine is), "separate" (as if each rank ran on its own machine), or
+    "folder missing" (each on its own machine, the first image's folder missing on both).
+    """
     file_digest.STAT_CHUNK_PATHS = SMALL_CHUNK
-    if separate_hosts:  # as if each rank ran on its own machine
+    if hosts == "separate":
         file_digest.mount_identity = lambda folder, rank=ctx.rank: f"host-{rank}"
+    elif hosts == "folder missing":
+        file_digest.mount_identity = lambda folder: None
     images = sorted(str(path) for path in Path(root).glob("*.jpg"))
     labels = [str(Path(root) / f"{i:02d}.txt") for i in range(4)]
     statted: list[str] = []
@@ -109,7 +125,7 @@ def test_ranks_of_one_node_stat_each_file_once_and_agree_with_one_process(
     images, labels = _files(tmp_path / "data")
     monkeypatch.setattr(file_digest, "STAT_CHUNK_PATHS", SMALL_CHUNK)
     alone = _digest(images, labels)
-    rank0, rank1 = run_distributed(_digest_on_rank, 2, tmp_path / "dist", str(tmp_path / "data"), False)
+    rank0, rank1 = run_distributed(_digest_on_rank, 2, tmp_path / "dist", str(tmp_path / "data"), "one")
     assert rank0["digest"] == rank1["digest"] == alone  # the value does not depend on the number of ranks
     # Chunks 0, 2, 4 (images 0-2, 6-8; labels 0-2) on rank 0; chunks 1, 3, 5 (images 3-5, 9; label 3) on rank 1.
     assert rank0["statted"] == images[0:3] + images[6:9] + labels[0:3]
@@ -122,6 +138,7 @@ def test_ranks_on_separate_hosts_each_stat_every_file(tmp_path: Path, monkeypatc
     images, labels = _files(tmp_path / "data")
     monkeypatch.setattr(file_digest, "STAT_CHUNK_PATHS", SMALL_CHUNK)
     alone = _digest(images, labels)
-    rank0, rank1 = run_distributed(_digest_on_rank, 2, tmp_path / "dist", str(tmp_path / "data"), True)
-    assert rank0["digest"] == rank1["digest"] == alone
-    assert rank0["statted"] == rank1["statted"] == images + labels
+    for hosts in ("separate", "folder missing"):  # a missing folder names no mount: no pooling either
+        rank0, rank1 = run_distributed(_digest_on_rank, 2, tmp_path / hosts, str(tmp_path / "data"), hosts)
+        assert rank0["digest"] == rank1["digest"] == alone
+        assert rank0["statted"] == rank1["statted"] == images + labels

@@ -36,7 +36,7 @@ class Preempted(Exception):
     `is_main`: raised on rank 0, the one rank that says so (every rank exits REQUEUE_EXIT_CODE).
     """
 
-    def __init__(self, signal_name: str, checkpoint: Path, is_main: bool = True) -> None:
+    def __init__(self, signal_name: str, checkpoint: Path, *, is_main: bool) -> None:
         super().__init__(f"stopped by {signal_name}; saved {checkpoint}; resume with --resume {checkpoint}")
         self.checkpoint = checkpoint
         self.is_main = is_main
