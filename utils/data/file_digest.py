@@ -77,10 +77,11 @@ def stat_digest(groups: Sequence[Sequence[str]], prefix: bytes, ctx: DistContext
     peers = [rank for rank, view in enumerate(views) if view == own] if own is not None else [ctx.rank]
     share = range(peers.index(ctx.rank), len(chunks), len(peers))
     mine = {i: stat_chunk(groups[chunks[i][0]][chunks[i][1] : chunks[i][2]], with_names) for i in share}
-    pooled: dict[int, bytes] = {}
-    gathered = all_gather_objects(mine, ctx)
-    for rank in peers:
-        pooled.update(gathered[rank] if len(gathered) == ctx.world_size else mine)
+    gathered = all_gather_objects(mine, ctx)  # every rank calls it; only peers' parts are used
+    pooled = dict(mine)
+    for rank in peers:  # more than this rank only when the process group is up: `gathered` holds every rank
+        if rank != ctx.rank:
+            pooled.update(gathered[rank])
     digest = hashlib.sha256(prefix + f"{[len(paths) for paths in groups]}".encode())  # where each group ends
     for i in range(len(chunks)):
         digest.update(pooled[i])
