@@ -15,7 +15,7 @@ from PIL import Image
 import utils.data.scan as scan_module
 import utils.data.scan_report as scan_report
 from utils.data.cache import read_image
-from utils.data.image_files import image_to_label_path, list_image_files
+from utils.data.image_files import image_to_label_path, image_to_label_paths, list_image_files
 from utils.data.labels import LabelIndex, _pack, label_cache_path, verify_image_label
 from utils.data.packed_strings import PackedStrings
 from utils.data.scan import scan_labels
@@ -279,12 +279,17 @@ def test_image_to_label_path_equals_pathlibs_answer_for_odd_names() -> None:
         return str(Path(f"{head}{os.sep}labels{os.sep}{tail}" if sep else path).with_suffix(".txt"))
 
     parts = ["a", ".", "..", "images", "x.jpg", "x.", ".x", "x..jpg", "a.b.c", "", "\u00e9 y.PNG"]
+    paths = []
     for count in (1, 2, 3):
         for names in itertools.product(parts, repeat=count):
             for lead in ("", os.sep, f".{os.sep}", os.sep * 2):
                 path = lead + os.sep.join(names)
                 if Path(path).name:  # with_suffix refuses an empty name, as image_to_label_path does
                     assert image_to_label_path(path) == by_pathlib(path), path
+                    paths.append(path)
+    # The list form, which works out each folder once, gives the same answers, whatever came before in the list.
+    assert image_to_label_paths(paths) == [by_pathlib(path) for path in paths]
+    assert image_to_label_paths(paths[::-1]) == [by_pathlib(path) for path in paths[::-1]]
 
 
 def test_scan_skips_bad_repairs_fixable_and_reports_each(

@@ -152,9 +152,12 @@ def _folder_images(folder: Path) -> tuple[list[str], list[str]]:
 
 def _shared_label_files(image_files: Sequence[str]) -> list[str]:
     """One note per label file that several of `image_files` map to (x.jpg and x.png: labels/x.txt)."""
+    label_files = image_to_label_paths(image_files)
+    if len(set(label_files)) == len(label_files):  # the usual case, without a list per label
+        return []
     by_label: dict[str, list[str]] = {}
-    for path in image_files:
-        by_label.setdefault(image_to_label_path(path), []).append(path)
+    for path, label in zip(image_files, label_files, strict=True):
+        by_label.setdefault(label, []).append(path)
     return [
         f"{label}: the label file of {len(images)} images ({', '.join(images)}); each trains with these labels"
         for label, images in by_label.items()
@@ -207,7 +210,7 @@ def image_to_label_path(path: str | Path) -> str:
 
     The result is `str(Path(...).with_suffix(".txt"))`'s. A path that pathlib would not change (no
     repeated separator, no `.` component, no trailing separator) takes a string shortcut, 0.8 us
-    against 3.8 us: a start-up calls this twice per image, on every rank.
+    against 3.8 us (image_to_label_paths maps a whole list faster still).
     """
     text = str(path)
     head, sep, tail = text.rpartition(f"{os.sep}images{os.sep}")
@@ -217,6 +220,33 @@ def image_to_label_path(path: str | Path) -> str:
         suffix = name_suffix(text[text.rfind(os.sep) + 1 :])
         return f"{text[: len(text) - len(suffix)]}.txt"
     return str(Path(text).with_suffix(".txt"))
+
+
+def image_to_label_paths(paths: Sequence[str]) -> list[str]:
+    """`[image_to_label_path(p) for p in paths]` for str paths, with each folder's label folder worked out once.
+
+    A start-up maps every image of a split on every rank, twice (the shared-label check and the label
+    scan): 0.55 us a path against 1.6 us one at a time (200k COCO-style paths, 2-core AMD EPYC). The
+    folder part decides both the /images/ -> /labels/ swap and pathlib's normalising (a file name
+    holds no separator), so a name with a suffix only has it replaced; any other name takes
+    image_to_label_path.
+    """
+    if os.altsep:
+        return [image_to_label_path(path) for path in paths]
+    label_folders: dict[str, str] = {}
+    labels = []
+    for path in paths:
+        cut = path.rfind(os.sep) + 1
+        dot = path.rfind(".")
+        if not cut < dot < len(path) - 1:  # no suffix, as name_suffix has it ("x", ".x", "x.")
+            labels.append(image_to_label_path(path))
+            continue
+        folder = path[:cut]
+        label_folder = label_folders.get(folder)
+        if label_folder is None:  # "x.jpg" stands for any name with a suffix: "labels/x.txt" -> "labels/"
+            label_folder = label_folders[folder] = image_to_label_path(f"{folder}x.jpg")[: -len("x.txt")]
+        labels.append(f"{label_folder}{path[cut:dot]}.txt")
+    return labels
 
 
 def _pathlib_would_normalise(text: str) -> bool:

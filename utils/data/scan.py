@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from utils.data.file_digest import stat_digest
-from utils.data.image_files import ImageFiles, image_to_label_path
+from utils.data.image_files import ImageFiles, image_to_label_paths
 from utils.data.labels import (
     CACHE_VERSION,
     STATUSES,
@@ -343,7 +343,7 @@ def scan_labels(
     (check_labelled). Entries of .txt image lists left out by list_image_files (`image_files.skipped`)
     are warned and counted with the scan's summary.
     """
-    label_files = [image_to_label_path(f) for f in image_files]
+    label_files = image_to_label_paths(image_files)
     listed = image_files if isinstance(image_files, ImageFiles) else ImageFiles(image_files)
     cache_path = cache_path or label_cache_path(listed)
     check_same_image_files(image_files, f"image list under {Path(image_files[0]).parent}", ctx)
