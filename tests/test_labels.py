@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import utils.data.image_files as image_files
 import utils.data.scan as scan_module
 import utils.data.scan_report as scan_report
 from utils.data.cache import read_image
@@ -266,6 +267,13 @@ def test_the_log_names_files_left_out_before_repaired_ones(tmp_path: Path, caplo
     assert "99_broken.jpg" in shown[0] and shown[0].endswith("skipped")
     assert all("fixed label" in line for line in shown[1:]) and "00.txt" in shown[1]  # then the repairs, in order
     assert "99_broken.jpg" in (root / "labels.warnings.txt").read_text().splitlines()[-1]  # the file: file order
+
+
+def test_folder_listing_reads_suffixes_as_splitext_does() -> None:
+    parts = ["", ".", "..", "a", "jpg", ".jpg", "A.JPG", "x.y"]
+    for count in (1, 2, 3):
+        for name in map("".join, itertools.product(parts, repeat=count)):
+            assert image_files._splitext_suffix(name) == os.path.splitext(name)[1].lower(), name
 
 
 def test_image_to_label_path_replaces_last_images_folder() -> None:
