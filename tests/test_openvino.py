@@ -140,39 +140,30 @@ def test_detect_writes_an_openvino_folders_detections_as_its_checkpoints(
 
 
 @pytest.mark.slow
-def test_int8_export_calibrates_on_train_images_and_val_runs_it(
-    folders: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path
+def test_int8_export_calibrates_on_train_images_keeps_attention_in_float_and_val_runs_it(
+    tiny_data: Path, tmp_path: Path
 ) -> None:
-    pytest.importorskip("nncf")
-    weights = Path(shutil.copy(folders["yolov8n"]["pt"], tmp_path / "best.pt"))
-    cfg = ExportConfig(weights, ("openvino",), int8=True, data=tiny_data, calib_images=3)
-    (exported,) = export_checkpoint(cfg, TASKS, DistContext())
-    assert exported.path == tmp_path / "best_int8_openvino_model" and exported.agreement is not None
-    metadata = read_metadata(exported.path)
-    assert metadata["precision"] == "int8" and not metadata["dynamic"] and metadata["batch"] == 1
-    xml = (exported.path / "best.xml").read_text()
-    assert "FakeQuantize" in xml or "FakeConvert" in xml  # quantized, not a copy of the FP32 graph
-    result = _val(val, exported.path, tiny_data, tmp_path / "val")
-    assert result.num_images == TINY.num_val and 0.0 <= result.as_dict()["mAP50-95"] <= 1.0
-
-
-@pytest.mark.slow
-def test_int8_keeps_attention_products_in_float(tiny_data: Path, tmp_path: Path) -> None:
-    # yolo11n's C2PSA attention multiplies activations by activations (q.k, weights.v): those MatMuls stay FP32.
     pytest.importorskip("nncf")
     import openvino as ov
 
     weights = _save_random_checkpoint("yolo11n", DETECT, tmp_path / "best.pt")
     cfg = ExportConfig(weights, ("openvino",), int8=True, data=tiny_data, calib_images=3)
     (exported,) = export_checkpoint(cfg, TASKS, DistContext())
+    assert exported.path == tmp_path / "best_int8_openvino_model" and exported.agreement is not None
+    metadata = read_metadata(exported.path)
+    assert metadata["precision"] == "int8" and not metadata["dynamic"] and metadata["batch"] == 1
+    # Quantized, not a copy of the FP32 graph; yolo11n's C2PSA attention multiplies activations by activations
+    # (q.k, weights.v): those MatMuls stay FP32.
     ops = ov.Core().read_model(str(exported.path / "best.xml")).get_ordered_ops()
+    convs = [op for op in ops if op.get_type_name() == "Convolution"]
+    assert any(op.input_value(0).get_node().get_type_name() == "FakeQuantize" for op in convs)  # the rest is INT8
     matmuls = [op for op in ops if op.get_type_name() == "MatMul" and "attention" in op.get_friendly_name()]
     assert len(matmuls) >= 2
     for op in matmuls:
         inputs = [op.input_value(i).get_node().get_type_name() for i in range(op.get_input_size())]
         assert "FakeQuantize" not in inputs, op.get_friendly_name()
-    convs = [op for op in ops if op.get_type_name() == "Convolution"]
-    assert any(op.input_value(0).get_node().get_type_name() == "FakeQuantize" for op in convs)  # the rest is INT8
+    result = _val(val, exported.path, tiny_data, tmp_path / "val")
+    assert result.num_images == TINY.num_val and 0.0 <= result.as_dict()["mAP50-95"] <= 1.0
 
 
 def test_an_fp16_file_is_checked_against_the_weights_it_stores() -> None:
