@@ -312,7 +312,28 @@ def test_inputs_of_one_name_from_several_folders_get_their_own_outputs(
     written = sorted(path.name for path in result.save_dir.glob("*.jpg"))
     assert written == ["0001-2.jpg", "0001-3.jpg", "0001-4.jpg", "0001.jpg"]  # four inputs, four pictures
     assert len(list((result.save_dir / "labels").glob("*.txt"))) == result.total.images == 4
-    assert "2 input(s) share a file name with an earlier one; their outputs are renamed (first: " in caplog.text
+    assert (
+        "2 input(s) share a file name with an earlier one or a video's frame; their outputs are renamed" in caplog.text
+    )
+
+
+def test_an_image_named_like_a_videos_frame_gets_its_own_outputs(
+    tmp_path: Path, det_weights: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_image(tmp_path / "in" / "v_1.jpg", seed=0)
+    write_video(tmp_path / "in" / "v.mp4", frames=3)  # frames v_1, v_2, v_3
+    write_image(tmp_path / "in" / "v_1-2.jpg", seed=1)  # holds the first rename already
+    write_image(tmp_path / "in" / "v_x.jpg", seed=2)  # no frame number: keeps its name
+    save = SaveOptions(save_images=False, save_txt=True, save_crop=True)
+    with caplog.at_level(logging.WARNING):
+        result = predict(config(det_weights, tmp_path / "in", tmp_path / "runs", save=save, conf_thres=0.001),
+                         DETECT, DistContext())  # fmt: skip
+    labels = sorted(path.stem for path in (result.save_dir / "labels").glob("*.txt"))
+    assert labels == ["v_1", "v_1-2", "v_1-3", "v_2", "v_3", "v_x"]
+    assert result.total.frames == result.total.labels == 6
+    crops = list((result.save_dir / "crops").rglob("*.jpg"))
+    assert len(crops) == result.total.detections > 0  # no picture's crop wrote over another's
+    assert "in/v_1.jpg -> v_1-3 (a frame of video v has its name)" in caplog.text
 
 
 def test_detect_predicts_at_the_size_the_checkpoint_was_trained_at_unless_told(

@@ -91,12 +91,28 @@ def discover_inputs(source: str) -> list[InputItem]:
 
 
 def _unique_stems(files: list[str]) -> list[str]:
-    """Each file's output stem (utils/data/image_files.py: unique_stems); one warning names the renamed ones."""
+    """Each file's output stem (utils/data/image_files.py: unique_stems); one warning names the renamed ones.
+
+    A video's frames are pictures `<stem>_<frame>`, so an image of such a name (`v_1.jpg` beside `v.mp4`)
+    would write over frame 1's labels and crops: it is renamed as a repeated name is (`v_1-2`).
+    """
     stems, renamed = unique_stems(files)
+    videos = {stem for file, stem in zip(files, stems, strict=True) if kind_of(file) == "video"}
+    used = set(stems)
+    for position, (file, stem) in enumerate(zip(files, stems, strict=True)):
+        head, underscore, frame = stem.rpartition("_")
+        if kind_of(file) == "video" or not (underscore and frame.isdigit() and frame.isascii() and head in videos):
+            continue
+        number = 2
+        while f"{stem}-{number}" in used:
+            number += 1
+        stems[position] = f"{stem}-{number}"
+        used.add(stems[position])
+        renamed.append(f"{file} -> {stems[position]} (a frame of video {head} has its name)")
     if renamed:
         LOGGER.warning(
-            f"{len(renamed)} input(s) share a file name with an earlier one; their outputs are renamed "
-            f"(first: {renamed[0]})"
+            f"{len(renamed)} input(s) share a file name with an earlier one or a video's frame; their outputs "
+            f"are renamed (first: {renamed[0]})"
         )
     return stems
 
