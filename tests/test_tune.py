@@ -37,7 +37,7 @@ from utils.tune import study as study_module  # noqa: E402
 from utils.tune import tuner  # noqa: E402
 from utils.tune.config import tune_config_from_argv  # noqa: E402
 from utils.tune.space import load_space  # noqa: E402
-from utils.tune.trial import FAILED, PRUNED, TrialCommand, TrialWatch, run_trial  # noqa: E402
+from utils.tune.trial import COMPLETE, FAILED, PRUNED, TrialCommand, TrialWatch, run_trial  # noqa: E402
 
 FAKE = Path(__file__).with_name("fake_trainer.py")
 ANCHOR_FREE_SHORT = ROOT / "data/hyps/hyp.anchor-free.quickstart.yaml"
@@ -438,6 +438,19 @@ def test_pruning_stops_the_trial_at_the_epoch_it_was_decided(tmp_path: Path) -> 
     outcome = run_trial(TrialCommand(argv, tmp_path / "t", tmp_path / "t.log", env), _watch(prune_at=2))
     assert (outcome.state, outcome.epochs) == (PRUNED, 2)
     assert outcome.fitness == pytest.approx(0.4 * 2 / 20, abs=0.05)
+
+
+def test_a_trial_that_ends_between_polls_is_complete_not_pruned(tmp_path: Path) -> None:
+    # All its epochs, trial.json and its exit land within one poll: the pruner's answer for a row read after
+    # that must not turn a finished trial into a pruned one and drop its final score.
+    env = {"FAKE_EPOCH_S": "0"}
+    hyp = tmp_path / "hyp.yaml"
+    hyp.write_text(ANCHOR_FREE_SHORT.read_text())
+    argv = [sys.executable, str(FAKE), "--hyp", str(hyp), "--project", str(tmp_path), "--name", "t", "--epochs", "4"]
+    watch = dataclasses.replace(_watch(prune_at=2), poll_s=3.0)
+    outcome = run_trial(TrialCommand(argv, tmp_path / "t", tmp_path / "t.log", env), watch)
+    assert (outcome.state, outcome.epochs) == (COMPLETE, 4)
+    assert outcome.fitness == json.loads((tmp_path / "t" / "trial.json").read_text())["metrics"]["mAP50-95"]
 
 
 # --- processes: stop, kill, resume, two workers -----------------------------------------------------------

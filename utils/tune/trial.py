@@ -135,14 +135,17 @@ def _follow(process: subprocess.Popen, run_dir: Path, watch: TrialWatch) -> tupl
         if watch.stop.wait(watch.poll_s):
             _stop(process)
             return None, True, scores
+        if process.poll() is not None:
+            break  # it ended during the wait: its last rows are reported below, and a finished trial is not pruned
         for epoch, score in _new_scores(run_dir / "results.csv", watch.score_column, len(scores)):
             scores.append(score)
             if math.isfinite(score) and watch.report(epoch, score):
                 pruned_at = epoch
                 break
-        if pruned_at is not None:
+        if pruned_at is not None and process.poll() is None:
             _stop(process)
             return pruned_at, False, scores
+        pruned_at = None  # (it ended while its rows were read: classified by its exit and trial.json below)
         if time.monotonic() - last_beat >= watch.heartbeat_s:
             watch.heartbeat()
             last_beat = time.monotonic()
