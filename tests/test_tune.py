@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +30,7 @@ from tests.conftest import make_tiny_dataset  # noqa: E402
 from utils.cli.entry import keyword_argv  # noqa: E402
 from utils.config import ROOT  # noqa: E402
 from utils.data.synthetic import SyntheticSpec  # noqa: E402
-from utils.errors import ConfigError  # noqa: E402
+from utils.errors import ConfigError, StudyFailed  # noqa: E402
 from utils.hyp import load_hyp  # noqa: E402
 from utils.train.config import build_train_parser  # noqa: E402
 from utils.train.records import FAMILY_TRAINING  # noqa: E402
@@ -86,7 +87,9 @@ def _write(path: Path, text: str) -> Path:
         ("lr0: [0.0, 0.1, log]", r"'lr0': a log scale needs bounds above 0"),
         ("lr0: [0.1, 0.2, cubic]", r"'lr0': scale 'cubic' is not one of linear, log, int"),
         ("nbs: [8.5, 64, int]", r"'nbs': an int scale needs whole-number bounds"),
-        ("lr0: [x0.1, xten]", r"'lr0': bound 'xten' must be a number or xF"),
+        ("lr0: [x0.1, xten]", r"'lr0': bound 'xten' must be a finite number or xF"),
+        ("lr0: [x0.5, xinf, log]", r"'lr0': bound 'xinf' must be a finite number or xF"),
+        ("lr0: [xnan, x2]", r"'lr0': bound 'xnan' must be a finite number or xF"),
         ("lr0: [a, 1]", r"'lr0': bound 'a' must be a finite number"),
         ("lr0: fixed", r"every key is fixed"),
         ("lr0: [-0.01, -0.001]", r"'lr0': bounds \[-0.01, -0.001\] must be above 0"),
@@ -164,6 +167,103 @@ def test_a_storage_url_that_cannot_be_opened_is_one_line(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match=r"^--storage foo://bar: cannot open it \(NoSuchModuleError: ") as error:
         open_storage(cfg)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["folder", "sqlite", "text"])
+def test_a_storage_file_that_is_no_journal_is_one_line(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "store"
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "sqlite":
+        optuna.create_study(storage=f"sqlite:///{path}", study_name="exp")
+    else:
+        path.write_bytes(b"\xff\xfe not json lines\n")
+    cfg = tune_config_from_argv(["--storage", str(path), "--project", str(tmp_path / "p"), "--cfg", "yolov8n"])
+    want = {"folder": "a folder; give a journal file", "sqlite": f"an SQLite database, not a journal file; give "
+            f"sqlite:///{path}", "text": "not an Optuna journal file"}[kind]  # fmt: skip
+    with pytest.raises(ConfigError, match=f"^--storage {path}: {want}") as error:
+        study_module.open_study(cfg, load_space(ROOT / "data/hyps/space.anchor-free.yaml",
+                                                load_hyp(ANCHOR_FREE_SHORT), ("dfl",)), {})  # fmt: skip
+    assert "\n" not in str(error.value)
+
+
+def _running_trial(study: optuna.Study, **attrs: object) -> int:
+    """A RUNNING trial with these user attributes, as another worker would leave it (none: it never named itself)."""
+    trial = study.ask()
+    for key, value in attrs.items():
+        trial.set_user_attr(key, value)
+    return trial.number
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_lost_trials_are_those_whose_worker_died_in_this_pid_space_or_went_silent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="s")
+    now, dead = time.time(), _dead_pid()
+    same_space = _running_trial(study, worker="h:1:a", pid=dead, pid_space=study_module.PID_SPACE, heartbeat=now)
+    # The same pid in another PID namespace (a container sharing the host name) says nothing of that worker.
+    other_space = _running_trial(study, worker="h:1:b", pid=dead, pid_space="elsewhere", heartbeat=now)
+    silent = _running_trial(study, worker="h:2:c", heartbeat=now - 2 * study_module.STALE_AFTER_S)
+    unnamed = _running_trial(study)  # its tuner failed between creating it and naming itself
+    mine = study.ask()
+    study_module.mark_worker(mine)
+    lost = {same_space, silent}
+    study_module.fail_lost_trials(study)
+    states = {t.number: study_module.state_name(t) for t in study.get_trials()}
+    assert {n for n, state in states.items() if state == "lost"} == lost
+    assert states[other_space] == states[unnamed] == states[mine.number] == "running"
+    monkeypatch.setattr(study_module, "STALE_AFTER_S", -1.0)  # now every other worker's trial is silent
+    study_module.fail_lost_trials(study)
+    states = {t.number: study_module.state_name(t) for t in study.get_trials()}
+    assert states[other_space] == states[unnamed] == "lost" and states[mine.number] == "running"
+    assert study_module.WORKER != f"{socket.gethostname()}:{os.getpid()}", "a host:pid alone is used again"
+
+
+def test_a_lost_trial_another_worker_just_ended_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two tuners look for lost trials at once: the other one marks (or its worker ends) the trial after this
+    # one read it as running. The late look must not raise, or its worker would stop.
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="s")
+    number = _running_trial(study, worker="h:3:d", heartbeat=0.0)
+    snapshot = study.get_trials(deepcopy=True)
+    study.tell(number, 0.5)
+    monkeypatch.setattr(study, "get_trials", lambda *args, **kwargs: snapshot)
+    study_module.fail_lost_trials(study)
+    assert optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}").trials[0].value == 0.5
+
+
+def test_a_worker_that_stops_on_an_error_fails_the_study_in_one_line(
+    tiny_data: Path, tmp_path: Path, fake_trainer: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked, calls = tuner.ask_next, []
+
+    def ask_once(*args: object) -> object:
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("the storage went away\nsecond line")
+        return asked(*args)
+
+    monkeypatch.setattr(tuner, "ask_next", ask_once)
+    with pytest.raises(StudyFailed, match=r"^study 'exp' has 1 of its 3 trials: a worker stopped on RuntimeError: "
+                                          r"the storage went away; run the same command") as error:  # fmt: skip
+        tune.run(**_flags(tiny_data, tmp_path, trials=3))
+    assert "\n" not in str(error.value)
+    assert len((tmp_path / "exp" / "trials.csv").read_text().splitlines()) == 2  # the results are still written
+
+
+def test_a_tuner_joining_a_finished_journal_study_writes_its_own_results(
+    tiny_data: Path, tmp_path: Path, fake_trainer: None
+) -> None:
+    journal = str(tmp_path / "study.journal")
+    tune.run(**_flags(tiny_data, tmp_path / "a", trials=2, storage=journal))
+    summary = tune.run(**_flags(tiny_data, tmp_path / "b", trials=2, storage=journal))  # runs no trial
+    assert summary.counts == {"complete": 2}
+    assert len((tmp_path / "b" / "exp" / "trials.csv").read_text().splitlines()) == 3
 
 
 def test_train_evolve_is_tune_with_that_many_trials_in_runs_evolve() -> None:

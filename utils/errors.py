@@ -46,6 +46,10 @@ class StudyStopped(Exception):
     """Raised by tune.py after SIGINT/SIGTERM stopped its running trials; the same command resumes the study."""
 
 
+class StudyFailed(Exception):
+    """Raised by tune.py when its workers stopped on errors before the study had its trials (exit status 1)."""
+
+
 def exit_on_user_error(main: Callable[[], object]) -> None:
     """Run a command's main(): a user mistake (bad flag, missing file) prints one line and exits 2;
     a preempted run (or a stopped study) prints how to go on and exits REQUEUE_EXIT_CODE, for the job script
@@ -62,6 +66,9 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
     except StudyStopped as stopped:
         print(f"stopped: {stopped}", file=sys.stderr)
         sys.exit(REQUEUE_EXIT_CODE)
+    except StudyFailed as failed:
+        print(f"error: {failed}", file=sys.stderr)
+        sys.exit(1)
 
 
 def read_yaml_mapping(path: Path) -> dict[str, Any]:

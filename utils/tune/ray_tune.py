@@ -29,11 +29,11 @@ from utils.config import ROOT
 from utils.errors import ConfigError
 from utils.tune.study import (
     HEARTBEAT_S,
-    WORKER,
     counted_trials,
     fail_lost_trials,
     first_prunable_epoch,
     make_sampler,
+    mark_worker,
     open_storage,
     requeue,
     suggest,
@@ -134,8 +134,7 @@ def _optuna_search_class() -> type:
         def _define(self, trial: optuna.trial.Trial) -> dict[str, Any]:
             """Define-by-run space: the search space's distributions; the trial number goes in the config."""
             suggest(trial, self.run.space)
-            trial.set_user_attr("worker", WORKER)
-            trial.set_user_attr("heartbeat", time.time())
+            mark_worker(trial)
             self._just_asked = trial
             return {NUMBER: trial.number}
 

@@ -138,7 +138,9 @@ def _bound(where: str, bound: Any, base_value: float | None) -> float:
         try:
             factor = float(bound[1:])
         except ValueError:
-            raise ConfigError(f"{where}: bound {bound!r} must be a number or xF (F times the base value)") from None
+            factor = math.nan
+        if not math.isfinite(factor):  # 'xinf' or 'xnan' parse as floats
+            raise ConfigError(f"{where}: bound {bound!r} must be a finite number or xF (F times the base value)")
         if base_value is None or base_value == 0:
             raise ConfigError(f"{where}: bound {bound!r} is relative, but the base recipe's value is {base_value}")
         return factor * float(base_value)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -30,7 +32,25 @@ LOGGER = logging.getLogger(__name__)
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # the tuner logs each trial itself, in one line
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 5 * HEARTBEAT_S
-WORKER = f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _pid_space() -> str:
+    """This process's PID namespace on this boot of its machine ('' where unknown).
+
+    Only there does a process id name the same process: containers sharing a host name (host
+    networking) have their own, and a container restarted under its old name gets a new one.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{socket.gethostname()}/{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+PID_SPACE = _pid_space()
+# The name this tuner process writes into its running trials: host:pid, and a random part, as a host:pid is
+# used again (PID 1 of a restarted container; process ids wrapping).
+WORKER = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 # Why a failed trial does not count towards --trials: it never got to be a trial of its settings.
 NOT_COUNTED = ("interrupted", "lost")
 
@@ -52,9 +72,12 @@ def state_name(trial: optuna.trial.FrozenTrial) -> str:
 
 
 def open_storage(cfg: TuneConfig) -> optuna.storages.BaseStorage | str:
-    """The study's storage: SQLite in the study folder by default, a journal file, or a database URL."""
+    """The study's storage: SQLite in the study folder by default, a journal file, or a database URL.
+
+    The study folder (trials.csv, the plots, best_hyp.yaml) is made whichever storage holds the study.
+    """
+    cfg.study_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.storage:
-        cfg.study_dir.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{(cfg.study_dir / 'study.db').resolve()}"
     if "://" in cfg.storage:
         try:  # opened here: a bad URL (unknown scheme, no driver, no server) is one line, not a traceback
@@ -64,7 +87,19 @@ def open_storage(cfg: TuneConfig) -> optuna.storages.BaseStorage | str:
             raise ConfigError(f"--storage {cfg.storage}: cannot open it ({type(error).__name__}: {reason})") from None
     from optuna.storages.journal import JournalFileBackend
 
-    return optuna.storages.JournalStorage(JournalFileBackend(str(cfg.storage)))
+    journal = Path(cfg.storage)
+    if journal.is_dir():
+        raise ConfigError(f"--storage {journal}: a folder; give a journal file (made if missing) or a database URL")
+    try:
+        with journal.open("rb") as file:
+            head = file.read(16)
+    except FileNotFoundError:
+        head = b""
+    except OSError as error:
+        raise ConfigError(f"--storage {journal}: cannot read it ({error.strerror or error})") from None
+    if head.startswith(b"SQLite format 3"):
+        raise ConfigError(f"--storage {journal}: an SQLite database, not a journal file; give sqlite:///{journal}")
+    return optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
 
 
 def make_sampler(cfg: TuneConfig, seed: int) -> optuna.samplers.BaseSampler:
@@ -128,7 +163,12 @@ def open_study(cfg: TuneConfig, space: SearchSpace, settings: dict[str, Any]) ->
     """
     storage = open_storage(cfg)
     study_name = cfg.train.name
-    probe = optuna.create_study(storage=storage, study_name=study_name, direction="maximize", load_if_exists=True)
+    try:
+        probe = optuna.create_study(storage=storage, study_name=study_name, direction="maximize", load_if_exists=True)
+    except (ValueError, OSError) as error:  # a journal file that is something else: not JSON lines, unreadable
+        if not cfg.storage or "://" in cfg.storage:
+            raise
+        raise ConfigError(f"--storage {cfg.storage}: not an Optuna journal file ({type(error).__name__})") from None
     # A resumed or joined study seeds its sampler differently, so it does not ask again for the points
     # the first run's random start-up trials had (same seed, same random draws).
     seed = cfg.train.seed + 1000 * len(probe.trials) + (zlib.crc32(WORKER.encode()) if cfg.storage else 0)
@@ -173,21 +213,33 @@ def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
     study.enqueue_trial(dict(trial.params), user_attrs=attrs)
 
 
+def mark_worker(trial: optuna.trial.Trial) -> None:
+    """Write into a trial this process runs who runs it, and its first heartbeat (see fail_lost_trials)."""
+    trial.set_user_attr("worker", WORKER)
+    trial.set_user_attr("pid", os.getpid())
+    trial.set_user_attr("pid_space", PID_SPACE)
+    trial.set_user_attr("heartbeat", time.time())
+
+
 def fail_lost_trials(study: optuna.Study) -> None:
-    """Mark failed the running trials whose worker is gone (dead here, or silent STALE_AFTER_S); queue them again."""
-    host = socket.gethostname()
+    """Mark failed the running trials whose worker is gone; queue them again.
+
+    Gone: its process is dead in this PID namespace, or it wrote no heartbeat for STALE_AFTER_S (a
+    worker elsewhere, or one that never got to name itself: its trial was created but the asking failed).
+    """
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        worker = trial.user_attrs.get("worker", "")
-        beat = float(trial.user_attrs.get("heartbeat", 0.0))
-        worker_host, _, pid = worker.rpartition(":")
-        dead_here = worker_host == host and pid.isdigit() and not _alive(int(pid))
-        if worker and worker != WORKER and (dead_here or time.time() - beat > STALE_AFTER_S):
+        worker = str(trial.user_attrs.get("worker", ""))
+        started = trial.datetime_start.timestamp() if trial.datetime_start else time.time()
+        beat = float(trial.user_attrs.get("heartbeat", started))
+        pid, space = trial.user_attrs.get("pid"), trial.user_attrs.get("pid_space")
+        dead_here = bool(PID_SPACE) and space == PID_SPACE and isinstance(pid, int) and not _alive(pid)
+        if worker != WORKER and (dead_here or time.time() - beat > STALE_AFTER_S):
             handle = optuna.trial.Trial(study, trial._trial_id)
-            handle.set_user_attr("reason", f"lost: worker {worker} stopped")
             try:
+                handle.set_user_attr("reason", f"lost: worker {worker or '(unnamed)'} stopped")
                 study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
             except (RuntimeError, ValueError):
-                continue  # another worker marked it first (and queued it again)
+                continue  # another worker marked it first (and queued it again), or its worker just ended it
             requeue(study, trial)
             LOGGER.warning(
                 f"tune: trial {trial.number} was lost with worker {worker}; not counted, its values queued again"
@@ -224,6 +276,5 @@ def ask_next(study: optuna.Study, space: SearchSpace, total: int, lock: threadin
         if counted >= total:
             return None
         trial = study.ask(distributions(space))
-        trial.set_user_attr("worker", WORKER)
-        trial.set_user_attr("heartbeat", time.time())
+        mark_worker(trial)
         return AskedTrial(trial, dict(trial.params))

@@ -24,7 +24,7 @@ import torch
 
 from utils.config import ROOT
 from utils.distributed import DistContext
-from utils.errors import ConfigError, StudyStopped
+from utils.errors import ConfigError, StudyFailed, StudyStopped
 from utils.train.plan import RunPlan, plan_run
 from utils.train.records import TrainingTask
 from utils.tune.config import TuneConfig
@@ -70,6 +70,7 @@ class StudyRun:
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
     plotted_at: float = field(default_factory=time.monotonic)  # the last drawing of the figures (or the start)
+    failures: list[str] = field(default_factory=list)  # why a worker thread ended before the study had its trials
 
     @property
     def fitness_key(self) -> str:
@@ -114,6 +115,10 @@ def tune(cfg: TuneConfig, training: TrainingTask) -> StudySummary:
     LOGGER.info(summary.line(run.fitness_key))
     if run.stop.is_set():
         raise StudyStopped(f"study '{cfg.train.name}' stopped; run the same command to resume it ({cfg.study_dir})")
+    if run.failures and counted_trials(run.study)[0] < cfg.trials:
+        more = f" (and {len(run.failures) - 1} more)" if len(run.failures) > 1 else ""
+        raise StudyFailed(f"study '{cfg.train.name}' has {counted_trials(run.study)[0]} of its {cfg.trials} trials: "
+                          f"{run.failures[0]}{more}; run the same command to go on ({cfg.study_dir})")  # fmt: skip
     return summary
 
 
@@ -192,13 +197,23 @@ def trial_command(run: StudyRun, asked: AskedTrial, slot: Slot) -> TrialCommand:
 
 
 def _work(run: StudyRun, slot: Slot) -> None:
-    """One worker: ask, train, tell, write results, until the study has its trials or a stop is asked."""
+    """One worker: ask, train, tell, write results, until the study has its trials or a stop is asked.
+
+    An error (the storage unreachable, a trial another tuner recorded meanwhile) ends this worker with
+    one line and is kept in `run.failures`: tune() then fails unless the study has its trials anyway.
+    """
+    try:
+        _work_on(run, slot)
+    except Exception as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        failure = f"a worker stopped on {type(error).__name__}: {message}"
+        LOGGER.error(f"tune: {failure}")
+        run.failures.append(failure)
+
+
+def _work_on(run: StudyRun, slot: Slot) -> None:
     while not run.stop.is_set():
-        try:
-            asked = ask_next(run.study, run.space, run.cfg.trials, run.lock)
-        except Exception as error:  # the storage is unreachable: this worker cannot go on
-            LOGGER.error(f"tune: could not ask for a trial: {type(error).__name__}: {error}")
-            return
+        asked = ask_next(run.study, run.space, run.cfg.trials, run.lock)
         if asked is None:
             return
         command = trial_command(run, asked, slot)
