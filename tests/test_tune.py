@@ -456,6 +456,22 @@ def test_trials_share_the_gpus_and_cores_and_mlflow_sees_one_experiment(
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in picked] == ["1", "3"]
     with pytest.raises(ConfigError, match=r"--parallel 3 x --nproc-per-trial 2: more than the 4 GPUs given"):
         tuner.trial_slots(tune_config_from_argv(["--nproc-per-trial", "2", "--parallel", "3"]))
+    # --device as train.py reads it: cuda:1 is GPU 1, cuda every GPU; what it would refuse is refused here.
+    for device, visible in (("cuda:1", ["1"]), ("cuda", ["0", "1", "2", "3"]), ("CUDA:2,3", ["2", "3"])):
+        given = tuner.trial_slots(tune_config_from_argv(["--device", device]))
+        assert [s.env["CUDA_VISIBLE_DEVICES"] for s in given] == visible and {s.device for s in given} == {"0"}
+    for device, message in (("mps", "expected cpu, cuda or GPU numbers"), ("4", "no GPU 4 on this machine")):
+        with pytest.raises(ConfigError, match=f"--device {device}: {message}"):
+            tuner.trial_slots(tune_config_from_argv(["--device", device]))
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="--device 0 asks for CUDA but no CUDA device is available"):
+        tuner.trial_slots(tune_config_from_argv(["--device", "0"]))
+    assert tuner.trial_slots(tune_config_from_argv(["--device", ""]))[0].device == "cpu"
+    # Three trials on two cores: each gets a core, none the whole machine.
+    monkeypatch.setattr(tuner.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    shares = [s.cpus for s in tuner.trial_slots(tune_config_from_argv(["--device", "cpu", "--parallel", "3"]))]
+    assert all(len(share) == 1 for share in shares) and {core for share in shares for core in share} == {0, 1}
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     space = load_space(_write(tmp_path / "s.yaml", "lr0: [0.001, 0.1, log]\n"), load_hyp(ANCHOR_FREE_SHORT), ("dfl",))
     plan = types.SimpleNamespace(cfg=types.SimpleNamespace(optimizer="SGD"))  # the command reads only the optimizer

@@ -135,13 +135,13 @@ def select_device(device_arg: str, local_rank: int = 0) -> torch.device:
         raise ConfigError(f"--device {device_arg} asks for CUDA but no CUDA device is available; use --device cpu")
     if arg in ("", "cuda"):
         return torch.device("cuda", local_rank % torch.cuda.device_count())
-    visible = _gpu_indices(device_arg, arg)
+    visible = gpu_indices(device_arg, arg)
     if local_rank >= len(visible):
         raise ConfigError(f"--device {device_arg} lists {len(visible)} GPU(s) but local rank {local_rank} needs one")
     return torch.device("cuda", visible[local_rank])
 
 
-def _gpu_indices(device_arg: str, arg: str) -> list[int]:
+def gpu_indices(device_arg: str, arg: str) -> list[int]:
     """The GPU numbers of a `--device` list such as '0,1', each one this machine has, or a ConfigError."""
     words = [word.strip() for word in arg.split(",") if word.strip()]
     if not all(word.isdigit() for word in words):

@@ -23,7 +23,7 @@ import optuna
 import torch
 
 from utils.config import ROOT
-from utils.distributed import DistContext
+from utils.distributed import DistContext, gpu_indices
 from utils.errors import ConfigError, StudyFailed, StudyStopped
 from utils.train.plan import RunPlan, plan_run
 from utils.train.records import TrainingTask
@@ -87,8 +87,8 @@ def tune(cfg: TuneConfig, training: TrainingTask) -> StudySummary:
         raise ConfigError("tune.py (and --evolve) runs without torchrun; --nproc-per-trial K runs each trial on K GPUs")
     plan = plan_run(cfg.train, training, DistContext())
     space = load_space(cfg.space or plan.family.search_space, plan.cfg.hyp, plan.family.hyp_keys)
+    slots = [] if cfg.ray else trial_slots(cfg)  # a --device that cannot work is refused before the study is made
     run = StudyRun(cfg, plan, space, open_study(cfg, space, study_settings(cfg, plan, space)))
-    slots = [] if cfg.ray else trial_slots(cfg)
     where = f"on Ray at {cfg.ray}" if cfg.ray else f"{len(slots)} at once"
     LOGGER.info(
         f"tune: study '{cfg.train.name}' in {cfg.study_dir}, {cfg.trials} trials of {cfg.train.epochs} epochs, "
@@ -155,10 +155,13 @@ def study_settings(cfg: TuneConfig, plan: RunPlan, space: SearchSpace) -> dict[s
 
 def trial_slots(cfg: TuneConfig) -> list[Slot]:
     """One slot per trial run at once: GPU groups of --nproc-per-trial (CUDA_VISIBLE_DEVICES), or CPU shares."""
-    device = cfg.train.device.strip().lower()
-    on_gpu = device not in ("cpu", "mps") and torch.cuda.is_available()
+    device = cfg.train.device.strip().lower().replace("cuda:", "")  # read as train.py reads it (select_device)
+    on_gpu = device != "cpu" and (device != "" or torch.cuda.is_available())
+    if on_gpu and not torch.cuda.is_available():
+        raise ConfigError(f"--device {cfg.train.device} asks for CUDA but no CUDA device is available; use cpu")
     if on_gpu:
-        ids = device.split(",") if device else [str(i) for i in range(torch.cuda.device_count())]
+        every = device in ("", "cuda")
+        ids = list(map(str, range(torch.cuda.device_count()) if every else gpu_indices(cfg.train.device, device)))
         groups = [ids[i : i + cfg.nproc_per_trial] for i in range(0, len(ids), cfg.nproc_per_trial)]
         groups = [group for group in groups if len(group) == cfg.nproc_per_trial]
         count = cfg.parallel or len(groups)
@@ -172,8 +175,9 @@ def trial_slots(cfg: TuneConfig) -> list[Slot]:
         slots = [Slot("cpu") for _ in range(cfg.parallel or 1)]
     if len(slots) > 1 and hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
-        share = max(1, len(cores) // len(slots))
-        shares = [tuple(cores[i * share : (i + 1) * share]) or tuple(cores) for i in range(len(slots))]
+        count = len(cores)  # every core in one share; more slots than cores share them round the slots
+        shares = [tuple(cores[i * count // len(slots) : (i + 1) * count // len(slots)]) or (cores[i % count],)
+                  for i in range(len(slots))]  # fmt: skip
         slots = [Slot(slot.device, slot.env, cpus) for slot, cpus in zip(slots, shares, strict=True)]
     return slots
 
