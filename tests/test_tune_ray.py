@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import tune
-from tests.test_tune import _flags, _study, fake_trainer, tiny_data  # noqa: F401  (fixtures used below)
+from tests.test_tune import _flags, _study, _tune_process, _wait_for, fake_trainer, tiny_data  # noqa: F401  (fixtures)
 from utils.hyp import load_hyp
 
 ray = pytest.importorskip("ray")
@@ -69,3 +71,19 @@ def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
     trials = _study(tmp_path).get_trials()
     assert [t.number for t in trials] == list(range(8))
     assert len({t.params["lr0"] for t in trials}) == 8
+
+
+@pytest.mark.distributed  # tune.py --ray local as a process
+def test_sigterm_stops_a_ray_study_as_ctrl_c_does(tiny_data: Path, tmp_path: Path) -> None:  # noqa: F811
+    # How a job scheduler stops a job: the running trial is interrupted, the results written, exit 75 to requeue.
+    env = {"FAKE_TRAINER": json.dumps({"trial_0001": "hang"}), "FAKE_EPOCH_S": "0.3"}
+    process = _tune_process(tiny_data, tmp_path, "--ray", "local", "--trials", "3", env=env)
+    _wait_for(tmp_path / "exp" / "trials" / "trial_0001" / "argv.json", process)
+    time.sleep(1.0)  # its trainer is running
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=180)
+    assert process.returncode == 75, output[-3000:]
+    assert "stopped: study 'exp' stopped; run the same command to resume it" in output
+    trials = _study(tmp_path).get_trials()
+    assert trials[0].state == COMPLETE and trials[1].user_attrs["reason"].startswith("interrupted")
+    assert (tmp_path / "exp" / "trials.csv").read_text().splitlines()[1].startswith("0,complete,")

@@ -14,12 +14,15 @@ all reach; the storage is written by this process only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import pickle
+import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -270,13 +273,28 @@ def tune_on_ray(run: StudyRun, recipe: TrialRecipe, poll_s: float) -> None:
     beater = threading.Thread(target=_beat, args=(search, stop_beating), name="tune-ray-heartbeat", daemon=True)
     beater.start()
     try:
-        tuner.fit()
+        with _sigterm_as_sigint():
+            tuner.fit()
     finally:
         stop_beating.set()
         for trial in search.interrupted():
             trial.set_user_attr("reason", "interrupted: the study was stopped")
             requeue(run.study, run.study.tell(trial.number, state=optuna.trial.TrialState.FAIL))
             run.stop.set()
+
+
+@contextlib.contextmanager
+def _sigterm_as_sigint() -> Iterator[None]:
+    """SIGTERM (how Slurm and Kubernetes stop a job) stops Ray Tune as Ctrl-C does, gracefully: its trials end and
+    the study is written, where Ray's own SIGTERM handler ended the process without results."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _beat(search: Any, stop: threading.Event) -> None:
