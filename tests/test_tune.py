@@ -38,6 +38,7 @@ from utils.tune import study as study_module  # noqa: E402
 from utils.tune import tuner  # noqa: E402
 from utils.tune.config import tune_config_from_argv  # noqa: E402
 from utils.tune.space import load_space  # noqa: E402
+from utils.tune.study import distributions as space_dists  # noqa: E402
 from utils.tune.trial import COMPLETE, FAILED, PRUNED, TrialCommand, TrialWatch, run_trial  # noqa: E402
 
 FAKE = Path(__file__).with_name("fake_trainer.py")
@@ -609,6 +610,8 @@ def test_sigterm_leaves_a_study_the_same_command_resumes(tiny_data: Path, tmp_pa
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "FAIL", "WAITING"]
     assert trials[2].user_attrs["reason"].startswith("interrupted")
     assert trials[3].system_attrs["fixed_params"] == trials[2].params and trials[3].user_attrs["retry_of"] == 2
+    rows = (tmp_path / "exp" / "trials.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[1] for row in rows] == ["complete", "complete", "interrupted"], "queued values: no row"
 
     resumed = _tune_process(tiny_data, tmp_path)
     output, _ = resumed.communicate(timeout=300)
@@ -698,6 +701,23 @@ def test_real_trials_score_best_pt_and_the_best_hyp_trains(tiny_data: Path, tmp_
     assert hyp.lr0 == pytest.approx(best.params["lr0"])
     log = (tmp_path / "exp" / "trials" / "trial_0001.log").read_text()
     assert "Final (" in log and "Done: 1 epochs." in log
+
+
+def test_the_summary_names_the_machine_holding_the_best_weights(tmp_path: Path) -> None:
+    from utils.tune.results import write_results
+
+    space = load_space(_write(tmp_path / "s.yaml", "lr0: [0.001, 0.1, log]\n"), load_hyp(ANCHOR_FREE_SHORT), ("dfl",))
+    study = optuna.create_study(direction="maximize")
+    elsewhere = str(tmp_path / "b" / "best.pt")  # a path on the machine that ran the trial, not on this one
+    study.add_trial(optuna.trial.create_trial(value=0.5, params={"lr0": 0.01}, distributions=space_dists(space),
+                                              user_attrs={"best": elsewhere, "worker": "nodeB:12:ab"}))  # fmt: skip
+    summary = write_results(study, space, tmp_path, "mAP50-95", plots=False)
+    assert summary.best_weights == f"{elsewhere} on nodeB"
+    here = tmp_path / "best.pt"
+    here.write_bytes(b"")
+    study.add_trial(optuna.trial.create_trial(value=0.7, params={"lr0": 0.02}, distributions=space_dists(space),
+                                              user_attrs={"best": str(here), "worker": "nodeB:12:ab"}))  # fmt: skip
+    assert write_results(study, space, tmp_path, "mAP50-95", plots=False).best_weights == str(here)
 
 
 def test_trials_that_do_not_count_are_named_for_what_became_of_them() -> None:

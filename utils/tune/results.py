@@ -10,6 +10,7 @@ import csv
 import math
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,9 @@ def write_results(
 ) -> StudySummary:
     """Write trials.csv and best_hyp.yaml (and the figures when `plots`) into `study_dir`; return the summary."""
     trials = study.get_trials(deepcopy=False)
-    _write_trials_csv(trials, space, study_dir / "trials.csv", fitness_key)
+    # Queued values (an interrupted trial's, the base recipe) are not trials yet: not rows, as not counted below.
+    _write_trials_csv([t for t in trials if t.state != optuna.trial.TrialState.WAITING], space,
+                      study_dir / "trials.csv", fitness_key)  # fmt: skip
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE and t.value is not None]
     best = max(complete, key=lambda t: t.value) if complete else None
     baseline = next((t.value for t in complete if t.user_attrs.get("baseline")), None)
@@ -69,9 +72,18 @@ def write_results(
         best_number=None if best is None else best.number,
         best_fitness=None if best is None else best.value,
         baseline_fitness=baseline,
-        best_weights=best.user_attrs.get("best", "") if best is not None else "",
+        best_weights=_weights_where(best) if best is not None else "",
         study_dir=study_dir,
     )
+
+
+def _weights_where(trial: optuna.trial.FrozenTrial) -> str:
+    """The trial's best.pt, and the host that holds it when that is not this machine (a study shared by several)."""
+    weights = str(trial.user_attrs.get("best", ""))
+    if not weights or Path(weights).is_file():
+        return weights
+    host = str(trial.user_attrs.get("worker", "")).split(":")[0]
+    return f"{weights} (missing)" if host == socket.gethostname() else f"{weights} on {host or 'another machine'}"
 
 
 def trial_row(trial: optuna.trial.FrozenTrial, space: SearchSpace, fitness_key: str) -> dict[str, object]:
