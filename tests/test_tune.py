@@ -663,6 +663,7 @@ def test_a_killed_tuners_running_trial_is_lost_and_not_counted(tiny_data: Path, 
     assert trials[2].params == trials[1].params and trials[2].user_attrs["retry_of"] == 1
     assert [t.state.name for t in trials].count("COMPLETE") == 4
     assert "trial 1 was lost with worker" in output and "queued again" in output
+    assert "; 1 trials already in it" in output, "the lost trial is not counted at the start either"
 
 
 @pytest.mark.slow

@@ -30,7 +30,15 @@ from utils.train.records import TrainingTask
 from utils.tune.config import TuneConfig
 from utils.tune.results import StudySummary, prune_weights, write_results
 from utils.tune.space import SearchSpace, load_space
-from utils.tune.study import HEARTBEAT_S, AskedTrial, ask_next, counted_trials, open_study, requeue
+from utils.tune.study import (
+    HEARTBEAT_S,
+    AskedTrial,
+    ask_next,
+    counted_trials,
+    fail_lost_trials,
+    open_study,
+    requeue,
+)
 from utils.tune.trial import (
     COMPLETE,
     FAILED,
@@ -89,6 +97,7 @@ def tune(cfg: TuneConfig, training: TrainingTask) -> StudySummary:
     space = load_space(cfg.space or plan.family.search_space, plan.cfg.hyp, plan.family.hyp_keys)
     slots = [] if cfg.ray else trial_slots(cfg)  # a --device that cannot work is refused before the study is made
     run = StudyRun(cfg, plan, space, open_study(cfg, space, study_settings(cfg, plan, space)))
+    fail_lost_trials(run.study)  # before counting: a killed tuner's trials are lost, not "already in it"
     where = f"on Ray at {cfg.ray}" if cfg.ray else f"{len(slots)} at once"
     LOGGER.info(
         f"tune: study '{cfg.train.name}' in {cfg.study_dir}, {cfg.trials} trials of {cfg.train.epochs} epochs, "
