@@ -35,6 +35,7 @@ from utils.data.coco_reader import (
     read_coco_json,
 )
 from utils.data.json_stream import JsonStream
+from utils.data.masks import polygons_to_mask
 from utils.errors import ConfigError
 
 
@@ -117,7 +118,11 @@ def test_rle_mask_is_traced_into_one_polygon() -> None:
     mask[20:28, 25:35] = 1
     rle = mask_utils.encode(np.asfortranarray(mask))
     polygon = rle_to_polygon({"size": [30, 40], "counts": rle["counts"].decode()})
-    assert polygon.min(0).tolist() == [5, 5] and polygon.max(0).tolist() == [34, 27]
+    assert polygon.min(0).tolist() == [5, 5] and polygon.max(0).tolist() == [35, 28]  # the pixels' outer edges
+    one = np.zeros((30, 40), np.uint8)
+    one[5:15, 20:30] = 1  # one region: drawn again, its polygon gives back the RLE's 100 pixels
+    traced = rle_to_polygon({"size": [30, 40], "counts": mask_utils.encode(np.asfortranarray(one))["counts"].decode()})
+    np.testing.assert_array_equal(polygons_to_mask([traced], 30, 40), one)
     uncompressed = {
         "size": [30, 40],
         "counts": [30 * 5 + 5] + [10, 20] * 9 + [10, 1200 - 30 * 5 - 5 - 19 * 10 - 9 * 20],
@@ -216,4 +221,4 @@ def test_an_rle_of_another_size_than_its_image_keeps_the_box_and_is_named(tmp_pa
     assert np.diff(parse.polygon_offsets).tolist()[1:] == [0, 0] and parse.polygon_offsets[1] >= 3
     assert parse.has_segmentation.tolist() == [True, True, True]  # unusable, not missing: not named again
     first = parse.points[: parse.polygon_offsets[1]]
-    assert np.allclose(first.min(0), [0.02, 0.04]) and np.allclose(first.max(0), [0.07, 0.14])
+    assert np.allclose(first.min(0), [0.02, 0.04]) and np.allclose(first.max(0), [0.08, 0.16])  # = its bbox

@@ -19,6 +19,7 @@ from segment import predict as segment_predict
 from segment.task import SEGMENT
 from tests.dist_helpers import run_distributed
 from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
+from utils.data.masks import polygons_to_mask
 from utils.data.synthetic import SHAPE_NAMES
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -220,8 +221,9 @@ def test_txt_lines_boxes_and_polygons() -> None:
     assert txt_lines(prediction, (100, 200), with_conf=True) == ["2 0.150000 0.400000 0.200000 0.400000 0.90000"]
     mask = np.zeros((1, 100, 200), bool)
     mask[0, 20:60, 10:50] = True
-    polygon = mask_polygon(mask[0])
-    assert polygon.min(0).tolist() == [10, 20] and polygon.max(0).tolist() == [49, 59]
+    polygon = mask_polygon(mask[0])  # along the pixels' outer edges: columns 10..49 span x 10 to 50
+    assert polygon.min(0).tolist() == [10, 20] and polygon.max(0).tolist() == [50, 60]
+    np.testing.assert_array_equal(polygons_to_mask([polygon], 100, 200).astype(bool), mask[0])  # drawn again
     (line,) = txt_lines(replace(prediction, masks=mask), (100, 200), with_conf=False)
     values = [float(v) for v in line.split()]
     assert values[0] == 2 and len(values) % 2 == 1 and len(values) >= 7
@@ -230,7 +232,11 @@ def test_txt_lines_boxes_and_polygons() -> None:
     mask[0, 10:90, 10:90] = True
     cv2.circle(mask_u8 := mask[0].astype(np.uint8), (170, 80), 8, 1, -1)
     polygon = mask_polygon(mask_u8.astype(bool))
-    assert polygon.min(0).tolist() == [10, 10] and polygon.max(0).tolist() == [89, 89]
+    assert polygon.min(0).tolist() == [10, 10] and polygon.max(0).tolist() == [90, 90]
+    for side in (1, 2, 3):  # the smallest regions too: a saved label must not shrink them
+        small = np.zeros((20, 20), bool)
+        small[5 : 5 + side, 7 : 7 + side] = True
+        np.testing.assert_array_equal(polygons_to_mask([mask_polygon(small)], 20, 20).astype(bool), small)
     empty = replace(prediction, masks=np.zeros((1, 100, 200), bool))  # an empty mask falls back to the box
     corners = "0.050000 0.200000 0.250000 0.200000 0.250000 0.600000 0.050000 0.600000"
     assert txt_lines(empty, (100, 200), False) == [f"2 {corners}"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from utils.data.coco_node import load_coco_parse
+from utils.data.coco_node import PARSE_VERSION, load_coco_parse
 from utils.data.coco_reader import BAD_SEGMENTATION, CocoParse, missing_segmentation_notes
 from utils.data.labels import MIN_RELATIVE_AREA, STATUSES, LabelIndex, load_label_cache, save_label_cache
 from utils.data.polygons import gather, packed_bounds, ranges
@@ -248,7 +248,8 @@ def scan_coco_labels(
     cache_path = coco_cache_path(source.annotations, with_masks)
     check_same_image_files(files, f"image list of {source.annotations}", ctx)
     base = files_hash(files, [str(source.annotations)], ctx, len(source.names))
-    digest = hashlib.sha256(f"{base}\0{with_masks}\0{classes.tolist()}\0{source.image_root}".encode()).hexdigest()
+    key = f"{base}\0{with_masks}\0{classes.tolist()}\0{source.image_root}\0{PARSE_VERSION}"  # what the index came from
+    digest = hashlib.sha256(key.encode()).hexdigest()
     index = load_label_cache(cache_path, digest)
     has_cache = all_gather_objects(index is not None, ctx)
     where = f"{cache_path} (cached)"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import cv2
 import numpy as np
+
+from utils.data.masks import mask_outlines
 
 
 def join_parts(parts: list[np.ndarray]) -> np.ndarray:
@@ -66,8 +67,9 @@ def polygon_parts(segmentation: list[Any]) -> list[np.ndarray]:
 def rle_to_polygon(rle: dict[str, Any]) -> np.ndarray:
     """Trace an RLE mask ({"size": [h, w], "counts": list or str}) into one polygon (k, 2) float64 pixels.
 
-    The outer contours of the mask's regions (OpenCV, through pixel centres) are joined with
-    join_parts; a mask of no region of 3+ pixels gives (0, 2). Done once, when the JSON is read.
+    The outer outlines of the mask's regions along their pixels' edges (masks.mask_outlines: the
+    polygon drawn again gives back the RLE's pixels) are joined with join_parts; an empty mask gives
+    (0, 2). Done once, when the JSON is read.
     Raises ValueError for a malformed RLE.
     """
     from pycocotools import mask as mask_utils
@@ -87,6 +89,5 @@ def rle_to_polygon(rle: dict[str, Any]) -> np.ndarray:
         mask = np.ascontiguousarray(mask_utils.decode(encoded))
     except Exception as error:  # pycocotools raises assorted types for bad counts
         raise ValueError(f"RLE cannot be decoded ({type(error).__name__})") from error
-    contours, _ = cv2.findContours(mask, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
-    parts = [contour.reshape(-1, 2).astype(np.float64) for contour in contours if len(contour) >= 3]
+    parts = [outline.astype(np.float64) for outline in mask_outlines(mask) if len(outline) >= 3]
     return join_parts(parts) if parts else np.zeros((0, 2), np.float64)

@@ -17,6 +17,7 @@ pixel too large, 20% of the area of a 40 px object at ratio 4).
 
 from __future__ import annotations
 
+import cv2
 import numpy as np
 
 
@@ -134,3 +135,24 @@ def polygons_to_overlap_mask(polygons: list[np.ndarray], height: int, width: int
     covered = best < len(polygons)
     overlap[covered] = smallest_first[best[covered]] + 1
     return overlap.reshape(1, mask_h, mask_w)
+
+
+def mask_outlines(mask: np.ndarray) -> list[np.ndarray]:
+    """The outer outlines of a (H, W) mask's regions in pixel-edge coordinates: a list of (k, 2) int32 x, y.
+
+    The inverse of the rasterising above: a region's outline runs along its pixels' outer edges, so
+    pixel columns 30..39 give x from 30 to 40 and drawing the outline again gives back those pixels
+    (exactly for edges along rows and columns). cv2.findContours alone traces the boundary pixels'
+    corners at their index (their top-left corner), which is half a pixel inside on the left and top and
+    a whole pixel short on the right and bottom: a 10 x 10 region came back 9 x 9. So it traces the
+    mask's corner grid, (H + 1, W + 1), where a corner is set when any pixel it bounds is. Regions
+    touching only at a corner become one outline.
+    """
+    pixels = mask.astype(bool)
+    height, width = pixels.shape
+    corners = np.zeros((height + 1, width + 1), np.uint8)
+    for dy in (0, 1):
+        for dx in (0, 1):
+            corners[dy : dy + height, dx : dx + width] |= pixels
+    contours, _ = cv2.findContours(corners, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
+    return [contour.reshape(-1, 2) for contour in contours]

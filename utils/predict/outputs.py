@@ -10,6 +10,7 @@ import numpy as np
 
 from utils.boxes import xyxy_to_xywhn
 from utils.data.cache import opencv_can_name
+from utils.data.masks import mask_outlines
 from utils.predict.config import SaveOptions
 from utils.predict.prediction import Prediction, class_name
 
@@ -19,15 +20,15 @@ CROP_GAIN, CROP_PAD = 1.02, 10  # crops are the box grown by 2% and 10 px a side
 def mask_polygon(mask: np.ndarray) -> np.ndarray:
     """Return the outline of the largest region of a (H, W) bool mask as (k, 2) float32 pixel x, y; (0, 2) if empty.
 
-    Largest by area: with simplified contours a square region has 4 points and a small round blob
-    dozens, so the point count would pick the blob.
+    Along the pixels' outer edges (utils/data/masks.py: mask_outlines), so a saved label drawn again
+    covers the mask's pixels. Largest by area: with simplified contours a square region has 4 points
+    and a small round blob dozens, so the point count would pick the blob.
     """
-    contours, _ = cv2.findContours(mask.astype(np.uint8), cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
+    contours = mask_outlines(mask)
     if not contours:
         return np.zeros((0, 2), np.float32)
-    # Ties (regions of one pixel or one line have area 0) go to the longer outline.
-    largest = max(contours, key=lambda contour: (cv2.contourArea(contour), len(contour)))
-    return largest.reshape(-1, 2).astype(np.float32)
+    largest = max(contours, key=lambda contour: (cv2.contourArea(contour), len(contour)))  # ties: the longer
+    return largest.astype(np.float32)
 
 
 def txt_lines(prediction: Prediction, image_hw: tuple[int, int], with_conf: bool) -> list[str]:
