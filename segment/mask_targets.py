@@ -31,15 +31,26 @@ class MaskTargets:
     def _prepare_masks(
         self, masks: torch.Tensor, targets: torch.Tensor, batch_size: int, size: tuple[int, int]
     ) -> torch.Tensor:
-        """Check the masks' layout against the targets and resize them (nearest) to the prototypes' (h, w)."""
+        """Check the masks' layout against the targets and bring them to the prototypes' (h, w).
+
+        Finer masks (--mask-ratio 1 or 2) keep, per prototype pixel, the mask pixel at its centre, as
+        drawing at the prototypes' size would (utils/data/masks.py: a pixel is set when its centre is
+        inside); nearest interpolation kept the block's first pixel, which moved the targets up and
+        left by 1.5 (ratio 1) or 1 (ratio 2) image pixels against the box crop. Coarser masks, or sizes
+        that are no whole multiple, are resized (nearest).
+        """
         expected, layout = (batch_size, "overlap (one per image)") if self.overlap else (len(targets), "per-instance")
         if masks.dim() != 3 or len(masks) != expected:
             raise ValueError(f"SegmentationLoss: {layout} masks need {expected} rows, got shape {tuple(masks.shape)}")
         if len(masks) == 0:  # no instances: nothing to resize (interpolate rejects empty input)
             return masks.new_zeros((0, *size))
-        if tuple(masks.shape[-2:]) != size:
-            masks = F.interpolate(masks[None].float(), size=size, mode="nearest")[0]
-        return masks
+        if tuple(masks.shape[-2:]) == size:
+            return masks
+        (height, width), (step_y, step_x) = size, (masks.shape[-2] // size[0], masks.shape[-1] // size[1])
+        if step_y >= 1 and step_x >= 1 and masks.shape[-2:] == (step_y * height, step_x * width):
+            # The pixel whose top-left corner is the prototype pixel's centre (the top-left rule, as drawn).
+            return masks[:, step_y // 2 :: step_y, step_x // 2 :: step_x]
+        return F.interpolate(masks[None].float(), size=size, mode="nearest")[0]
 
     @staticmethod
     def _instance_masks(

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import math
+import types
 
+import numpy as np
 import pytest
 import torch
 
 from models.yolo import SegmentationModel, build_model, spec_from_cfg
 from segment.loss import SegmentationLoss
-from segment.mask_targets import overlap_instance_ids
+from segment.mask_targets import MaskTargets, overlap_instance_ids
 from segment.ops import assemble_masks, assemble_masks_by_image, crop_mask, process_masks
 from segment.training import SEGMENT_TRAINING
 from utils.boxes import xywhn_to_xyxy
 from utils.config import DEFAULT_HYP
+from utils.data.masks import polygons_to_masks
 from utils.hyp import load_hyp
 from utils.train.config import TrainConfig
 from utils.train.loss import assign_targets, grid_tables, scale_loss_gains
@@ -154,11 +157,24 @@ def test_overlap_and_per_instance_masks_agree(model: SegmentationModel) -> None:
     loss, items = SegmentationLoss(model, GAINS)((raw, protos), TARGETS, masks=per_instance)
     loss_overlap, items_overlap = SegmentationLoss(model, GAINS, overlap=True)((raw, protos), TARGETS, masks=overlap)
     assert items[1] > 0 and torch.allclose(items, items_overlap) and torch.allclose(loss, loss_overlap)
-    # Masks served at input size (mask_ratio 1) are resized (nearest) to the prototypes: same loss here.
+    # Masks served at input size (mask_ratio 1) are brought to the prototypes' size: same loss here.
     full_size = per_instance.repeat_interleave(4, dim=1).repeat_interleave(4, dim=2)
     assert torch.allclose(SegmentationLoss(model, GAINS)((raw, protos), TARGETS, masks=full_size)[1], items)
     with pytest.raises(ValueError, match="per-instance masks need 3 rows"):
         SegmentationLoss(model, GAINS)((raw, protos), TARGETS, masks=per_instance[:2])
+
+
+def test_finer_masks_become_the_masks_drawn_at_the_prototypes_size() -> None:
+    # A square on pixels 10..26 of a 64 px image, drawn at --mask-ratio 1, 2 and 4: the loss sees the same
+    # (16, 16) targets at every ratio, those drawn at 4 (prototype pixels 2..5, whose centres are inside).
+    square = [np.array([[10, 10], [26, 10], [26, 26], [10, 26]], np.float32)]
+    drawn = {ratio: torch.from_numpy(polygons_to_masks(square, 64, 64, ratio)) for ratio in (1, 2, 4)}
+    want = drawn[4]
+    assert want[0].nonzero()[:, 1].unique().tolist() == [2, 3, 4, 5]
+    targets = torch.tensor([[0, 0, 0.28, 0.28, 0.25, 0.25]])
+    for ratio in (1, 2):
+        got = MaskTargets._prepare_masks(types.SimpleNamespace(overlap=False), drawn[ratio], targets, 1, (16, 16))
+        torch.testing.assert_close(got.float(), want.float(), msg=f"--mask-ratio {ratio}")
 
 
 def test_rank_halves_with_averaged_counts_add_up_to_full_batch(model: SegmentationModel) -> None:
