@@ -142,9 +142,9 @@ def mask_outlines(mask: np.ndarray) -> list[np.ndarray]:
 
     The inverse of the rasterising above: a region's outline runs along its pixels' outer edges, so
     pixel columns 30..39 give x from 30 to 40 and drawing the outline again gives back those pixels
-    (exactly for edges along rows and columns). cv2.findContours alone traces the boundary pixels'
-    corners at their index (their top-left corner), which is half a pixel inside on the left and top and
-    a whole pixel short on the right and bottom: a 10 x 10 region came back 9 x 9. So it traces the
+    (exactly for edges along rows and columns). cv2.findContours alone puts each boundary pixel at its
+    index, which in these coordinates is its top-left corner: right and bottom edges come out a whole
+    pixel short, and a 10 x 10 region came back 9 x 9 with its centre half a pixel off. So it traces the
     mask's corner grid, (H + 1, W + 1), where a corner is set when any pixel it bounds is. Regions
     touching only at a corner become one outline.
     """
