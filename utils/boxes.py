@@ -8,7 +8,6 @@ from typing import TypeVar
 
 import numpy as np
 import torch
-import torchvision
 
 ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
 
@@ -116,6 +115,8 @@ def scale_boxes(
 
 def box_iou(boxes1: torch.Tensor, boxes2: torch.Tensor) -> torch.Tensor:
     """Return the pairwise IoU matrix `(N, M)` of xyxy boxes `(N, 4)` and `(M, 4)` (torchvision)."""
+    import torchvision  # on first use, as in non_max_suppression
+
     return torchvision.ops.box_iou(boxes1, boxes2)
 
 
@@ -247,6 +248,10 @@ def non_max_suppression(
     if num_classes < 1:
         raise ValueError(f"non_max_suppression: pred has {pred.shape[2]} columns, too few for {num_masks} masks")
     candidates, image = _batch_candidates(pred, num_classes, conf_thres, classes, multi_label, objectness)
+    # Imported here, not at the top: importing torchvision (its models, ops and C extension) costs a training
+    # process about 0.3 s of CPU before its first step, and training needs it only to validate.
+    import torchvision
+
     counts = torch.bincount(image, minlength=len(pred)).tolist()  # the one host read before NMS, for the batch
     output = []
     for det in candidates.split(counts):

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from torchvision.ops import box_iou
 
 from utils.backends.exported import Runner, rows_from_detections
 from utils.backends.metadata import CHANNELS_FIRST, END_TO_END, ExportMetadata
+from utils.boxes import box_iou
 from utils.data.batch import to_model_input
 from utils.data.data_config import load_data_config
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
