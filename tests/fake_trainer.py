@@ -2,7 +2,8 @@
 
 Reads the flags the tuner passes (--hyp, --project, --name, --epochs). Its per-epoch score and
 fitness are a smooth function of lr0 (best at 0.002), so samplers have something to find. Behaviour
-per trial name comes from FAKE_TRAINER (JSON {name: crash | oom | nan | hang | slow}); FAKE_EPOCH_S
+per trial name comes from FAKE_TRAINER (JSON {name: crash | oom | nan | hang | slow | slow_final}: slow_final
+spends ten epochs' time between its last row and trial.json, as train.py's final validation does); FAKE_EPOCH_S
 sets the seconds per epoch. It never imports torch, so a trial costs about one Python start.
 """
 
@@ -46,6 +47,8 @@ def main() -> int:
             score = float("nan") if mode == "nan" else peak * epoch / epochs
             file.write(f"{epoch},{score},{0.9 * score}\n")
             file.flush()
+    if mode == "slow_final":
+        time.sleep(10 * epoch_s)
     weights = run_dir / "weights"
     weights.mkdir(exist_ok=True)
     (weights / "best.pt").write_bytes(b"fake")

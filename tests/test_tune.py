@@ -366,6 +366,20 @@ def test_a_pruned_trial_stops_early_with_its_last_score(tiny_data: Path, tmp_pat
     assert summary.counts == {"complete": 1, "pruned": 1}
 
 
+def test_a_trial_is_not_pruned_while_its_final_validation_runs(tiny_data: Path, tmp_path: Path, fake_trainer: None,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    # Trial 1's last row (epoch 2) is where the pruner would stop it, while it validates best.pt for 2 s.
+    monkeypatch.setattr(study_module, "make_pruner", lambda cfg: PruneFromTrialOne())
+    monkeypatch.setenv("FAKE_EPOCH_S", "0.2")
+    monkeypatch.setenv("FAKE_TRAINER", json.dumps({"trial_0001": "slow_final"}))
+    summary = tune.run(**_flags(tiny_data, tmp_path, trials=2, epochs=2))
+    trial = _study(tmp_path).get_trials()[1]
+    assert trial.state.name == "COMPLETE" and len(trial.intermediate_values) == 2
+    final = json.loads((tmp_path / "exp" / "trials" / "trial_0001" / "trial.json").read_text())
+    assert trial.value == pytest.approx(final["metrics"]["mAP50-95"])
+    assert summary.counts == {"complete": 2}
+
+
 def test_the_median_and_halving_pruners_wait_a_third_of_the_epochs() -> None:
     cfg = tune_config_from_argv(["--epochs", "30"])
     assert study_module.make_pruner(cfg)._n_warmup_steps == 11  # epochs 1-10 never pruned

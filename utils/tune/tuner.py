@@ -250,7 +250,9 @@ def _run_guarded(run: StudyRun, asked: AskedTrial, command: TrialCommand) -> Tri
 
     def report(epoch: int, score: float) -> bool:
         asked.trial.report(score, epoch)
-        return asked.trial.should_prune()
+        # After its last epoch a trial is only validating best.pt: stopping it then would save nothing and lose its
+        # final score, so it is never pruned there.
+        return epoch < run.cfg.train.epochs and asked.trial.should_prune()
 
     watch = TrialWatch(
         report=report,
