@@ -265,6 +265,122 @@ def test_resume_of_finished_run_is_one_line_error(trained_run) -> None:
         train.main(["--resume", str(trained_run.last), "--device", "cpu", "--workers", "0"])
 
 
+def test_a_resume_on_another_batch_size_scales_weight_decay_to_it(trained_run, tmp_path: Path) -> None:
+    # Weight decay is scaled to the batch and accumulation; the optimizer state loaded on resume must not
+    # bring back the decay of the batch the run was started with.
+    from utils.train.optim import accumulate_steps, scaled_weight_decay
+
+    copy = _copy_after_first_epoch(trained_run, tmp_path)
+    train.main(["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0",
+                "--batch-size", "12"])  # fmt: skip
+    hyp = torch.load(trained_run.last, weights_only=True)["hyp"]
+    nbs = int(hyp["nbs"])
+
+    def decays(path: Path) -> set[float]:
+        groups = torch.load(path, weights_only=True)["optimizer"]["param_groups"]
+        return {group["weight_decay"] for group in groups} - {0.0}
+
+    wanted = scaled_weight_decay(hyp["weight_decay"], 12, accumulate_steps(12, nbs), nbs)
+    assert decays(trained_run.last) == {scaled_weight_decay(hyp["weight_decay"], 8, accumulate_steps(8, nbs), nbs)}
+    assert decays(copy / "weights" / "last.pt") == {wanted} and wanted not in decays(trained_run.last)
+
+
+def _forced_fitness(monkeypatch: pytest.MonkeyPatch, scores: list[float]) -> None:
+    """Make epoch k's fitness scores[k] (a tiny run's mAP is all zeros): early stopping gets something to act on."""
+    import dataclasses
+
+    from utils.train import engine
+
+    real = engine._run_epoch
+
+    def run_epoch(run, state, epoch):
+        summary = real(run, state, epoch)
+        state.best_fitness = max(scores[: epoch + 1])
+        return dataclasses.replace(summary, metrics={**summary.metrics, "fitness": scores[epoch]})
+
+    monkeypatch.setattr(engine, "_run_epoch", run_epoch)
+
+
+def test_a_resumed_run_stops_early_where_the_uninterrupted_one_did(
+    tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    _forced_fitness(monkeypatch, [0.5, 0.1, 0.1, 0.1, 0.1])
+    flags = ("--epochs", "5", "--patience", "2", "--save-period", "1", "--noplots", "--noval")
+    whole = train.main(_train_args(tiny_data, tmp_path, "whole", *flags))
+    assert whole.epochs_done == 3  # no better fitness in the 2 epochs after the first
+    copy = tmp_path / "copy"
+    shutil.copytree(whole.run_dir, copy)
+    resumed = train.main(["--resume", str(copy / "weights" / "epoch2.pt"), "--device", "cpu", "--workers", "0"])
+    assert (resumed.epochs_run, resumed.epochs_done) == (1, 3)
+    assert [row["epoch"] for row in _read_rows(copy / "results.csv")] == ["1", "2", "3"]
+    # The early-stopped run has nothing left to resume, unless a larger --patience (or none) trains it on.
+    ended = f"--resume: {copy} stopped early after epoch 3 (best epoch 1, --patience 2); nothing to resume"
+    with pytest.raises(ConfigError, match=re.escape(ended)):
+        train.main(["--resume", str(copy / "weights" / "last.pt"), "--device", "cpu", "--workers", "0"])
+    again = train.main(["--resume", str(copy / "weights" / "last.pt"), "--device", "cpu", "--workers", "0",
+                        "--patience", "0"])  # fmt: skip
+    assert (again.epochs_run, again.epochs_done) == (2, 5)
+
+
+def test_a_torchrun_restart_of_a_resume_continues_what_the_job_trained(
+    trained_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A job started with --resume epoch1.pt trains epoch 2 of 3, saves, then dies; torchrun restarts it with the
+    # same command line, which must resume the job's own last.pt, not epoch1.pt again.
+    copy = _copy_after_first_epoch(trained_run, tmp_path)
+    argv = ["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0", "--epochs", "3"]
+    from utils.train import engine
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    save_epoch = engine.save_epoch
+
+    def save_then_die(run, state, epoch: int, fitness: float) -> None:
+        save_epoch(run, state, epoch, fitness)
+        if epoch == 1:
+            raise RuntimeError("the node went away")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "save_epoch", save_then_die)
+        with pytest.raises(RuntimeError, match="the node went away"):
+            train.main(argv)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    result = train.main(argv)
+    assert result.run_dir == copy and (result.epochs_run, result.epochs_done) == (1, 3)
+    assert [row["epoch"] for row in _read_rows(copy / "results.csv")] == ["1", "2", "3"]
+
+
+def test_a_torchrun_restart_after_the_last_epochs_save_finishes_the_run(
+    trained_run, tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The first attempt died after its last epoch was saved (in the final validation, say): the restart, the same
+    # command line, finishes the run (best.pt stripped, validated) instead of failing at every restart.
+    copy = _copy_run(trained_run, tmp_path)
+    (copy / "weights" / "best.pt").write_bytes((copy / "weights" / "last.pt").read_bytes())  # not stripped yet
+    (copy / ".torchelastic_run_id").write_text("job")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with caplog.at_level(logging.INFO):
+        result = train.main(_train_args(tiny_data, tmp_path, "e2e", "--epochs", "2"))
+    assert result.run_dir == copy and (result.epochs_run, result.epochs_done) == (0, 2)
+    assert f"{copy} already finished 2 of --epochs 2; finishing the run" in caplog.text
+    assert torch.load(result.best, weights_only=True)["optimizer"] is None  # stripped
+    assert set(result.metrics) >= {"mAP50", "mAP50-95"} and "Final (" in caplog.text
+    assert [row["epoch"] for row in _read_rows(copy / "results.csv")] == ["1", "2"]
+
+
+def test_resume_of_a_checkpoint_outside_a_weights_folder_is_one_line_error(trained_run, tmp_path: Path) -> None:
+    # The run goes on in the folder above weights/: for a loose file that would be whatever folder holds its folder.
+    loose = tmp_path / "downloads" / "last.pt"
+    loose.parent.mkdir()
+    loose.write_bytes(trained_run.last.read_bytes())
+    with pytest.raises(ConfigError, match=re.escape(f"--resume {loose}: a run resumes in its own folder")):
+        train.main(["--resume", str(loose), "--device", "cpu", "--workers", "0", "--epochs", "3"])
+    assert sorted(path.name for path in tmp_path.rglob("*")) == ["downloads", "last.pt"]
+
+
 def test_val_refuses_mismatched_class_count(trained_run, tmp_path: Path) -> None:
     data = yaml.safe_load(Path(trained_run.run_dir / "opt.yaml").read_text())["data"]
     other = tmp_path / "other.yaml"
@@ -290,7 +406,8 @@ def test_resume_refuses_options_it_would_ignore_and_applies_epochs(trained_run, 
 
     last = str(_copy_run(trained_run, tmp_path) / "weights" / "last.pt")
     allowed = (
-        "--epochs, --batch-size, --callbacks, --mlflow, --wandb, --device, --workers, --dist-timeout, --amp, "
+        "--epochs, --batch-size, --patience, --callbacks, --mlflow, --wandb, --device, --workers, --dist-timeout, "
+        "--amp, "
         "--compile, --static-loss-shapes, --cuda-graph"
     )
     with pytest.raises(ConfigError, match=re.escape(f"--imgsz cannot be changed (allowed with --resume: {allowed})")):
@@ -378,13 +495,13 @@ def test_bf16_autocast_trains_with_finite_losses(tiny_data: Path, tmp_path: Path
 def test_an_early_stop_under_nosave_saves_its_epoch_and_a_reused_folder_starts_clean(
     tiny_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from utils.train import engine
+    from utils.train.results import EarlyStopper
 
     earlier = train.main(_train_args(tiny_data, tmp_path, "reuse", "--epochs", "1", "--noplots"))
     assert earlier.best.is_file()
     # The same folder again (--exist-ok) under --nosave, stopped early after its second of 4 epochs: that epoch is
     # saved as the final one, and nothing of the earlier run's weights is validated or reported as this run's.
-    monkeypatch.setattr(engine.EarlyStopper, "should_stop", lambda self, epoch, fitness: epoch == 1)
+    monkeypatch.setattr(EarlyStopper, "should_stop", lambda self, epoch, fitness: epoch == 1)
     flags = ("--epochs", "4", "--exist-ok", "--nosave", "--patience", "1", "--noplots")
     with caplog.at_level(logging.INFO):
         result = train.main(_train_args(tiny_data, tmp_path, "reuse", *flags))

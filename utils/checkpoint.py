@@ -69,6 +69,8 @@ class Checkpoint(_RequiredCheckpoint, total=False):
     batches_done: int
     rank_states: list[dict[str, Any]]
     callback_state: dict[str, Any]  # utils/callbacks.py: Callbacks.state, given back on resume
+    early_stop: dict[str, Any]  # --patience's record: {"best_fitness", "best_epoch"} (utils/train/results.py)
+    job: str  # the torchrun job (rendezvous id) whose run wrote it; "" outside torchrun
 
 
 REQUIRED_KEYS = tuple(sorted(Checkpoint.__required_keys__))

@@ -29,9 +29,9 @@ from utils.logs import tqdm_disabled
 from utils.plots import batch_drawer, plot_run, plot_start, val_batch_drawer
 from utils.train.config import TrainConfig
 from utils.train.mlflow_logger import MLflowLogger, mlflow_wanted
-from utils.train.plan import plan_run
+from utils.train.plan import plan_run, training_ended
 from utils.train.records import TrainingTask
-from utils.train.results import EarlyStopper, EpochSummary, ResultsCSV, loss_columns, lr_columns
+from utils.train.results import EpochSummary, ResultsCSV, loss_columns, lr_columns
 from utils.train.saving import ResumePoint, open_run_dir, restore_state, resume_point, save_epoch, save_mid_epoch
 from utils.train.setup import (
     build_datasets,
@@ -87,10 +87,13 @@ def _start_run(
     task = training.task
     plan = plan_run(cfg, training, ctx)
     cfg, resume_ckpt, data, family = plan.cfg, plan.resume, plan.data, plan.family
-    if resume_ckpt is not None and resume_ckpt["epoch"] + 1 >= cfg.epochs:  # before anything is built or written
-        raise ConfigError(
-            f"--resume: {Path(cfg.resume).parent.parent} already finished {resume_ckpt['epoch'] + 1} of --epochs "
-            f"{cfg.epochs}; nothing to resume (a larger --epochs trains it on)"
+    ended, hint = training_ended(resume_ckpt, cfg) if resume_ckpt is not None else ("", "")
+    if ended and not plan.restarted:  # before anything is built or written
+        raise ConfigError(f"--resume: {Path(cfg.resume).parent.parent} {ended}; nothing to resume ({hint})")
+    if ended:  # the first attempt died after its last epoch's save: in the final validation, say
+        LOGGER.warning(
+            f"torchrun restart: {Path(cfg.resume).parent.parent} {ended}; finishing the run: best.pt, its final "
+            "validation and the plots"
         )
     seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
     if ctx.device.type == "cuda" and not cfg.deterministic and not cfg.rect and not cfg.multi_scale:
@@ -106,15 +109,17 @@ def _start_run(
     try:
         # The workers start now and build the first batches while the rest of the set-up runs (not after it).
         # A fresh run skips the geometry: its digest hashes every image path.
-        point = resume_point(resume_ckpt, datasets.train_loader.geometry) if resume_ckpt is not None else ResumePoint()
-        start_batch = datasets.train_loader.start(point.epoch, point.batch, point.seen)
+        start_batch = 0
+        if not ended:
+            point = resume_point(resume_ckpt, datasets.train_loader.geometry) if resume_ckpt else ResumePoint()
+            start_batch = datasets.train_loader.start(point.epoch, point.batch, point.seen)
         callbacks = _run_callbacks(cfg, run_dir, ctx, modules, callbacks)
     except BaseException:
         datasets.train_loader.close()
         if folder_lock is not None:
             folder_lock.release()
         raise
-    run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir, callbacks, folder_lock)
+    run = TrainRun(cfg, task, ctx, data, bundle, datasets, run_dir, callbacks, folder_lock, trains=not ended)
     try:  # from here on the callbacks are open (a TensorBoard writer): a failure is their teardown too
         if plan.from_scratch:  # e.g. AutoAnchor for YOLOv5; before DDP and the EMA copy it
             family.prepare_run(bundle.model, datasets.train, cfg.hyp, cfg.imgsz, ctx, not cfg.noautoanchor)
@@ -147,15 +152,15 @@ def _train_epochs(run: TrainRun, state: TrainState) -> FitResult:
     results = ResultsCSV(run.run_dir / "results.csv", ctx)
     # Rows of epochs after the checkpoint (written before a crash) would be repeated: drop them.
     run_on_main(lambda: results.keep_epochs(state.start_epoch), ctx, "trimming results.csv")
-    stopper = EarlyStopper(cfg.patience)
-    epoch = state.start_epoch
+    epoch = state.start_epoch - 1  # the last epoch trained
     with state.stop:
-        for epoch in range(state.start_epoch, cfg.epochs):
+        for epoch in range(state.start_epoch, cfg.epochs if run.trains else 0):
             summary = _run_epoch(run, state, epoch)
             row = summary.as_row(task, state.loss_fn.item_names)
             run_on_main(lambda row=row: results.append(row), ctx, "writing results.csv")
             run.fire("on_fit_epoch_end", epoch=epoch + 1, row=dict(row))
-            stopping = broadcast_object(stopper.should_stop(epoch, summary.fitness) if ctx.is_main else False, ctx)
+            stop_here = state.stopper.should_stop(epoch, summary.fitness) if ctx.is_main else False
+            stopping = broadcast_object(stop_here, ctx)
             if not cfg.nosave or epoch + 1 == cfg.epochs or stopping:  # an early stop's epoch is the final one
                 save_epoch(run, state, epoch, summary.fitness)
                 run.fire("on_model_save", epoch=epoch + 1, path=run.last)

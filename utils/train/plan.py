@@ -28,6 +28,7 @@ from utils.train.faults import find_restarted_run
 from utils.train.mlflow_logger import mlflow_wanted
 from utils.train.recipe import RecipeFiles, needs_image_count, resolve_recipe, restored_recipe_line
 from utils.train.records import FamilyTraining, TrainingTask, family_training
+from utils.train.results import EarlyStopper
 from utils.train.wandb_logger import wandb_wanted
 
 LOGGER = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class RunPlan:
     family: FamilyTraining
     resume: dict[str, Any] | None = None
     weights: dict[str, Any] | None = None
+    restarted: bool = False  # a torchrun restart of the job (its first attempt ran this same command)
 
     @property
     def from_scratch(self) -> bool:
@@ -102,7 +104,8 @@ def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunP
     Ranks agree: rank 0 reads files that only it may see (checkpoints, the train list) and
     broadcasts what it found. Problems are one-line ConfigErrors raised before any run folder exists.
     """
-    cfg, resume = resolve_resume(cfg, ctx)
+    restart = _restart_number(ctx)
+    cfg, resume = resolve_resume(cfg, ctx, restart)
     # opt.yaml, the checkpoint and the loggers' own records say what runs: a logger the environment turns on is on.
     cfg = dataclasses.replace(cfg, mlflow=mlflow_wanted(cfg.mlflow), wandb=wandb_wanted(cfg.wandb))
     data = load_data_config(cfg.data, ctx)
@@ -113,28 +116,57 @@ def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunP
     # opt.yaml, hyp.yaml and checkpoints record the concrete optimizer and hyp, never "auto".
     cfg = resolve_run_recipe(cfg, data, ctx, resume is not None, family.recipe_files)
     family.check_hyp(cfg.hyp, cfg.hyp_path)  # a hyp file without a key this family's losses read
-    return RunPlan(cfg, data, names, spec, family, resume, weights)
+    return RunPlan(cfg, data, names, spec, family, resume, weights, restarted=restart > 0)
 
 
-# Options --resume takes from the new command line when given there; all others come from the checkpoint.
-# change the remaining schedule / the global batch (docs/distributed.md), or who follows the run
-RESUME_OVERRIDES = ("epochs", "batch_size", "callbacks", "mlflow", "wandb")
+# Options --resume takes from the new command line when given there; all others come from the checkpoint. They
+# change the remaining schedule / the global batch (docs/distributed.md) / when it stops early, or who follows it
+RESUME_OVERRIDES = ("epochs", "batch_size", "patience", "callbacks", "mlflow", "wandb")
 # How this attempt runs; none changes what is trained (static_loss_shapes: the same loss to float rounding).
 MACHINE_OPTIONS = (
     "device", "workers", "resume", "dist_timeout", "amp", "compile_mode", "static_loss_shapes", "cuda_graph"
 )  # fmt: skip
 
 
-def _choose_resume_checkpoint(cfg: TrainConfig) -> str:
-    """Rank 0: the checkpoint --resume continues (newest last.pt, or the given path, or its intact fallback)."""
+def _choose_resume_checkpoint(cfg: TrainConfig, job: str = "") -> str:
+    """Rank 0: the checkpoint --resume continues (newest last.pt, or the given path, or its intact fallback).
+
+    `job`: on a torchrun restart, the job's id; the run's last.pt is taken instead when this job wrote it
+    (the first attempt trained on from the given file, which a restart would otherwise go back to).
+    """
     path = ckpt_io.find_last_checkpoint(cfg.project) if cfg.resume == "last" else Path(cfg.resume)
     if path is None:
         raise ConfigError(f"--resume: no last.pt found under {cfg.project}; pass the checkpoint path")
+    if path.is_file() and path.resolve().parent.name != "weights":  # the run goes on in the folder above weights/
+        raise ConfigError(
+            f"--resume {path}: a run resumes in its own folder, from <run>/weights/; this file is not in a weights/ "
+            f"folder (put it in its run's weights/, or start a new run from it with --weights {path})"
+        )
     chosen, _ = ckpt_io.load_resume_checkpoint(path)
+    last = chosen.parent / "last.pt"
+    if job and last != chosen and last.is_file():
+        try:
+            own, checkpoint = ckpt_io.load_resume_checkpoint(last)
+        except ConfigError:
+            return str(chosen)
+        if checkpoint.get("job") == job and own != chosen:
+            LOGGER.warning(f"torchrun restart: resuming {own}, which this job wrote, rather than --resume {chosen}")
+            return str(own)
     return str(chosen)
 
 
-def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dict[str, Any] | None]:
+def _restart_number(ctx: DistContext) -> int:
+    """This start's number within its torchrun job, 0 for the first; the same on every rank (a collective).
+
+    A restart counted by any agent counts (one whose workers did not fail does not count it; an agent
+    store started afresh by a new rank-0 agent numbers starts from 0 again).
+    """
+    return max(ctx.generation, *all_gather_objects(ctx.restart_count, ctx))
+
+
+def resolve_resume(
+    cfg: TrainConfig, ctx: DistContext, restart: int | None = None
+) -> tuple[TrainConfig, dict[str, Any] | None]:
     """For --resume, decide and load the checkpoint on rank 0, give it to every rank, and return the run's options.
 
     The run's options come from the checkpoint; `device`, `workers`, `dist_timeout`, `amp`,
@@ -142,18 +174,18 @@ def resolve_resume(cfg: TrainConfig, ctx: DistContext) -> tuple[TrainConfig, dic
     `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any other option given
     with --resume with another value than the run's is a one-line error rather than silently
     ignored. The restored options are validated again for this world size.
-    After a torchrun restart every rank takes the restart path, so they run the same collectives:
-    the start's number within the job is the same on every rank, and a restart counted by any
-    agent counts too (one whose workers did not fail does not count it; an agent store started
-    afresh by a new rank-0 agent numbers starts from 0 again).
+    After a torchrun restart (`restart`, from _restart_number when None) every rank takes the restart
+    path, so they run the same collectives: the run folder this job trained, from its newest intact
+    checkpoint, also when the job was started with --resume.
     """
-    restart = max(ctx.generation, *all_gather_objects(ctx.restart_count, ctx))
+    restart = _restart_number(ctx) if restart is None else restart
     if restart > 0 and not cfg.resume:
         return _resume_after_restart(cfg, ctx, restart)
     if not cfg.resume:
         return cfg, None
-    chosen = run_on_main(lambda: _choose_resume_checkpoint(cfg), ctx, "choosing the checkpoint to resume")
-    return _load_resumed(cfg, Path(broadcast_object(chosen, ctx)), ctx)
+    job = ctx.run_id if restart > 0 else ""
+    chosen = run_on_main(lambda: _choose_resume_checkpoint(cfg, job), ctx, "choosing the checkpoint to resume")
+    return _load_resumed(cfg, Path(broadcast_object(chosen, ctx)), ctx, is_restart=restart > 0)
 
 
 def _restart_target(cfg: TrainConfig, ctx: DistContext) -> tuple[str | None, str | None]:
@@ -267,9 +299,31 @@ def _load_resumed(
     # not known here, so this line says what was done and the start-up line (setup.log_startup) what is next.
     epoch, batches_done = checkpoint["epoch"] + 2, checkpoint.get("batches_done", 0)
     where = f"in epoch {epoch}, after its batch {batches_done}" if batches_done else f"from epoch {epoch}"
-    if checkpoint["epoch"] + 1 < resumed.epochs:  # a finished run is refused by fit() before anything is built
+    if not training_ended(checkpoint, resumed)[0]:  # a finished run is refused by fit() before anything is built
         LOGGER.info(f"Resuming {run_dir} {where}" + (f" ({changed})" if changed else ""))
     return resumed, checkpoint
+
+
+def training_ended(checkpoint: dict[str, Any], cfg: TrainConfig) -> tuple[str, str]:
+    """Why `checkpoint` has no epoch left to train under the run's options `cfg`, and what would train it on.
+
+    ("", "") when it has: it has trained fewer than --epochs and its early-stopping record (absent in
+    checkpoints of earlier versions) does not say stop with this run's --patience.
+    """
+    done = checkpoint["epoch"] + 1
+    if done >= cfg.epochs:
+        return f"already finished {done} of --epochs {cfg.epochs}", "a larger --epochs trains it on"
+    record = checkpoint.get("early_stop")
+    if record is None or checkpoint.get("batches_done"):  # mid-epoch: its last epoch end did not stop it
+        return "", ""
+    stopper = EarlyStopper(cfg.patience)
+    stopper.load_state_dict(record)
+    if not stopper.stopped_after(checkpoint["epoch"]):
+        return "", ""
+    best = stopper.best_epoch + 1
+    return f"stopped early after epoch {done} (best epoch {best}, --patience {cfg.patience})", (
+        "a larger --patience, or --patience 0, trains it on"
+    )
 
 
 def _check_resumed_batch(resumed: TrainConfig, stored: TrainConfig, ctx: DistContext) -> None:

@@ -112,7 +112,11 @@ def lr_columns(lrs: list[float]) -> dict[str, float]:
 
 
 class EarlyStopper:
-    """Stop when fitness has not improved for `patience` epochs. Consulted on rank 0 only."""
+    """Stop when fitness has not improved for `patience` epochs. Consulted on rank 0 only.
+
+    Its record (`state_dict`) is saved in every checkpoint, so a resumed run stops at the epoch the
+    uninterrupted one would have.
+    """
 
     def __init__(self, patience: int) -> None:
         self.patience = patience if patience > 0 else math.inf
@@ -123,7 +127,19 @@ class EarlyStopper:
         """Record `fitness` for `epoch`; True when the run should end now."""
         if fitness >= self.best_fitness:
             self.best_fitness, self.best_epoch = fitness, epoch
-        stop = epoch - self.best_epoch >= self.patience
+        stop = self.stopped_after(epoch)
         if stop:
             LOGGER.info(f"Early stop: no improvement for {self.patience} epochs, best epoch {self.best_epoch + 1}")
         return stop
+
+    def stopped_after(self, epoch: int) -> bool:
+        """Whether the record says stop after `epoch` (0-based): `patience` epochs since the best."""
+        return epoch - self.best_epoch >= self.patience
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The record as checkpoint data (-inf before any epoch)."""
+        return {"best_fitness": float(self.best_fitness), "best_epoch": int(self.best_epoch)}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue from a checkpoint's record; the patience stays this run's (--resume --patience may change it)."""
+        self.best_fitness, self.best_epoch = float(saved["best_fitness"]), int(saved["best_epoch"])

@@ -14,7 +14,6 @@ import torch
 from utils import checkpoint as ckpt_io
 from utils.data.loader import LoaderGeometry
 from utils.distributed import DistContext, all_gather_objects, run_on_main
-from utils.errors import ConfigError
 from utils.runs import RunFolderLock, create_run_dir, lock_run_dir
 from utils.train.config import TrainConfig, save_run_config
 from utils.train.faults import mark_run
@@ -39,13 +38,18 @@ def restore_state(
     batches begin). Saved by other ranks than these, the running mean goes on from the saved ranks'
     average and the BatchNorm buffers are rank 0's (in the model's state).
     """
+    # The optimizer's saved groups bring back their options too. Weight decay is scaled to this run's batch and
+    # accumulation (build_train_state), which --batch-size with --resume may have changed: this run's value stays.
+    decay = [group["weight_decay"] for group in state.optimizer.param_groups]
     state.start_epoch = ckpt_io.restore_training_state(
         checkpoint, state.model, state.optimizer, state.scaler, state.ema
     )
-    if state.start_epoch >= cfg.epochs:
-        raise ConfigError(f"--resume: the run already finished all {cfg.epochs} epochs; nothing to resume")
+    for group, value in zip(state.optimizer.param_groups, decay, strict=True):
+        group["weight_decay"] = value
     state.scheduler = build_scheduler(state.optimizer, state.lr_fn, state.start_epoch)
     state.best_fitness = float(checkpoint.get("best_fitness", 0.0))
+    if checkpoint.get("early_stop") is not None:  # absent in checkpoints of earlier versions: patience starts afresh
+        state.stopper.load_state_dict(checkpoint["early_stop"])
     state.start_batch = start_batch
     per_rank = (checkpoint.get("rank_states") or []) if start_batch else []
     own = per_rank[ctx.rank] if len(per_rank) == ctx.world_size else None
@@ -126,6 +130,8 @@ def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Ch
         best_fitness=state.best_fitness,
     )
     checkpoint["callback_state"] = _callback_state(run.callbacks.state, run.unsaved_state)  # the MLflow run id, ...
+    checkpoint["early_stop"] = state.stopper.state_dict()  # rank 0's, which decides
+    checkpoint["job"] = run.ctx.run_id  # a torchrun restart of this job resumes it before an older --resume file
     return checkpoint
 
 

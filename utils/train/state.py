@@ -33,6 +33,7 @@ from utils.train.optim import (
     warmup_iterations,
 )
 from utils.train.records import TrainingTask
+from utils.train.results import EarlyStopper
 from utils.train.setup import Datasets, ModelBundle
 from utils.train.startup import StartupClock
 
@@ -53,6 +54,7 @@ class TrainRun:
     callbacks: Callbacks
     folder_lock: RunFolderLock | None = None  # rank 0's hold on run_dir (utils/runs.py); engine._end_run frees it
     unsaved_state: set[str] = field(default_factory=set)  # callback state keys warned about as not saved (once each)
+    trains: bool = True  # False: a torchrun restart after the last epoch's save only finishes the run
 
     @property
     def last(self) -> Path:
@@ -106,6 +108,7 @@ class TrainState:
     steps_since_save: int = 0  # optimizer steps since the last mid-epoch checkpoint
     stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM, SIGUSR1 or Ctrl-C received (fit() installs it)
     startup: StartupClock = field(default_factory=StartupClock)  # logs when the first optimizer step came
+    stopper: EarlyStopper = field(default_factory=lambda: EarlyStopper(0))  # --patience (rank 0 decides)
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,7 @@ def build_train_state(
         keep_grads=cfg.cuda_graph,
         # Sides in multiples of the largest stride, so every level's grid stays whole.
         resize_input=multi_scale_resizer(cfg.imgsz, int(model.stride.max()), cfg.seed) if cfg.multi_scale else None,
+        stopper=EarlyStopper(cfg.patience),
     )
 
 
