@@ -177,7 +177,9 @@ def test_a_disk_cache_it_cannot_write_says_why(
     monkeypatch.setattr(cache_module.tempfile, "mkstemp", refuse)  # a read-only folder (the tests run as root)
     cache = ImageCache(paths, shapes, np.arange(2), 32, "disk", CTX, num_threads=1)
     assert len(cache) == 0
-    assert f"(first: {paths[0]}: cannot write {disk_cache_path(paths[0])} (Permission denied))" in caplog.text
+    assert (
+        f"(first: {paths[0]}: cannot write {disk_cache_path(paths[0], 32, False)} (Permission denied))" in caplog.text
+    )
 
 
 def test_disk_cache_keeps_images_that_share_a_stem_apart(tmp_path: Path) -> None:
@@ -187,7 +189,7 @@ def test_disk_cache_keeps_images_that_share_a_stem_apart(tmp_path: Path) -> None
     for path, image in zip(paths, (left, right), strict=True):
         assert cv2.imwrite(path, image)
     cache = ImageCache(paths, np.array([[32, 32], [32, 32]], np.int32), np.arange(2), 32, "disk", CTX, num_threads=1)
-    assert disk_cache_path(paths[0]) != disk_cache_path(paths[1])
+    assert disk_cache_path(paths[0], 32, False) != disk_cache_path(paths[1], 32, False)
     for index, path in enumerate(paths):  # each image its own pixels
         assert np.abs(cache.get(index).astype(int) - read_resized(path, 32).astype(int)).max() == 0
     assert cache.get(1)[:, :8].mean() < 10 and cache.get(1)[:, 24:].mean() > 245
@@ -196,8 +198,8 @@ def test_disk_cache_keeps_images_that_share_a_stem_apart(tmp_path: Path) -> None
 def test_disk_cache_writes_npy_and_reuses_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     paths, shapes = _images(tmp_path)
     cache = ImageCache(paths, shapes, np.array([0, 1, 4]), 32, "disk", CTX, num_threads=2)
-    written = [disk_cache_path(paths[i]) for i in (0, 1, 4)]
-    assert all(p.is_file() for p in written) and not disk_cache_path(paths[2]).exists()
+    written = [disk_cache_path(paths[i], 32, False) for i in (0, 1, 4)]
+    assert all(p.is_file() for p in written) and not disk_cache_path(paths[2], 32, False).exists()
     assert not list(tmp_path.glob(".*tmp*"))  # atomic writes leave no temporaries
     np.testing.assert_array_equal(cache.get(4), read_resized(paths[4], 32))
     assert cache.get(2) is None and cache.nbytes == sum(np.load(p).nbytes for p in written)
@@ -206,8 +208,22 @@ def test_disk_cache_writes_npy_and_reuses_them(tmp_path: Path, monkeypatch: pyte
     again = ImageCache(paths, shapes, np.array([0, 1, 4]), 32, "disk", CTX, num_threads=2)
     assert len(again) == 3 and [p.stat().st_mtime_ns for p in written] == stamps
     monkeypatch.undo()
-    bigger = ImageCache(paths, shapes, np.array([0]), 48, "disk", CTX, num_threads=2)  # wrong size: rewritten
-    assert bigger.get(0).shape == (36, 48, 3) and np.load(written[0]).shape == (36, 48, 3)
+    np.save(written[0], np.zeros((36, 48, 3), np.uint8))  # the right time, the wrong size: rewritten
+    os.utime(written[0], ns=(stamps[0], stamps[0]))
+    again = ImageCache(paths, shapes, np.array([0]), 32, "disk", CTX, num_threads=2)
+    np.testing.assert_array_equal(again.get(0), read_resized(paths[0], 32))
+
+
+def test_disk_caches_at_two_sizes_keep_apart_and_a_changed_npy_is_not_trained_on(tmp_path: Path) -> None:
+    # Two runs on the same images at other sizes (or train and val resizes) each keep their own files; a .npy
+    # that changed under a running cache (another version's run rewrote it) is passed over for the image.
+    paths, shapes = _images(tmp_path)
+    small = ImageCache(paths, shapes, np.array([0]), 32, "disk", CTX, num_threads=1)
+    large = ImageCache(paths, shapes, np.array([0]), 48, "disk", CTX, num_threads=1, augment=True)
+    assert small.get(0).shape == (24, 32, 3) and large.get(0).shape == (36, 48, 3)
+    assert {path.name for path in tmp_path.glob("*.npy")} >= {"0.png.32-eval.npy", "0.png.48.npy"}
+    np.save(disk_cache_path(paths[0], 32, False), large.get(0))
+    assert small.get(0) is None
 
 
 def test_disk_cache_redoes_an_image_replaced_by_an_older_file_of_the_same_size(tmp_path: Path) -> None:
@@ -220,7 +236,7 @@ def test_disk_cache_redoes_an_image_replaced_by_an_older_file_of_the_same_size(t
     os.utime(paths[0], ns=(before.st_atime_ns, before.st_mtime_ns - 3600 * 10**9))
     again = ImageCache(paths, shapes, np.array([0]), 32, "disk", CTX, num_threads=1)
     np.testing.assert_array_equal(again.get(0), read_resized(paths[0], 32))
-    assert disk_cache_path(paths[0]).stat().st_mtime_ns == Path(paths[0]).stat().st_mtime_ns
+    assert disk_cache_path(paths[0], 32, False).stat().st_mtime_ns == Path(paths[0]).stat().st_mtime_ns
 
 
 def test_available_memory_is_read_and_bad_mode_rejected(tmp_path: Path) -> None:

@@ -63,6 +63,26 @@ def test_second_scan_maps_the_cache_without_reading_the_json(coco_yaml: Path, mo
     assert again.messages == first.messages and again.problems == first.problems
 
 
+def test_an_image_folder_whose_name_is_not_utf8_is_scanned_and_cached(tmp_path: Path) -> None:
+    import os
+
+    import cv2
+
+    from utils.data.coco_labels import CocoSource
+
+    root = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9"))  # Latin-1 byte: not valid UTF-8
+    root.mkdir()
+    (root / "a.jpg").write_bytes(cv2.imencode(".jpg", np.full((32, 32, 3), 90, np.uint8))[1].tobytes())
+    document = {"images": [{"id": 1, "file_name": "a.jpg", "width": 32, "height": 32}],
+                "annotations": [{"id": 5, "image_id": 1, "category_id": 1, "bbox": [4, 4, 10, 10], "iscrowd": 0}],
+                "categories": [{"id": 1, "name": "thing"}]}  # fmt: skip
+    (tmp_path / "instances.json").write_text(json.dumps(document))
+    source = CocoSource(tmp_path / "instances.json", root, ("thing",))
+    for _ in range(2):  # scanned, then read from its cache
+        index = scan_coco_labels(source, False, DistContext())
+        assert len(index) == 1 and index.labels_of(0).tolist() == [[0.0, 0.28125, 0.28125, 0.3125, 0.3125]]
+
+
 def test_class_mapping_by_name_and_by_explicit_category_ids(coco_yaml: Path) -> None:
     text = coco_yaml.read_text()
     coco_yaml.write_text(text + "names: [cow, cat, dog]\n")  # another order: classes follow the names

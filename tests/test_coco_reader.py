@@ -144,6 +144,22 @@ def test_not_a_coco_file_is_one_config_error(tmp_path: Path) -> None:
         read_coco_json(tmp_path / "absent.json")
 
 
+def test_whole_float_sizes_are_read_and_a_file_with_no_usable_image_is_no_crash(tmp_path: Path) -> None:
+    # Some exporters write "width": 640.0; a file whose every image is left out names its annotations.
+    path = tmp_path / "x.json"
+    annotation = {"id": 5, "image_id": 1, "category_id": 1, "bbox": [10, 10, 50, 50], "iscrowd": 0}
+    document = {"images": [{"id": 1, "file_name": "a.jpg", "width": 640.0, "height": 480.0}],
+                "annotations": [annotation], "categories": [{"id": 1, "name": "thing"}]}  # fmt: skip
+    path.write_text(json.dumps(document))
+    parse = read_coco_json(path)
+    assert parse.image_wh.tolist() == [[640, 480]] and parse.image_wh.dtype == np.int64 and len(parse.boxes_xywhn) == 1
+    for images in ([], [{"id": 1, "file_name": "a.jpg", "width": 640.5, "height": 480}]):
+        path.write_text(json.dumps({**document, "images": images}))
+        parse = read_coco_json(path)
+        assert parse.file_names == [] and len(parse.boxes_xywhn) == 0
+        assert any("annotation 5: image_id 1 is not in 'images'" in message for message in parse.messages)
+
+
 def _small_json(path: Path, annotations: list[dict]) -> Path:
     """A COCO JSON of one 100x50 image (id 1), one category (id 1) and `annotations` (ids and image filled in)."""
     entries = [{"id": i, "image_id": 1, "category_id": 1, **ann} for i, ann in enumerate(annotations, 1)]

@@ -127,7 +127,7 @@ def test_training_gives_up_only_when_the_images_are_gone(tmp_path: Path) -> None
 def test_a_vanished_disk_cache_file_is_read_from_its_image(tmp_path: Path) -> None:
     dataset = LoadImagesAndLabels(_folder(tmp_path), _options(augment=True, cache_mode="disk"), DistContext())
     cached = dataset.load_image(0)[0]
-    disk_cache_path(dataset.im_files[0]).unlink()
+    disk_cache_path(dataset.im_files[0], dataset.options.img_size, augment=True).unlink()
     np.testing.assert_array_equal(dataset.load_image(0)[0], cached)
     assert "unreadable" not in dataset[(0, 0)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -18,6 +19,7 @@ import utils.data.scan_report as scan_report
 from utils.data.cache import read_image
 from utils.data.image_files import image_to_label_path, image_to_label_paths, list_image_files
 from utils.data.labels import LabelIndex, _pack, label_cache_path, verify_image_label
+from utils.data.loader import paths_digest
 from utils.data.packed_strings import PackedStrings
 from utils.data.scan import scan_labels
 from utils.distributed import DistContext
@@ -579,6 +581,13 @@ def test_file_names_that_are_not_utf8_are_scanned_and_read(tmp_path: Path) -> No
     assert index.counts["found"] == 1
     image = read_image(name)
     assert image is not None and image.shape == (30, 40, 3)
+    # A mid-epoch save and a resume hash the paths (the loader's geometry): as bytes, as the other digests do.
+    assert paths_digest(index.im_files) == hashlib.sha1(b"\n".join(os.fsencode(p) for p in index.im_files)).hexdigest()
+    # An image list names it by its bytes too, and one saved with a byte-order mark (Notepad) keeps its first line.
+    listing = tmp_path / "list.txt"
+    listing.write_bytes(b"\xef\xbb\xbfimages/plain.jpg\r\nimages/caf\xe9.jpg\n")
+    listed = list_image_files(listing)
+    assert sorted(listed) == sorted(index.im_files) and not listed.skipped
 
 
 def test_reordered_index_gives_each_image_its_own_labels_and_polygons() -> None:

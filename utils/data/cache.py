@@ -121,14 +121,16 @@ def available_memory_bytes() -> int:
     return headroom.available
 
 
-def disk_cache_path(image_path: str) -> Path:
-    """Return the .npy file that holds the resized decoded image: next to it, its whole name + .npy.
+def disk_cache_path(image_path: str, img_size: int, augment: bool) -> Path:
+    """Return the .npy file that holds the image resized for `img_size`: next to it, `x.jpg.640.npy`.
 
     The whole name, not the stem: x.jpg and x.png in one folder would otherwise share x.npy, and
-    the one cached second would train on the other's pixels.
+    the one cached second would train on the other's pixels. The size, and the resize of evaluation
+    (`-eval`: INTER_AREA, see resize_long_side), are in the name: runs at other sizes on the same images
+    would otherwise rewrite each other's files while they train.
     """
     path = Path(image_path)
-    return path.with_name(path.name + ".npy")
+    return path.with_name(f"{path.name}.{img_size}{'' if augment else '-eval'}.npy")
 
 
 class ImageCache:
@@ -201,7 +203,12 @@ class ImageCache:
         height, width = self.hw[slot]
         if self.mode == "ram":
             return self.buffer[self.offsets[slot] : self.offsets[slot + 1]].reshape(height, width, 3)
-        return np.load(disk_cache_path(self.image_files[index]), allow_pickle=False)
+        image = np.load(self._npy(index), allow_pickle=False)
+        return image if image.shape == (height, width, 3) else None  # a file replaced since: read the image
+
+    def _npy(self, index: int) -> Path:
+        """The disk-mode .npy of dataset item `index`."""
+        return disk_cache_path(self.image_files[index], self.img_size, self.augment)
 
     def _fits_automatically(self, ctx: DistContext) -> bool:
         """`--cache auto`: whether this node's shards need at most AUTO_CACHE_FRACTION of available memory."""
@@ -238,7 +245,7 @@ class ImageCache:
                 image_mtime_ns = os.stat(path).st_mtime_ns
             except OSError:
                 return "unreadable"
-            if _is_current_npy(path, image_mtime_ns, expected):
+            if _is_current_npy(self._npy(self.indices[slot]), image_mtime_ns, expected):
                 return None
         image = read_resized(path, self.img_size, self.augment)
         if image is None:
@@ -248,7 +255,7 @@ class ImageCache:
         if self.mode == "ram":
             self.buffer[self.offsets[slot] : self.offsets[slot + 1]] = image.reshape(-1)
             return None
-        return _write_npy(disk_cache_path(path), image, image_mtime_ns)
+        return _write_npy(self._npy(self.indices[slot]), image, image_mtime_ns)
 
     def _fill(self, ctx: DistContext, num_threads: int) -> None:
         """Fill every slot with a thread pool (decoding releases the GIL), then log what this rank holds."""
@@ -273,13 +280,12 @@ class ImageCache:
         (LOGGER.info if ctx.is_main else LOGGER.debug)(message)
 
 
-def _is_current_npy(image_path: str, image_mtime_ns: int, expected_shape: tuple[int, ...]) -> bool:
-    """Return whether the image's .npy exists, carries the image's modification time and holds `expected_shape`.
+def _is_current_npy(target: Path, image_mtime_ns: int, expected_shape: tuple[int, ...]) -> bool:
+    """Return whether the .npy `target` exists, carries its image's modification time and holds `expected_shape`.
 
     `_write_npy` stamps each .npy with its image's time, so any other time means the image was
     replaced, also by an older file (an archive unpacked or a folder synced with their times kept).
     """
-    target = disk_cache_path(image_path)
     try:
         if target.stat().st_mtime_ns != image_mtime_ns:
             return False

@@ -249,7 +249,7 @@ def scan_coco_labels(
     check_same_image_files(files, f"image list of {source.annotations}", ctx)
     base = files_hash(files, [str(source.annotations)], ctx, len(source.names))
     key = f"{base}\0{with_masks}\0{classes.tolist()}\0{source.image_root}\0{PARSE_VERSION}"  # what the index came from
-    digest = hashlib.sha256(key.encode()).hexdigest()
+    digest = hashlib.sha256(key.encode(errors="surrogateescape")).hexdigest()  # a root's name may not be UTF-8
     index = load_label_cache(cache_path, digest)
     has_cache = all_gather_objects(index is not None, ctx)
     where = f"{cache_path} (cached)"

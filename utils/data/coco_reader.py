@@ -72,6 +72,13 @@ def _is_int(value: Any) -> bool:
     return type(value) is int
 
 
+def _whole(value: Any) -> int | None:
+    """An image side as an int: an int, or a float with no fraction (some exporters write 640.0); else None."""
+    if type(value) is int:
+        return value
+    return int(value) if type(value) is float and value.is_integer() else None
+
+
 class _Entries:
     """What the stream has read so far: per-entry fields appended to flat arrays, checked once all is read."""
 
@@ -100,11 +107,12 @@ class _Entries:
         self.messages.append(f"{self.path}: {message}")
 
     def add_image(self, position: int, image: Any) -> None:
-        """Keep an `images` entry with an integer id, a file name and a positive integer width and height."""
+        """Keep an `images` entry with an integer id, a file name and a positive whole width and height."""
         if not isinstance(image, dict):
             image = {}
-        image_id, name, width, height = (image.get(key) for key in ("id", "file_name", "width", "height"))
-        if not (_is_int(image_id) and isinstance(name, str) and name and _is_int(width) and _is_int(height)):
+        image_id, name = image.get("id"), image.get("file_name")
+        width, height = _whole(image.get("width")), _whole(image.get("height"))
+        if not (_is_int(image_id) and isinstance(name, str) and name and width is not None and height is not None):
             self.note(BAD_IMAGE, f"images[{position}] lacks an integer 'id', 'file_name', 'width' or 'height'")
             return
         if width < 1 or height < 1:
@@ -283,7 +291,8 @@ def _finish(entries: _Entries) -> CocoParse:
     order = np.argsort(image_ids, kind="stable")
     ann_ids = np.frombuffer(entries.ann_ids, np.int64)
     image_of = _lookup(image_ids[order], np.frombuffer(entries.ann_images, np.int64))
-    image_of = np.where(image_of >= 0, order[np.maximum(image_of, 0)], -1)
+    if len(order):  # (no usable image: every lookup is -1 already, and order[0] does not exist)
+        image_of = np.where(image_of >= 0, order[np.maximum(image_of, 0)], -1)
     category_of = _lookup(category_ids, np.frombuffer(entries.ann_categories, np.int64))
     keep = (image_of >= 0) & (category_of >= 0)
     for j in np.flatnonzero(image_of < 0):

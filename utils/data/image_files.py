@@ -45,10 +45,13 @@ def _read_image_list(list_file: Path) -> tuple[list[str], list[str]]:
 
     An entry without an image suffix (a typo such as .jgp, or none) is left out with one note
     naming the list, its line and why: YOLOv5 drops them silently, which loses images without a word.
+    Lines are file-system names (os.fsdecode: bytes that are not UTF-8 name the file they name on
+    disk, as a folder listing gives them); a UTF-8 byte-order mark before the first is dropped.
     """
     paths, skipped = [], []
     folder = str(list_file.parent)
-    for line_number, line in enumerate(list_file.read_text(encoding="utf-8").splitlines(), 1):
+    text = os.fsdecode(list_file.read_bytes().removeprefix(b"\xef\xbb\xbf"))
+    for line_number, line in enumerate(text.splitlines(), 1):
         entry = line.strip()
         if not entry:
             continue

@@ -6,7 +6,7 @@ import functools
 import hashlib
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, TypedDict
 
 import numpy as np
@@ -68,6 +68,11 @@ class LoaderGeometry(TypedDict):
     shared_order: bool
     dataset_len: int
     dataset: str
+
+
+def paths_digest(paths: Iterable[str]) -> str:
+    """The SHA-1 of the paths joined by newlines, each as its file-system bytes (a name need not be UTF-8)."""
+    return hashlib.sha1("\n".join(paths).encode(errors="surrogateescape")).hexdigest()
 
 
 class TrainLoader:
@@ -134,7 +139,7 @@ class TrainLoader:
         """What makes a position in an epoch name the same images: a mid-epoch checkpoint records it."""
         if self._files_digest is None:  # once: hashing a million paths takes a moment
             files = getattr(getattr(self.dataset, "index", None), "im_files", None)
-            self._files_digest = hashlib.sha1("\n".join(files).encode()).hexdigest() if files is not None else ""
+            self._files_digest = paths_digest(files) if files is not None else ""
         sampler = self.sampler
         return LoaderGeometry(
             world_size=sampler.world_size,
