@@ -236,6 +236,11 @@ def test_stem_image_ids_are_ints_when_numeric_and_unique_per_image() -> None:
     ids = stem_image_ids(output_stems(paths, MAIN, "ids"))
     assert ids == {"/a/x.jpg": "x", "/a/x.png": "x-2", "/b/x.jpg": "x-3"}
     assert sorted(r["image_id"] for r in predictions_to_coco(items, ids, (1,))) == ["x", "x-2", "x-3"]
+    # Two stems of one number (1 and 001) keep their names; a digit that is not ASCII is a name too.
+    paths = ("/a/1.jpg", "/b/001.jpg", "/b/0002.jpg", "/b/\u00b2.jpg")
+    assert stem_image_ids(output_stems(paths, MAIN, "ids")) == {
+        "/a/1.jpg": "1", "/b/001.jpg": "001", "/b/0002.jpg": 2, "/b/\u00b2.jpg": "\u00b2"
+    }  # fmt: skip
 
 
 def test_unique_stems_number_past_real_names_in_one_pass() -> None:

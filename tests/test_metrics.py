@@ -68,6 +68,15 @@ def test_match_predictions_takes_labels_in_confidence_order_like_cocoeval() -> N
     np.testing.assert_array_equal(swapped, correct[::-1])
 
 
+def test_a_detection_tied_between_two_labels_takes_the_last_as_cocoeval_does() -> None:
+    # Labels [0, 0, 10, 10] and [2, 0, 12, 10]; detection [1, 0, 11, 10] (conf 0.9) overlaps both by 9/11, a second
+    # one [3, 0, 13, 10] (0.8) the second label by 9/11 and the first by 7/13. COCOeval gives the tie to the later
+    # label, which leaves the second detection the first label's 7/13 (0.54): correct at IoU 0.5 only.
+    iou = np.array([[9 / 11, 7 / 13], [9 / 11, 9 / 11]])
+    correct = match_predictions(np.zeros(2), np.zeros(2), iou, np.array([0.5, 0.55, 0.6]), np.array([0.9, 0.8]))
+    np.testing.assert_array_equal(correct, [[True, True, True], [True, False, False]])
+
+
 def test_compute_ap_hand_example() -> None:
     # Detections by confidence: TP, TP, FP, TP with 4 labels.
     recall = np.array([0.25, 0.5, 0.5, 0.75])

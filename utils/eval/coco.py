@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -191,8 +192,14 @@ def output_stems(image_files: Sequence[str], ctx: DistContext, what: str) -> dic
 
 
 def stem_image_ids(stems: Mapping[str, str]) -> dict[str, int | str]:
-    """Image ids without an annotations file, keyed by image path: its output stem, an int when numeric."""
-    return {path: int(stem) if stem.isdigit() else stem for path, stem in stems.items()}
+    """Image ids without an annotations file, keyed by image path: its output stem, an int when numeric.
+
+    As YOLOv5, COCO's zero-padded names give COCO's ids (000000000139.jpg: 139). Stems that would give
+    the same number (1.jpg and 001.jpg) keep their names as ids: one id would merge their detections.
+    """
+    numbers = {path: int(stem) for path, stem in stems.items() if stem.isascii() and stem.isdigit()}
+    taken = Counter(numbers.values())
+    return {path: numbers[path] if taken[numbers.get(path, -1)] == 1 else stem for path, stem in stems.items()}
 
 
 def run_cocoeval(

@@ -74,7 +74,7 @@ def match_predictions(
     columns = np.arange(len(thresholds))
     for pred_index in order.tolist():
         ious = np.where(available, candidates[:, pred_index, None], -1.0)  # (n_true, t)
-        best = ious.argmax(axis=0)
+        best = len(ious) - 1 - ious[::-1].argmax(axis=0)  # ties to the last label, as COCOeval breaks them
         matched = ious[best, columns] >= thresholds
         available[best[matched], columns[matched]] = False
         correct[pred_index] = matched
