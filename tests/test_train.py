@@ -497,8 +497,8 @@ def test_an_early_stop_under_nosave_saves_its_epoch_and_a_reused_folder_starts_c
 ) -> None:
     from utils.train.results import EarlyStopper
 
-    earlier = train.main(_train_args(tiny_data, tmp_path, "reuse", "--epochs", "1", "--noplots"))
-    assert earlier.best.is_file()
+    earlier = train.main(_train_args(tiny_data, tmp_path, "reuse", "--epochs", "1", "--noplots", "--save-period", "1"))
+    assert earlier.best.is_file() and (earlier.run_dir / "weights" / "epoch1.pt").is_file()
     # The same folder again (--exist-ok) under --nosave, stopped early after its second of 4 epochs: that epoch is
     # saved as the final one, and nothing of the earlier run's weights is validated or reported as this run's.
     monkeypatch.setattr(EarlyStopper, "should_stop", lambda self, epoch, fitness: epoch == 1)
@@ -506,7 +506,8 @@ def test_an_early_stop_under_nosave_saves_its_epoch_and_a_reused_folder_starts_c
     with caplog.at_level(logging.INFO):
         result = train.main(_train_args(tiny_data, tmp_path, "reuse", *flags))
     assert result.run_dir == earlier.run_dir and result.epochs_run == 2
-    assert "removed the earlier run's last.pt, best.pt" in caplog.text
+    assert "removed the earlier run's last.pt, best.pt, epoch1.pt" in caplog.text
+    assert sorted(path.name for path in (result.run_dir / "weights").iterdir()) == ["best.pt", "last.pt"]
     last = torch.load(result.last, map_location="cpu", weights_only=True)
     assert last["epoch"] == 1  # this run's stop epoch (0-based), resumable
     validated = torch.load(result.best, map_location="cpu", weights_only=True)

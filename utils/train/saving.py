@@ -228,17 +228,23 @@ def open_run_dir(cfg: TrainConfig, resuming: bool, ctx: DistContext) -> tuple[Pa
 def prepare_run_dir(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resuming: bool = False) -> None:
     """Rank 0: opt.yaml and hyp.yaml, the torchrun job marker, and no temp files of killed saves.
 
-    A new run in a folder an earlier run used (--exist-ok) starts without that run's last.pt and
-    best.pt: under --nosave, or when no epoch of this run beats the earlier best, they would be
-    validated and reported as this run's (or resumed from) at the end.
+    A new run in a folder an earlier run used (--exist-ok) starts without that run's last.pt,
+    best.pt and epochN.pt: under --nosave, or when no epoch of this run beats the earlier best, they
+    would be validated and reported as this run's at the end, and a damaged last.pt would fall back
+    to the earlier run's epochN.pt on --resume (load_resume_checkpoint).
     """
     save_run_config(cfg, run_dir, ctx)
     mark_run(run_dir, ctx.run_id)
     weights = run_dir / "weights"
     ckpt_io.remove_stale_temp_files(weights)
-    earlier = [path for path in (weights / "last.pt", weights / "best.pt") if not resuming and path.exists()]
+    if resuming or not weights.is_dir():
+        return
+    periodic = sorted(path for path in weights.glob("epoch*.pt") if path.name[5:-3].isdigit())
+    earlier = [path for path in (weights / "last.pt", weights / "best.pt") if path.exists()] + periodic
     for path in earlier:
         path.unlink()
     if earlier:
-        names = ", ".join(path.name for path in earlier)
+        names = ", ".join(path.name for path in earlier[:3]) + (
+            f" and {len(earlier) - 3} more" if len(earlier) > 3 else ""
+        )
         LOGGER.info(f"{weights}: removed the earlier run's {names} (a new run in the folder, --exist-ok)")
