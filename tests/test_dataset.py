@@ -235,6 +235,28 @@ def test_exif_orientation_is_honoured(tmp_path: Path) -> None:
     assert image[:18].mean() > 240 and image[22:].mean() < 15
 
 
+def test_a_png_exif_orientation_after_the_pixel_data_is_honoured(tmp_path: Path) -> None:
+    # The PNG spec puts eXIf before the pixel data, but OpenCV also applies one written after it; the scan's
+    # size (rect shapes, caches) must then be the turned one too.
+    import io
+    import struct
+    import zlib
+
+    (tmp_path / "images").mkdir()
+    encoded = io.BytesIO()
+    Image.fromarray(np.zeros((20, 40, 3), np.uint8)).save(encoded, "PNG")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    raw = exif.tobytes().removeprefix(b"Exif\x00\x00")
+    chunk = struct.pack(">I", len(raw)) + b"eXIf" + raw + struct.pack(">I", zlib.crc32(b"eXIf" + raw))
+    data = encoded.getvalue()
+    end = data.rfind(b"IEND") - 4
+    (tmp_path / "images" / "a.png").write_bytes(data[:end] + chunk + data[end:])
+    dataset = LoadImagesAndLabels(tmp_path / "images", _options(img_size=40), CTX)
+    assert dataset.shapes.tolist() == [[20, 40]]
+    assert dataset.load_image(0)[1] == (40, 20)
+
+
 def test_single_cls_class_counts_and_label_sizes(tmp_path: Path) -> None:
     folder = _folder(tmp_path)
     dataset = LoadImagesAndLabels(folder, _options(), CTX)

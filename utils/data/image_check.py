@@ -17,20 +17,37 @@ class BadInputError(ValueError):
     """An image or label file that cannot be used; the message says why."""
 
 
-def image_orientation(image: Image.Image) -> int:
+def image_orientation(image: Image.Image, path: str | None = None) -> int:
     """Return the EXIF orientation tag (1 = upright) without decoding pixels.
 
-    PIL's PNG getexif() decodes the whole image to look for a trailing eXIf chunk; we read only
-    an eXIf chunk placed before the pixel data, which is where writers (and the PNG spec) put it.
+    PIL's PNG getexif() decodes the whole image to look for a trailing eXIf chunk. We read an eXIf
+    chunk placed before the pixel data, where the PNG spec puts it, else (given `path`) one after
+    it by walking the chunk headers (OpenCV, which decodes for training, applies either).
     """
     if image.format == "PNG":
-        raw = image.info.get("exif")
+        raw = image.info.get("exif") or (_trailing_png_exif(path) if path is not None else None)
         if not raw:
             return 1
         exif = Image.Exif()
         exif.load(raw)
         return int(exif.get(0x0112, 1))
     return int(image.getexif().get(0x0112, 1))
+
+
+def _trailing_png_exif(path: str) -> bytes | None:
+    """The data of a PNG's eXIf chunk after its pixel data, or None; reads only chunk headers up to it."""
+    with open(path, "rb") as file:
+        file.seek(8)  # the signature
+        while header := file.read(8):
+            if len(header) < 8:
+                return None
+            length, kind = int.from_bytes(header[:4], "big"), header[4:]
+            if kind == b"eXIf":
+                return file.read(length)
+            if kind == b"IEND":
+                return None
+            file.seek(length + 4, os.SEEK_CUR)  # the data and its CRC
+    return None
 
 
 def _decodes_without_end_marker(path: str) -> bool:
@@ -66,7 +83,7 @@ def check_image(path: str) -> tuple[tuple[int, int], str]:
             image.verify()  # structural check; the object is unusable afterwards
         with Image.open(path) as image:
             image_format, mode, (width, height) = image.format, image.mode, image.size
-            orientation = image_orientation(image)
+            orientation = image_orientation(image, path)
     except BadInputError:
         raise
     except FileNotFoundError:  # a .txt image list can name files that are not there
