@@ -25,7 +25,9 @@ LOGGER = logging.getLogger(__name__)
 # The class count of a --single-cls run: any non-negative integer id is a class there (every label becomes
 # class 0, as YOLOv5 maps them before its nc check), so no id is past the classes (scan_report.check_class_ids).
 ANY_CLASS_ID = 2**31 - 1
-CACHE_VERSION = 8  # stored in (and hashed into) the label cache: a cache of another version is rebuilt
+# Stored in (and hashed into) the label cache: a cache of another version is rebuilt. 9: a PNG's EXIF orientation
+# written after its pixel data is read.
+CACHE_VERSION = 9
 # Coordinates this far outside [0, 1] are clipped with a warning, further is corrupt; a box row's edges may
 # overhang the image this far (rounding) before its clip is noted as a repair.
 COORD_TOLERANCE = 0.01
