@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 
 import tune
-from tests.test_tune import _flags, _study, _tune_process, _wait_for, fake_trainer, tiny_data  # noqa: F401  (fixtures)
+from tests.test_tune import FAKE, _flags, _study, _tune_process, _wait_for, fake_trainer, tiny_data  # noqa: F401
 from utils.hyp import load_hyp
+from utils.train.records import FAMILY_TRAINING
+from utils.tune.ray_tune import FITNESS, NUMBER, SCORE, RayTrialJob, run_ray_trial
+from utils.tune.space import load_space
+from utils.tune.trial import TrialRecipe
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.tune.search.optuna")
@@ -87,3 +91,23 @@ def test_sigterm_stops_a_ray_study_as_ctrl_c_does(tiny_data: Path, tmp_path: Pat
     trials = _study(tmp_path).get_trials()
     assert trials[0].state == COMPLETE and trials[1].user_attrs["reason"].startswith("interrupted")
     assert (tmp_path / "exp" / "trials.csv").read_text().splitlines()[1].startswith("0,complete,")
+
+
+def test_a_trials_last_epoch_reaches_ray_only_in_its_final_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A scheduler stopping a trial on its last epoch's result (the median rule has no max_t) would stop it while it
+    # validates best.pt and lose its final score: that epoch's score is sent once, with the outcome.
+    from ray import tune as ray_tune
+
+    reports: list[dict] = []
+    monkeypatch.setattr(ray_tune, "report", reports.append)
+    monkeypatch.setenv("FAKE_EPOCH_S", "0")
+    record = FAMILY_TRAINING["anchor_free"]
+    space = load_space(record.search_space, load_hyp(record.recipe_files.short), record.hyp_keys)
+    recipe = TrialRecipe(FAKE, ("--epochs", "3"), "AdamW", ("utils.tune.report",), tmp_path / "trials", space)
+    job = RayTrialJob(recipe, "cpu", "metrics/mAP50-95", "mAP50-95", 0.01, epochs=3)
+    run_ray_trial({NUMBER: 0, **space.base_params}, job)
+    assert [report["epoch"] for report in reports] == [1, 2, 3], reports
+    assert "state" not in reports[1] and reports[2]["state"] == "complete"
+    assert reports[2][FITNESS] == pytest.approx(reports[2][SCORE])

@@ -70,6 +70,7 @@ class RayTrialJob:
     score_column: str
     fitness_key: str
     poll_s: float
+    epochs: int  # the trials' --epochs: the last epoch's score goes only into the final report
 
 
 def run_ray_trial(config: dict[str, Any], job: RayTrialJob) -> None:
@@ -88,7 +89,10 @@ def run_ray_trial(config: dict[str, Any], job: RayTrialJob) -> None:
 
     def report(epoch: int, score: float) -> bool:
         last.update(epoch=epoch, score=score)
-        tune.report({SCORE: score, FITNESS: score, "epoch": epoch})  # Ray wants FITNESS in every result
+        # After its last epoch the trial only validates best.pt: a scheduler that stopped it on that epoch's
+        # result (the median rule has no max_t) would lose its final score, so the final report carries it.
+        if epoch < job.epochs:
+            tune.report({SCORE: score, FITNESS: score, "epoch": epoch})  # Ray wants FITNESS in every result
         return False  # Ray's scheduler decides; it stops this function rather than answering here
 
     watch = TrialWatch(report=report, heartbeat=lambda: None, stop=threading.Event(), score_column=job.score_column,
@@ -245,7 +249,7 @@ def tune_on_ray(run: StudyRun, recipe: TrialRecipe, poll_s: float) -> None:
     on_gpu = cfg.train.device.strip().lower() not in ("cpu", "mps") and ray.cluster_resources().get("GPU", 0) > 0
     device = ",".join(str(i) for i in range(cfg.nproc_per_trial)) if on_gpu else "cpu"
     resources = {"cpu": 1, "gpu": cfg.nproc_per_trial if on_gpu else 0}
-    job = RayTrialJob(recipe, device, f"metrics/{run.fitness_key}", run.fitness_key, poll_s)
+    job = RayTrialJob(recipe, device, f"metrics/{run.fitness_key}", run.fitness_key, poll_s, cfg.train.epochs)
     storage = open_storage(cfg)
     storage = optuna.storages.RDBStorage(storage) if isinstance(storage, str) else storage  # Ray wants an object
     search = _optuna_search_class()(
