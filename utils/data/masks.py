@@ -141,18 +141,24 @@ def mask_outlines(mask: np.ndarray) -> list[np.ndarray]:
     """The outer outlines of a (H, W) mask's regions in pixel-edge coordinates: a list of (k, 2) int32 x, y.
 
     The inverse of the rasterising above: a region's outline runs along its pixels' outer edges, so
-    pixel columns 30..39 give x from 30 to 40 and drawing the outline again gives back those pixels
-    (exactly for edges along rows and columns). cv2.findContours alone puts each boundary pixel at its
-    index, which in these coordinates is its top-left corner: right and bottom edges come out a whole
-    pixel short, and a 10 x 10 region came back 9 x 9 with its centre half a pixel off. So it traces the
-    mask's corner grid, (H + 1, W + 1), where a corner is set when any pixel it bounds is. Regions
-    touching only at a corner become one outline.
+    pixel columns 30..39 give x from 30 to 40, and drawing the outline again gives back exactly the
+    region's pixels (its holes filled; regions touching only at a corner share one outline, as
+    8-connected pixels). cv2.findContours alone puts each boundary pixel at its index, which in these
+    coordinates is its top-left corner: right and bottom edges come out a whole pixel short. So it
+    traces the mask at twice the size, where pixel c is cells 2c and 2c + 1: a boundary cell u lies on
+    edge (u + 1) // 2, the left or top edge of its pixel for an even u, the right or bottom one for an
+    odd u, and the trace's steps between a pixel's two cells collapse onto one corner.
     """
-    pixels = mask.astype(bool)
-    height, width = pixels.shape
-    corners = np.zeros((height + 1, width + 1), np.uint8)
-    for dy in (0, 1):
-        for dx in (0, 1):
-            corners[dy : dy + height, dx : dx + width] |= pixels
-    contours, _ = cv2.findContours(corners, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
-    return [contour.reshape(-1, 2) for contour in contours]
+    doubled = np.repeat(np.repeat(mask.astype(np.uint8) != 0, 2, axis=0), 2, axis=1).astype(np.uint8)
+    contours, _ = cv2.findContours(doubled, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_NONE)
+    return [_turns((contour.reshape(-1, 2) + 1) // 2) for contour in contours]
+
+
+def _turns(points: np.ndarray) -> np.ndarray:
+    """A closed outline's corners: repeated points and points inside a straight run left out, (k, 2) int32."""
+    points = points[(points != np.roll(points, 1, axis=0)).any(axis=1)]
+    if len(points) < 3:
+        return points.astype(np.int32)
+    incoming = np.sign(points - np.roll(points, 1, axis=0))
+    outgoing = np.sign(np.roll(points, -1, axis=0) - points)
+    return points[(incoming != outgoing).any(axis=1)].astype(np.int32)
