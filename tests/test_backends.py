@@ -375,6 +375,18 @@ def test_end_to_end_detections_become_rows_the_top_score_selector_reads_as_the_c
             np.testing.assert_allclose(found.numpy(), expected.numpy(), atol=1e-4)
 
 
+def test_two_end_to_end_points_with_one_box_stay_two_detections_with_their_own_scores() -> None:
+    # An fp16 file rounds near boxes together: two points of one box and class (0.9, 0.4), and of another class
+    # (0.7, 0.2), are two rows with their own scores, not one row holding whichever score was written last.
+    box = [10.0, 10.0, 30.0, 40.0]
+    detections = torch.tensor([[[*box, 0.9, 0], [*box, 0.7, 1], [*box, 0.4, 0], [*box, 0.2, 1], [0, 0, 5, 5, 0.1, 2]]])
+    rows = rows_from_detections(detections, 3, 0)[0]
+    scores = sorted(rows[:, 4:].tolist(), reverse=True)
+    np.testing.assert_allclose(scores, [[0.9, 0.7, 0.0], [0.4, 0.2, 0.0], [0.0, 0.0, 0.1]])
+    assert rows[:, :4].tolist().count([20.0, 25.0, 20.0, 30.0]) == 2
+    assert rows_from_detections(detections[:, :0], 3, 0).shape == (1, 0, 7)
+
+
 def test_augment_runs_a_fixed_shape_file_as_its_checkpoint(files: dict[str, dict[str, Path]], tmp_path: Path) -> None:
     weights = Path(shutil.copy(files["yolov5n"]["pt"], tmp_path / "best.pt"))  # three anchors per grid point
     (exported,) = export_checkpoint(ExportConfig(weights, ("onnx",)), TASKS, DistContext())

@@ -190,6 +190,19 @@ def rows_from_output(output0: torch.Tensor, info: BackendInfo) -> torch.Tensor:
     return output0
 
 
+def _occurrence(keys: torch.Tensor) -> torch.Tensor:
+    """For each element of `keys` (n,), how many earlier elements have the same key: 0, 1, ..."""
+    order = torch.argsort(keys, stable=True)
+    ranked = keys[order]
+    position = torch.arange(len(keys), device=keys.device)
+    starts = torch.ones_like(ranked, dtype=torch.bool)
+    starts[1:] = ranked[1:] != ranked[:-1]
+    first = torch.cummax(torch.where(starts, position, 0), 0).values  # where each key's run begins
+    counts = torch.empty_like(position)
+    counts[order] = position - first
+    return counts
+
+
 def rows_from_detections(detections: torch.Tensor, num_classes: int, num_masks: int) -> torch.Tensor:
     """An end-to-end file's final detections back as decoded rows, for the same top-score selector as a checkpoint.
 
@@ -197,16 +210,24 @@ def rows_from_detections(detections: torch.Tensor, num_classes: int, num_masks: 
     Returns (B, M, 4 + nc + nm) [cx, cy, w, h, class scores, coeffs]: one row per point, the scores of
     its classes among the k and 0 for the others; images with fewer points are padded with zero rows
     (score 0 never passes a threshold). Rows of one point are copies of one decoded row, so equal
-    boxes and coefficients identify the point. The selector then gives the checkpoint's detections
-    whenever they lie within the file's k scores: always with multi-label selection and --max-det <= k.
+    boxes and coefficients identify the point, and as a point has each class once, the n-th row of a
+    (box, class) pair belongs to the n-th point with that box: two points can share a box (an fp16
+    file rounds near ones together), and would otherwise become one, with one of their scores.
+    The selector then gives the checkpoint's detections whenever they lie within the file's k
+    scores: always with multi-label selection and --max-det <= k.
     """
     batch = len(detections)
     per_image = []
     for rows in detections:
         point_columns = torch.cat((rows[:, :4], rows[:, 6:]), 1)
-        points, point_of_row = torch.unique(point_columns, dim=0, return_inverse=True)
+        classes = rows[:, 5].long()
+        _, same_box = torch.unique(point_columns, dim=0, return_inverse=True)
+        nth = _occurrence(same_box * num_classes + classes)  # the n-th row of its (box, class) pair
+        _, point_of_row = torch.unique(same_box * len(rows) + nth, return_inverse=True)
+        points = point_columns.new_empty((int(point_of_row.max()) + 1 if len(rows) else 0, point_columns.shape[1]))
+        points[point_of_row] = point_columns
         scores = rows.new_zeros((len(points), num_classes))
-        scores[point_of_row, rows[:, 5].long()] = rows[:, 4]
+        scores[point_of_row, classes] = rows[:, 4]
         per_image.append(torch.cat((xyxy_to_xywh(points[:, :4]), scores, points[:, 4:]), 1))
     width = 4 + num_classes + num_masks
     out = detections.new_zeros((batch, max((len(rows) for rows in per_image), default=0), width))
