@@ -152,6 +152,11 @@ def test_dynamic_onnx_matches_pytorch_at_batch_1_and_3(
     for images in (torch.rand(1, 3, IMGSZ, IMGSZ), torch.rand(3, 3, IMGSZ, IMGSZ), torch.rand(2, 3, 96, IMGSZ)):
         got = session.run(None, {"images": images.numpy()})
         _check_outputs(got, _pytorch_outputs(weights, task, images), task, images)
+    # The axes that do not change are stated as numbers (readers take the class count from them), not names.
+    declared = [output.shape for output in session.get_outputs()]
+    assert declared[0] == ["batch", "anchors", got[0].shape[2]]
+    if task.with_masks:
+        assert declared[1] == ["batch", got[1].shape[1], "mask_height", "mask_width"]
     metadata = read_metadata(result.path)
     assert metadata["task"] == task.name and metadata["dynamic"] is True and metadata["stride"] == 32
     assert metadata["names"] == {0: "circle", 1: "square", 2: "triangle"} and metadata["imgsz"] == [IMGSZ, IMGSZ]

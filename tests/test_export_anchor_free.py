@@ -83,6 +83,11 @@ def test_files_hold_ultralytics_layout_channels_first(tmp_path: Path, layout: st
         if seg:
             assert outputs[1].shape == (2, 32, IMGSZ // 4, 96 // 4)
         assert read_metadata(result.path)["end2end"] is False
+        if result.path.suffix == ".onnx":  # the row width is stated, the point count is dynamic
+            onnx = pytest.importorskip("onnx")
+            (output0, *_) = onnx.load(str(result.path)).graph.output
+            dims = [dim.dim_value or dim.dim_param for dim in output0.type.tensor_type.shape.dim]
+            assert dims == ["batch", 4 + len(NAMES) + (32 if seg else 0), "anchors"]
 
 
 def test_end_to_end_files_output_final_detections_and_nms_gives_the_rows(tmp_path: Path) -> None:

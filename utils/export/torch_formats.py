@@ -82,6 +82,10 @@ def export_onnx(
             dynamic_axes=dynamic_axes,
         )
     model_proto = onnx.load(str(path))
+    if dynamic_axes is not None:
+        with torch.no_grad():
+            outputs = wrapper(example)
+        _state_fixed_output_sizes(model_proto, outputs if isinstance(outputs, tuple) else (outputs,), dynamic_axes)
     if cfg.simplify:
         model_proto = _simplify(model_proto)
     for key, value in metadata.items():
@@ -89,6 +93,19 @@ def export_onnx(
     onnx.checker.check_model(model_proto)
     onnx.save(model_proto, str(path))
     return _onnxruntime_runner(path, example)
+
+
+def _state_fixed_output_sizes(model_proto: Any, outputs: tuple[torch.Tensor, ...], dynamic: dict[str, Any]) -> None:
+    """Write the sizes of the outputs' axes that are not dynamic (the row width, max_det, the prototype count).
+
+    The exporter names every output axis it cannot prove constant (`Concatoutput0_dim_1`): readers that
+    take the class count or the row width from the output's shape would get a name instead of a number.
+    """
+    for graph_output, tensor in zip(model_proto.graph.output, outputs, strict=True):
+        axes = dynamic.get(graph_output.name, {})
+        for axis, dim in enumerate(graph_output.type.tensor_type.shape.dim):
+            if axis not in axes:
+                dim.dim_value = int(tensor.shape[axis])
 
 
 def _simplify(model_proto: Any) -> Any:
