@@ -39,7 +39,7 @@ def make_inputs(batch: int, imgsz: int, num_classes: int, num_boxes: int, device
     """Random scores, predicted boxes, points and `num_boxes` labels per image of one training step's assignment."""
     generator = torch.Generator().manual_seed(0)
     sizes = [(imgsz // stride, imgsz // stride) for stride in (8, 16, 32)]
-    grid, strides = anchor_points(sizes, [8.0, 16.0, 32.0], torch.device("cpu"), torch.float32)
+    grid, strides = anchor_points(sizes, [8.0, 16.0, 32.0], torch.empty(0), torch.float32)
     points = grid * strides
     wh = torch.rand(batch, len(points), 2, generator=generator) * 96 + 8
     pred_boxes = torch.cat((points - wh / 2, points + wh / 2), -1)

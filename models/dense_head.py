@@ -30,21 +30,31 @@ class DenseRaw(NamedTuple):
     semantic: torch.Tensor | None = None
 
 
+def index_range(like: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """0, 1, ..., count - 1 (count,) in `dtype` on `like`'s device, made by an operation on `like`.
+
+    torch.jit.trace records torch.arange's device as a constant, so a file traced on the CPU would
+    build its grids there beside CUDA activations; an operation on a tensor of the graph follows that
+    tensor's device. Counted in fp32: in bf16 a running sum stops at 256.
+    """
+    return (like.new_ones(count, dtype=torch.float32).cumsum(0) - 1).to(dtype)
+
+
 def anchor_points(
-    sizes: Sequence[tuple[int, int]], strides: Sequence[float], device: torch.device, dtype: torch.dtype
+    sizes: Sequence[tuple[int, int]], strides: Sequence[float], like: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (points (N, 2) cell centres x, y in grid units, point_strides (N, 1)) over all levels, row-major.
 
     Level l contributes H_l x W_l points (x + 0.5, y + 0.5); levels follow one another finest first,
-    the order the head flattens its outputs in.
+    the order the head flattens its outputs in. On `like`'s device (see index_range).
     """
     points, point_strides = [], []
     for (height, width), stride in zip(sizes, strides, strict=True):
-        ys = torch.arange(height, device=device, dtype=dtype) + 0.5
-        xs = torch.arange(width, device=device, dtype=dtype) + 0.5
+        ys = index_range(like, height, dtype) + 0.5
+        xs = index_range(like, width, dtype) + 0.5
         grid_y, grid_x = torch.meshgrid(ys, xs, indexing="ij")
         points.append(torch.stack((grid_x, grid_y), dim=-1).view(-1, 2))
-        point_strides.append(torch.full((height * width, 1), float(stride), device=device, dtype=dtype))
+        point_strides.append(like.new_full((height * width, 1), float(stride), dtype=dtype))
     return torch.cat(points), torch.cat(point_strides)
 
 
@@ -210,7 +220,7 @@ class DenseHead(nn.Module):
         flat = torch.cat([level.flatten(2) for level in levels], dim=2)  # (B, no, N)
         batch, points_count = flat.shape[0], flat.shape[2]
         sizes = [tuple(level.shape[2:]) for level in levels]
-        points, point_strides = anchor_points(sizes, self.level_strides, flat.device, flat.dtype)
+        points, point_strides = anchor_points(sizes, self.level_strides, flat, flat.dtype)
         box_end = 4 * self.reg_max
         distances = flat[:, :box_end]  # (B, 4 * reg_max, N)
         if self.reg_max > 1:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from models.blocks import Proto
+from models.dense_head import index_range
 
 # Training output: raw list [(B, na, H_l, W_l, no)], plus protos (B, nm, H/4, W/4) for segmentation.
 TrainOutput = list[torch.Tensor] | tuple[list[torch.Tensor], torch.Tensor]
@@ -87,7 +88,7 @@ class DetectHead(nn.Module):
         wh = (2 sigmoid)^2 * anchor bounds the size to 4x the anchor, matching the loss's anchor_t.
         """
         batch, num_anchors, height, width, num_outputs = raw.shape
-        grid = self._grid(height, width, raw.device, raw.dtype)
+        grid = self._grid(height, width, raw)
         stride = self.stride[level].to(raw.dtype)
         anchor_px = (self.anchors[level] * self.stride[level]).to(raw.dtype).view(1, num_anchors, 1, 1, 2)
         score_end = 5 + self.num_classes
@@ -97,14 +98,12 @@ class DetectHead(nn.Module):
         decoded = torch.cat((xy, wh, scores, raw[..., score_end:]), dim=-1)
         return decoded.view(batch, num_anchors * height * width, num_outputs)
 
-    def _grid(self, height: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """Return (1, 1, H, W, 2) cell offsets (x, y), cached per size, device and dtype."""
-        key = (height, width, str(device), dtype)
+    def _grid(self, height: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        """(1, 1, H, W, 2) cell offsets (x, y) on `like`'s device in its dtype, cached per size, device and dtype."""
+        key = (height, width, str(like.device), like.dtype)
         if key not in self._grids:
             ys, xs = torch.meshgrid(
-                torch.arange(height, device=device, dtype=dtype),
-                torch.arange(width, device=device, dtype=dtype),
-                indexing="ij",
+                index_range(like, height, like.dtype), index_range(like, width, like.dtype), indexing="ij"
             )
             self._grids[key] = torch.stack((xs, ys), dim=-1).view(1, 1, height, width, 2)
         return self._grids[key]

@@ -67,7 +67,7 @@ def _scene(num_labels: int, seed: int, batch: int = 2, size: int = 64, num_class
     """Random labels in no image order, predictions near the points, and the points of a 3-level 64 px grid."""
     generator = torch.Generator().manual_seed(seed)
     sizes = [(size // s, size // s) for s in (8, 16, 32)]
-    grid, strides = anchor_points(sizes, [8.0, 16.0, 32.0], torch.device("cpu"), torch.float32)
+    grid, strides = anchor_points(sizes, [8.0, 16.0, 32.0], torch.empty(0), torch.float32)
     points = grid * strides
     num_points = len(points)
     wh = torch.rand(batch, num_points, 2, generator=generator) * 40 + 8

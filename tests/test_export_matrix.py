@@ -83,6 +83,10 @@ def test_every_format_exports_within_tolerance_and_selects_the_checkpoints_detec
     for item in exported:  # the parity check ran, passed, and its line was printed
         assert item.max_abs_diff is not None and item.tolerance_share <= 1, item
         assert any(f"{item.file_format}: {item.path}" in line and "matches PyTorch" in line for line in caplog.messages)
+    # A traced graph that names a device (torch.arange(device=...) in a trace) builds its grids there whatever
+    # device it runs on: a file traced on the CPU would then fail on CUDA. The grids follow the input instead.
+    graph = str(torch.jit.load(str(exported[0].path)).inlined_graph)
+    assert "Device = prim::Constant" not in graph
 
     images = torch.rand(2, 3, IMGSZ, IMGSZ, generator=torch.Generator().manual_seed(1))
     selected = {}

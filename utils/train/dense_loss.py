@@ -120,7 +120,7 @@ class DenseLoss:
         self, sizes: tuple[tuple[int, int], ...], device: torch.device, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(strides (N, 1), points (N, 2) in input pixels) of the anchor points of these level sizes."""
-        points, strides = anchor_points(sizes, self.head.level_strides, device, dtype)
+        points, strides = anchor_points(sizes, self.head.level_strides, torch.empty(0, device=device), dtype)
         return strides, points * strides
 
     def __call__(
