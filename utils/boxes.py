@@ -113,6 +113,11 @@ def scale_boxes(
     return clip_boxes(out, orig_hw)
 
 
+def load_nms() -> None:
+    """Import torchvision, NMS's kernels, now: code that times NMS calls it first, so no timing holds the import."""
+    import torchvision  # noqa: F401  (imported at first use by non_max_suppression and box_iou)
+
+
 def box_iou(boxes1: torch.Tensor, boxes2: torch.Tensor) -> torch.Tensor:
     """Return the pairwise IoU matrix `(N, M)` of xyxy boxes `(N, 4)` and `(M, 4)` (torchvision)."""
     import torchvision  # on first use, as in non_max_suppression

@@ -15,7 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from utils.backends import as_backend
-from utils.boxes import box_iou, scale_boxes, xywh_to_xyxy, xyxy_to_xywhn
+from utils.boxes import box_iou, load_nms, scale_boxes, xywh_to_xyxy, xyxy_to_xywhn
 from utils.data.batch import image_hw, images_on_device
 from utils.distributed import DistContext, all_gather_objects, all_reduce_sum
 from utils.eval.metrics import ConfusionMatrix, DetectionMetrics, iou_thresholds, match_predictions
@@ -234,6 +234,7 @@ def evaluate(
     scorer = scorer or DetectionScorer()
     model = as_backend(model)  # a loaded file's backend, or the live model training hands in
     select = model.selector()  # NMS over the family's layout, or an end-to-end top-k
+    load_nms()  # before the first timed NMS
     device, dtype = model.device, model.dtype  # the input in the model's precision (half after val.py --half)
     was_training = model.training
     model.eval()

@@ -30,7 +30,7 @@ from utils.backends import (
     load_backend,
     resolve_imgsz,
 )
-from utils.boxes import scale_boxes
+from utils.boxes import load_nms, scale_boxes
 from utils.data.augment import bgr_to_rgb_chw, letterbox
 from utils.data.batch import ShapeInfo
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, run_on_main
@@ -112,6 +112,7 @@ class FramePredictor:
         # A fixed-shape file takes only its own size: letterbox to it, not to the smallest stride multiple.
         self.is_rectangular = not self.model.info.fixed_shape
         self.select = self.model.selector()  # NMS, or an end-to-end head's top scores
+        load_nms()  # before the first timed NMS
         self.predict_masks = task.predict_masks
         self.cfg = cfg
 
