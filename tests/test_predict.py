@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -151,6 +152,15 @@ def test_discover_folder_glob_list_file_and_webcam(tmp_path: Path) -> None:
     expected = [("img1.jpg", "image"), ("clip.mp4", "video"), ("missing.jpg", "image")]
     assert [(Path(i.path).name, i.kind) for i in listed] == expected
     assert Path(listed[0].path) == folder / "img1.jpg"  # relative to the list's folder
+    # As YOLOv5, a line may name a folder or a glob; a list saved with a byte-order mark keeps its first line,
+    # and a name that is not UTF-8 names its file.
+    odd = os.fsdecode(os.fsencode(folder) + b"/caf\xe9.jpg")
+    shutil.copy(folder / "img0.jpg", odd)
+    listing.write_bytes(b"\xef\xbb\xbfin/img2.jpg\r\nin\r\nin/img1*.jpg\r\nin/caf\xe9.jpg\r\n")
+    names = [Path(i.path).name for i in discover_inputs(str(listing))]
+    assert names == ["img2.jpg", "broken.jpg", os.fsdecode(b"caf\xe9.jpg"), "clip.mp4", "img0.jpg", "img1.jpg",
+                     "img2.jpg", "img1.jpg", os.fsdecode(b"caf\xe9.jpg")]  # fmt: skip
+    os.unlink(odd)
     assert [(i.path, i.kind, i.stem) for i in discover_inputs("0")] == [("0", "webcam", "webcam0")]
     assert discover_inputs(str(folder / "img0.jpg"))[0].kind == "image"
 

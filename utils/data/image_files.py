@@ -40,18 +40,22 @@ class ImageFiles(list[str]):
         self.cache_path = cache_path
 
 
+def list_lines(list_file: Path) -> list[str]:
+    """The lines of a .txt list as file-system names: os.fsdecode (bytes that are not UTF-8 name the file they
+    name on disk, as a folder listing gives them), a UTF-8 byte-order mark before the first dropped."""
+    return os.fsdecode(list_file.read_bytes().removeprefix(b"\xef\xbb\xbf")).splitlines()
+
+
 def _read_image_list(list_file: Path) -> tuple[list[str], list[str]]:
     """Return (image paths, skip notes) of a .txt image list: one path per line, relative to the list's folder.
 
     An entry without an image suffix (a typo such as .jgp, or none) is left out with one note
     naming the list, its line and why: YOLOv5 drops them silently, which loses images without a word.
-    Lines are file-system names (os.fsdecode: bytes that are not UTF-8 name the file they name on
-    disk, as a folder listing gives them); a UTF-8 byte-order mark before the first is dropped.
+    Lines are file-system names (list_lines).
     """
     paths, skipped = [], []
     folder = str(list_file.parent)
-    text = os.fsdecode(list_file.read_bytes().removeprefix(b"\xef\xbb\xbf"))
-    for line_number, line in enumerate(text.splitlines(), 1):
+    for line_number, line in enumerate(list_lines(list_file), 1):
         entry = line.strip()
         if not entry:
             continue

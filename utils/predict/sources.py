@@ -15,7 +15,7 @@ import numpy as np
 
 from utils.data.cache import opencv_can_name
 from utils.data.cache import read_image as decode_image
-from utils.data.image_files import IMAGE_SUFFIXES, unique_stems
+from utils.data.image_files import IMAGE_SUFFIXES, list_lines, unique_stems
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 
@@ -56,9 +56,10 @@ def discover_inputs(source: str) -> list[InputItem]:
 
     A digit string is a webcam index. A folder gives its images and videos (not recursive, as
     YOLOv5), a glob pattern ('dir/*.jpg', '**' recursive) its matching images and videos, both
-    sorted; other files there are ignored. A .txt file lists one path per line (relative paths
-    resolve against the .txt file's folder); its entries are kept whatever they are, so a missing
-    or unreadable entry is later skipped with a warning and counted rather than dropped silently.
+    sorted; other files there are ignored. A .txt file lists one file, folder or glob per line
+    (relative paths resolve against the .txt file's folder; names as utils/data/image_files.list_lines
+    reads them); its file entries are kept whatever they are, so a missing or unreadable one is later
+    skipped with a warning and counted rather than dropped silently.
     Raises a one-line ConfigError for a source that does not exist or holds no image or video.
     """
     if source.strip().isdigit():
@@ -66,17 +67,12 @@ def discover_inputs(source: str) -> list[InputItem]:
     path = Path(source)
     if path.is_file() and path.suffix.lower() == ".txt":
         files = _listed_files(path)
-    elif path.is_dir():
-        # A link to a missing file is kept, to be skipped with a warning and counted when read (not lost silently).
-        files = sorted(str(p) for p in path.iterdir() if (p.is_file() or p.is_symlink()) and kind_of(p))
     elif path.is_file():
         if kind_of(path) is None:
             raise ConfigError(f"--source {source}: not an image or video suffix (images: {_suffixes(IMAGE_SUFFIXES)})")
         files = [str(path)]
-    elif glob.has_magic(source):
-        files = sorted(
-            p for p in glob.glob(source, recursive=True) if (os.path.isfile(p) or os.path.islink(p)) and kind_of(p)
-        )
+    elif path.is_dir() or glob.has_magic(source):
+        files = _folder_or_glob(source)
     else:
         raise ConfigError(f"--source {source} does not exist (give a file, folder, glob, .txt list or webcam index)")
     if not files:
@@ -117,10 +113,26 @@ def _unique_stems(files: list[str]) -> list[str]:
     return stems
 
 
+def _folder_or_glob(source: str) -> list[str]:
+    """A folder's images and videos, or a glob's, sorted (a link to a missing file is kept: skipped, counted later)."""
+    if os.path.isdir(source):
+        candidates = [str(path) for path in Path(source).iterdir()]
+    else:
+        candidates = glob.glob(source, recursive=True)
+    return sorted(p for p in candidates if (os.path.isfile(p) or os.path.islink(p)) and kind_of(p))
+
+
 def _listed_files(list_file: Path) -> list[str]:
-    """The non-empty lines of a .txt list as paths, relative ones against the list's folder."""
-    lines = list_file.read_text(encoding="utf-8").splitlines()
-    return [os.path.normpath(list_file.parent / line.strip()) for line in lines if line.strip()]
+    """The files a .txt list names, line by line: a folder or glob line gives its images and videos, any other
+    line its path (relative ones against the list's folder), kept whether it exists or not."""
+    files = []
+    for line in list_lines(list_file):
+        entry = line.strip()
+        if not entry:
+            continue
+        path = os.path.normpath(os.path.join(list_file.parent, entry))
+        files.extend(_folder_or_glob(path) if os.path.isdir(path) or glob.has_magic(entry) else [path])
+    return files
 
 
 def _suffixes(suffixes: frozenset[str]) -> str:
