@@ -173,6 +173,25 @@ def test_a_file_exported_at_a_non_square_size_runs_at_it_as_detect_py_does(detec
             model(str(path), size=bad)
     with pytest.raises(ConfigError, match="exported at a fixed 64x96, cannot run --imgsz 64x128"):
         model(str(path), size=(np.int64(60), 100))  # rounded up to multiples of 32, as YOLOv5's hub does
+    model.size = 96  # set, even to the file's long side: the attribute asks for 96x96, as size=96 does
+    with pytest.raises(ConfigError, match="exported at a fixed 64x96, cannot run --imgsz 96x96"):
+        model(str(path))
+
+
+def test_a_16_bit_pil_image_gives_the_detections_of_its_path_and_one_class_id_filters(
+    detector_file: Path, tmp_path: Path
+) -> None:
+    model = _hub("custom", path=str(detector_file), device="cpu")
+    model.size, model.conf = 64, 0.01
+    grey = np.random.default_rng(3).integers(0, 65536, (96, 128), dtype=np.uint16)
+    path = tmp_path / "deep.png"
+    assert cv2.imwrite(str(path), grey)
+    from_path, from_pil = model([str(path), Image.open(path)])  # PIL opens it as 16-bit grey (mode I or I;16)
+    assert len(from_path) > 0
+    np.testing.assert_array_equal(from_pil.boxes, from_path.boxes)
+    model.classes = int(from_path.classes[0])  # one id, as YOLOv5's hub models take it
+    [only] = model(str(path))
+    assert len(only) > 0 and set(only.classes.tolist()) == {int(from_path.classes[0])}
     model.classes = [7]
     with pytest.raises(ConfigError, match=r"classes \[7\]: the model has 6 \(0-5\)"):
         model(str(path))

@@ -117,10 +117,19 @@ class Detector(nn.Module):
         self.model = as_backend(model)
         self.task = task
         self.names = tuple(names)
-        self.size, self.conf, self.iou, self.max_det = size, 0.25, 0.45, 1000
-        self._own_size = size  # `size` as loaded: the file's own (h, w) stands for it (`_imgsz`)
-        self.classes: list[int] | None = None
+        self._size, self._size_set = size, False  # until `size` is set, the file's own (h, w) (`_imgsz`)
+        self.conf, self.iou, self.max_det = 0.25, 0.45, 1000
+        self.classes: int | Sequence[int] | None = None  # one class id or several, as YOLOv5's hub models take
         self.agnostic = False
+
+    @property
+    def size(self) -> int | Sequence[int]:
+        """The size to run at when a call gives none: one side or an (h, w) pair (see `_imgsz`)."""
+        return self._size
+
+    @size.setter
+    def size(self, value: int | Sequence[int]) -> None:
+        self._size, self._size_set = value, True
 
     @classmethod
     def from_checkpoint(
@@ -147,14 +156,12 @@ class Detector(nn.Module):
         """
         items = images if isinstance(images, list | tuple) else [images]
         imgsz = resolve_imgsz(self.model.info, self._imgsz(size))  # a fixed-size export refuses another size
-        if self.classes is not None and not all(0 <= int(c) < len(self.names) for c in self.classes):
-            raise ConfigError(
-                f"classes {list(self.classes)}: the model has {len(self.names)} (0-{len(self.names) - 1})"
-            )
+        classes = None if self.classes is None else tuple(int(c) for c in np.atleast_1d(self.classes))
+        if classes is not None and not all(0 <= c < len(self.names) for c in classes):
+            raise ConfigError(f"classes {list(classes)}: the model has {len(self.names)} (0-{len(self.names) - 1})")
         config = PredictConfig(
             weights=Path(), source="", imgsz=imgsz, conf_thres=self.conf, iou_thres=self.iou,
-            max_det=self.max_det, classes=tuple(self.classes) if self.classes is not None else None,
-            agnostic_nms=self.agnostic,
+            max_det=self.max_det, classes=classes, agnostic_nms=self.agnostic,
         )  # fmt: skip
         predictor = FramePredictor(AugmentedBackend(self.model) if augment else self.model, self.task, config)
         results = []
@@ -169,12 +176,11 @@ class Detector(nn.Module):
     def _imgsz(self, size: int | Sequence[int] | None) -> tuple[int, int]:
         """The (h, w) to run at: `size` (one side or an (h, w) pair), else `self.size`.
 
-        While `self.size` is still the size the file was loaded with, that means the file's own
-        (h, w), as detect.py runs it without --imgsz. Sides are rounded up to multiples of 32 with a
-        warning, as YOLOv5's hub models round them; anything but one or two positive integers is a
-        ConfigError.
+        Until `self.size` is set, that means the file's own (h, w), as detect.py runs it without --imgsz.
+        Sides are rounded up to multiples of 32 with a warning, as YOLOv5's hub models round them;
+        anything but one or two positive integers is a ConfigError.
         """
-        if size is None and self.size == self._own_size:
+        if size is None and not self._size_set:
             return tuple(self.model.info.imgsz)  # type: ignore[return-value]
         value = self.size if size is None else size
         try:
@@ -198,13 +204,24 @@ def _as_bgr(item: Any, index: int) -> tuple[str, np.ndarray]:
     if hasattr(item, "convert") and hasattr(item, "size"):  # a PIL image
         # Upright as its EXIF orientation says, as a path to the same file is decoded (cv2 applies it):
         # a phone photo opened with PIL is stored sideways and would otherwise get other boxes.
-        item = np.asarray(ImageOps.exif_transpose(item).convert("RGB"))
+        item = _pil_rgb(ImageOps.exif_transpose(item), index)
     if isinstance(item, torch.Tensor):
         raise ConfigError("pass images as paths, numpy (H, W, 3) uint8 RGB arrays or PIL images, not tensors")
     array = np.asarray(item)
     if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
         raise ConfigError(f"image {index}: expected an (H, W, 3) uint8 RGB array, got {array.shape} {array.dtype}")
     return f"image{index}", np.ascontiguousarray(array[..., ::-1])
+
+
+def _pil_rgb(image: Any, index: int) -> np.ndarray:
+    """A PIL image as (H, W, 3) uint8 RGB. 16-bit grey (modes I;16*, and I, as PIL opens such PNGs) keeps its
+    high byte, as OpenCV decodes a 16-bit file from its path: PIL's convert("RGB") clips it to 255 (all white)."""
+    if image.mode.startswith("I"):
+        grey = (np.asarray(image).astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8)
+        return np.repeat(grey[..., None], 3, axis=2)
+    if image.mode == "F":
+        raise ConfigError(f"image {index}: a PIL image of 32-bit floats (mode F); convert it to 8 or 16 bits")
+    return np.asarray(image.convert("RGB"))
 
 
 def scratch_detector(name: str, task: Task, num_classes: int = 80, device: str = "") -> Detector:
