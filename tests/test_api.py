@@ -36,6 +36,9 @@ def test_keywords_become_the_flags_the_command_line_would_give() -> None:
                     "--cache", "--img", "64"]  # fmt: skip
     args = parser.parse_args(argv)
     assert (args.model, args.cache, args.imgsz, args.multi_label) == ("yolo11n", "ram", 64, False)
+    # A value that starts with a dash is still a value (a run named -x), not a flag.
+    argv = keyword_argv(parser, {"name": "-x", "seed": 7}, "train.run")
+    assert argv == ["--name=-x", "--seed", "7"] and parser.parse_args(argv).name == "-x"
 
 
 @pytest.mark.parametrize(

@@ -112,7 +112,9 @@ def flag_words(option: str, action: argparse.Action, value: Any, where: str) -> 
         return [option, *map(str, values)] if values else []
     if action.nargs == "?" and isinstance(value, bool):  # --cache / --resume alone
         return [option] if value else []
-    return [option, str(value)]
+    text = str(value)
+    # A value that starts with a dash (--name -x) would be read as a flag; joined with "=" it is a value.
+    return [f"{option}={text}"] if text.startswith("-") else [option, text]
 
 
 def stride_multiples(sides: Sequence[int], flag: str = "--imgsz") -> tuple[int, ...]:
