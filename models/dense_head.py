@@ -68,7 +68,9 @@ def distribution_to_distances(box_logits: torch.Tensor, reg_max: int, bins: torc
         return box_logits
     shape = box_logits.shape[:-1]
     probabilities = box_logits.view(*shape, 4, reg_max).softmax(dim=-1)
-    return probabilities @ bins.to(probabilities.dtype)
+    # In the logits' dtype: autocast would run the product in fp16 / bf16 (bf16 is off by up to 0.06 grid units).
+    with torch.autocast(probabilities.device.type, enabled=False):
+        return probabilities @ bins.to(probabilities.dtype)
 
 
 def distances_to_xywh(distances: torch.Tensor, points: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from models.anchor_free import LAYOUTS, AnchorFreeSpec, build_model
-from models.dense_head import DenseRaw
+from models.dense_head import DenseRaw, distribution_to_distances
 from utils.boxes import bbox_iou, box_iou, top_detections, xywh_to_xyxy
 from utils.train.assign import AlignOptions, Labels, assign
 from utils.train.dense_loss import DenseGains, DenseLoss, distribution_loss
@@ -178,3 +178,15 @@ def test_the_loss_assigns_as_assign_does_and_its_box_term_is_over_those_matches(
     image = labels.image[:, None].expand_as(point)
     ciou = bbox_iou(terms.point_boxes[image, point], labels.boxes[:, None, :].expand(*point.shape, 4), xywh=False)
     assert terms.box_sum.item() == pytest.approx(((1 - ciou) * quality).sum().item(), rel=1e-6)
+
+
+def test_box_distributions_are_decoded_in_fp32_under_autocast() -> None:
+    # The loss runs inside autocast; the expectation over each side's bins must not drop to bf16 (up to 0.06 grid
+    # units off, 2 pixels at stride 32), as a matmul under autocast would.
+    logits = torch.randn(2, 50, 64, generator=torch.Generator().manual_seed(0)) * 3
+    bins = torch.arange(16, dtype=torch.float32)
+    exact = distribution_to_distances(logits, 16, bins)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = distribution_to_distances(logits, 16, bins)
+    assert under_autocast.dtype == torch.float32
+    torch.testing.assert_close(under_autocast, exact)

@@ -71,6 +71,19 @@ def test_assign_targets_uses_two_nearest_neighbour_cells() -> None:
     assert torch.equal(assigned.anchors, anchors[assigned.anchor_index])
 
 
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_a_centre_on_a_cell_edge_gets_cells_whose_offsets_the_head_can_reach(static_shapes: bool) -> None:
+    # Centre (4.0, 4.0): YOLOv5's rule, cell = (centre -/+ 0.5) rounded down, gives the left and upper neighbours
+    # (offset 1.0) and the own cell again for the right and lower ones (offset 0); the head's offsets lie in
+    # (-0.5, 1.5), so a row in cell 5 with offset -1.0 could never be fitted.
+    targets = torch.tensor([[0, 0, 0.5, 0.5, 0.25, 0.25]])
+    assigned = _assign(targets, torch.tensor([[2.0, 2.0]]), (8, 8), static_shapes=static_shapes)
+    rows = sorted(zip(assigned.cell_x.tolist(), assigned.cell_y.tolist(), strict=True))
+    assert rows == sorted([(4, 4), (3, 4), (4, 3), (4, 4), (4, 4)])
+    offsets = assigned.boxes_xywh[:, :2]
+    assert bool(((offsets > -0.5) & (offsets < 1.5)).all())
+
+
 def test_assign_targets_skips_neighbours_outside_grid() -> None:
     anchors = torch.tensor([[1.0, 1.0]])
     targets = torch.tensor([[0, 0, 0.4 / 8, 7.8 / 8, 1 / 8, 1 / 8]])  # near the left and bottom edges
@@ -89,6 +102,41 @@ def test_loss_is_finite_and_scaled_by_batch() -> None:
     assert loss.item() == pytest.approx(items.sum().item() * 2, rel=1e-5)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+class _TwoRanks:
+    """Stands in for RankMean on 2 ranks: records the counts it is given, returns `mean` when set."""
+
+    world_size = 2
+
+    def __init__(self, mean: torch.Tensor | None = None) -> None:
+        self.mean, self.seen = mean, None
+
+    def __call__(self, counts: torch.Tensor) -> torch.Tensor:
+        self.seen = counts
+        return counts if self.mean is None else self.mean
+
+
+def test_two_halves_with_averaged_counts_add_up_to_the_whole_batch_when_a_level_has_one_match() -> None:
+    # What DDP relies on. One small label near a corner: one match on the finest level in the whole batch,
+    # on one rank only, so the ranks' mean count is 0.5; a floor of 1 on it halved that level's box and class terms.
+    model = _model().eval()
+    model.head.train()  # the training output, with BatchNorm fixed: the forward is per image
+    images = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([[2, 1, 0.04, 0.04, 0.08, 0.08]])
+    loss_fn = DetectionLoss(model, GAINS)
+    whole, _ = loss_fn(model(images), targets)
+    halves = []
+    for first in (0, 2):
+        local = targets[(targets[:, 0] >= first) & (targets[:, 0] < first + 2)].clone()
+        local[:, 0] -= first
+        recorder = _TwoRanks()
+        loss_fn(model(images[first : first + 2]), local, recorder)
+        halves.append((model(images[first : first + 2]), local, recorder.seen))
+    mean = (halves[0][2] + halves[1][2]) / 2
+    assert 0 < float(mean[0]) < 1, mean  # a level with fewer matches than ranks
+    total = sum(loss_fn(preds, local, _TwoRanks(mean))[0] for preds, local, _ in halves)
+    assert total.item() == pytest.approx(whole.item(), rel=1e-4)
 
 
 def test_zero_target_batch_gives_only_objectness_loss() -> None:

@@ -212,7 +212,10 @@ def assign_targets(
         valid = torch.ones_like(level, dtype=torch.bool)
         level_rows = tuple(counts.tolist())  # the nonzero above has waited for the device already
     centre = xy[level, target]
-    cells = torch.minimum((centre.floor().long() + tables.shift_xy[shift]).clamp_(min=0), tables.last_xy[level])
+    # A neighbour is the cell half a cell away from the centre (YOLOv5's rule): a centre on a cell edge, x = 4.0,
+    # takes cell 3 on the left and its own cell 4 on the right, whose offsets the head can reach.
+    neighbour = (centre + 0.5 * tables.shift_xy[shift]).floor().long()
+    cells = torch.minimum(neighbour.clamp_(min=0), tables.last_xy[level])
     picked = targets[target]
     matches = AnchorMatches(
         level=level,
@@ -355,7 +358,10 @@ class DetectionLoss:
         counts = assigned.counts.float()
         if reduce_counts is not None:
             counts = reduce_counts(counts)
-        return LevelMatches(preds, matches, gathered, cells, counts.clamp(min=1.0))
+        # A floor of 1 on the global count, the same on any world size (counts are the ranks' mean here).
+        return LevelMatches(
+            preds, matches, gathered, cells, counts.clamp(min=1.0 / getattr(reduce_counts, "world_size", 1))
+        )
 
     def _detection_terms(self, matched: LevelMatches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return the weighted (box, obj, cls) losses, 0-d each: box and class over all levels' matches at once.
