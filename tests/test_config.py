@@ -48,6 +48,32 @@ def test_missing_and_non_numeric_hyp_keys(tmp_path: Path) -> None:
         load_hyp(_write_hyp(tmp_path, lr0="fast"))
 
 
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"lr0": -0.01}, "'lr0': -0.01 must be above 0"),
+        ({"lr0": float("nan")}, "'lr0': nan is not a finite number"),
+        ({"momentum": 1.5}, "'momentum': 1.5 is outside [0, 1]"),
+        ({"weight_decay": -1}, "'weight_decay': -1 must be 0 or more"),
+        ({"lrf": -3}, "'lrf': -3 must be above 0"),
+        ({"hsv_v": float("nan")}, "'hsv_v': nan is not a finite number"),
+        ({"mosaic": 3}, "'mosaic': 3 is outside [0, 1]"),
+        ({"label_smoothing": 1.5}, "'label_smoothing': 1.5 is outside [0, 1]"),
+    ],
+)
+def test_a_hyp_value_outside_its_range_is_one_line_naming_the_file(tmp_path: Path, changes: dict, message: str) -> None:
+    # Each would fail deep inside the optimizer (a traceback) or train wrongly without a word (a negative
+    # learning rate, black images from a NaN gain).
+    with pytest.raises(ConfigError, match=re.escape(f"hyp.yaml: hyperparameter {message}")):
+        load_hyp(_write_hyp(tmp_path, **changes))
+
+
+def test_a_hyp_number_yaml_reads_as_text_is_a_number(tmp_path: Path) -> None:
+    path = tmp_path / "hyp.yaml"
+    path.write_text(DEFAULT_HYP.read_text().replace("lr0: 0.01", "lr0: 1e-3"))  # YAML 1.1: text without a dot
+    assert load_hyp(path).lr0 == pytest.approx(0.001)
+
+
 def test_label_smoothing_flag_overrides_hyp() -> None:
     # A given --hyp is read at once; with --hyp auto (the default) the flag waits for the file auto picks
     # (tests/test_recipe.py).

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from utils.errors import ConfigError, read_yaml_mapping
 
@@ -68,6 +70,26 @@ FAMILY_HYP_KEYS = tuple(f.name for f in fields(Hyp) if f.default is None)
 YOLOV5_HYP_DEFAULTS = {"nbs": 64.0, "label_smoothing": 0.0, "fl_gamma": 0.0}
 
 
+# Where each hyperparameter means something: probabilities, fractions and momenta in [0, 1]; rates, the nominal batch
+# and the anchor ratio above 0; every other value (gains, degrees, epochs of warmup) 0 or more. All finite.
+UNIT_KEYS = frozenset({
+    "momentum", "warmup_momentum", "iou_t", "label_smoothing", "hsv_h", "hsv_s", "hsv_v", "translate", "flipud",
+    "fliplr", "mosaic", "mixup", "copy_paste",
+})  # fmt: skip
+POSITIVE_KEYS = frozenset({"lr0", "lrf", "nbs", "anchor_t"})
+
+
+def value_problem(key: str, value: float) -> str:
+    """Why `value` cannot be hyperparameter `key` ('' when it can): not finite, or outside the key's range."""
+    if not math.isfinite(value):
+        return f"{value} is not a finite number"
+    if key in UNIT_KEYS and not 0 <= value <= 1:
+        return f"{value:g} is outside [0, 1]"
+    if key in POSITIVE_KEYS and value <= 0:
+        return f"{value:g} must be above 0"
+    return f"{value:g} must be 0 or more" if value < 0 else ""
+
+
 def hyp_overrides(label_smoothing: float | None) -> dict[str, float]:
     """The hyp values command-line flags replace: --label-smoothing when given (None: the file's value)."""
     return {} if label_smoothing is None else {"label_smoothing": label_smoothing}
@@ -96,12 +118,28 @@ def load_hyp(path: Path, overrides: dict[str, float] | None = None) -> Hyp:
     defaults = {key: value for key, value in YOLOV5_HYP_DEFAULTS.items() if key not in raw}
     values: dict[str, float] = {}
     for key, value in {**raw, **defaults, **overrides}.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        number = _number(value)
+        if number is None:
             raise ConfigError(f"{path}: hyperparameter '{key}' must be a number, got {value!r}")
-        values[key] = float(value)
+        if key != "anchors" and (problem := value_problem(key, number)):
+            where = "--label-smoothing" if key in overrides else f"{path}: hyperparameter '{key}'"
+            raise ConfigError(f"{where}: {problem}")
+        values[key] = number
     anchors = values.pop("anchors", None)
     _log_yolov5_hyp(path, {key: value for key, value in defaults.items() if key not in overrides}, anchors)
     return Hyp(**values)
+
+
+def _number(value: Any) -> float | None:
+    """A hyp value as a float: a YAML number, or text float() reads (YAML 1.1 reads 1e-3, without a dot, as text)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    try:
+        return float(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def is_yolov5_hyp_file(path: Path) -> bool:

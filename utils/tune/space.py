@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from utils.errors import ConfigError, read_yaml_mapping
-from utils.hyp import FAMILY_HYP_KEYS, Hyp
+from utils.hyp import FAMILY_HYP_KEYS, POSITIVE_KEYS, UNIT_KEYS, Hyp
 
 LOGGER = logging.getLogger(__name__)
 SCALES = ("linear", "log", "int")
@@ -93,18 +93,9 @@ def load_space(path: Path, base: Hyp, family_keys: tuple[str, ...]) -> SearchSpa
     return SearchSpace(Path(path), base, tuple(dimensions))
 
 
-# Where each key's value means something; bounds outside would fail (or do nonsense) only inside a trial, after
-# the study has started. Shares of images or channels, and momenta, lie in [0, 1]; rates and ratios above 0;
-# every other key (gains, angles, epochs) at 0 or above.
-UNIT_KEYS = frozenset({
-    "momentum", "warmup_momentum", "iou_t", "label_smoothing", "hsv_h", "hsv_s", "hsv_v", "translate", "flipud",
-    "fliplr", "mosaic", "mixup", "copy_paste",
-})  # fmt: skip
-POSITIVE_KEYS = frozenset({"lr0", "lrf", "nbs", "anchor_t"})
-
-
 def _check_range(where: str, key: str, low: float, high: float) -> None:
-    """Raise the one-line ConfigError for bounds outside the range where `key` means something."""
+    """Raise the one-line ConfigError for bounds outside the range where `key` means something (utils/hyp.py):
+    bounds outside would fail, or do nonsense, only inside a trial, after the study has started."""
     if key in UNIT_KEYS and (low < 0 or high > 1):
         raise ConfigError(f"{where}: bounds [{low:g}, {high:g}] leave its range [0, 1]")
     if key in POSITIVE_KEYS and low <= 0:
