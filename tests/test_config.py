@@ -192,6 +192,8 @@ def test_val_config_checks_thresholds() -> None:
         val_config_from_args(parser.parse_args(["--weights", "x.pt", "--conf-thres", "1.5"]))
     with pytest.raises(ConfigError, match="^--max-det -5 must be at least 1$"):  # a negative slice would drop the last
         val_config_from_args(parser.parse_args(["--weights", "x.pt", "--max-det", "-5"]))
+    with pytest.raises(ConfigError, match=r"--workers -1 must be >= 0"):  # as train.py refuses it
+        val_config_from_args(parser.parse_args(["--weights", "x.pt", "--workers", "-1"]))
     cfg = val_config_from_args(parser.parse_args(["--weights", "x.pt", "--iou-thres", "0.5"]))
     assert cfg.iou_thres == 0.5 and cfg.conf_thres == 0.001
 

@@ -32,6 +32,16 @@ def test_relative_paths_resolve_against_yaml_folder(tmp_path: Path) -> None:
         data.split("test")
 
 
+def test_an_empty_path_is_the_yaml_folder_and_a_list_is_one_line(tmp_path: Path) -> None:
+    _layout(tmp_path)
+    yaml_file = tmp_path / "d.yaml"
+    yaml_file.write_text("path:\ntrain: ds/images/train\nval: ds/images/val\nnames: [cat]\n")
+    assert load_data_config(yaml_file, DistContext()).split("val") == ((tmp_path / "ds/images/val").resolve(),)
+    yaml_file.write_text(f"path: [{tmp_path}]\ntrain: ds/images/train\nval: ds/images/val\nnames: [cat]\n")
+    with pytest.raises(ConfigError, match=r"d\.yaml: 'path' must be one folder, got \["):
+        load_data_config(yaml_file, DistContext())
+
+
 def test_names_keys_written_as_strings_are_the_indices(tmp_path: Path) -> None:
     _layout(tmp_path)
     yaml_file = tmp_path / "d.yaml"

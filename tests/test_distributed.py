@@ -105,6 +105,8 @@ def test_select_device_cpu_and_missing_cuda(monkeypatch: pytest.MonkeyPatch) -> 
     message = "--device 0 asks for CUDA but no CUDA device is available; use --device cpu"
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         select_device("0")
+    with pytest.raises(ConfigError, match=r"^--device mps: Apple's MPS is not supported; use --device cpu"):
+        select_device("mps")
 
 
 @pytest.mark.parametrize(

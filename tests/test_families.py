@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,11 @@ def test_cfg_resolution_through_the_families_equals_the_yolov5_resolver() -> Non
         with pytest.raises(ConfigError) as error:
             family_spec_from_cfg(cfg, 7)
         assert str(error.value) == f"--cfg {cfg}: not a YAML file and not a model name ({listed})"
+    # A size name's file name in a folder that does not hold it is the user's missing file, not the stock model.
+    for cfg in ("models/nope/yolo11s.yaml", "/tmp/nope/yolov5s.yaml", "cfg/s.yaml"):
+        with pytest.raises(ConfigError, match=re.escape(f"--cfg {cfg}: file not found")):
+            family_spec_from_cfg(cfg, 7)
+    assert family_spec_from_cfg("yolov5s.yaml", 7) == spec_from_cfg("yolov5s", 7)  # a name alone, as YOLOv5 reads it
 
 
 def test_checkpoints_record_the_family_and_older_files_read_as_yolov5(tmp_path: Path) -> None:

@@ -131,6 +131,8 @@ def select_device(device_arg: str, local_rank: int = 0) -> torch.device:
     arg = device_arg.strip().lower().replace("cuda:", "")
     if arg == "cpu" or (arg == "" and not torch.cuda.is_available()):
         return torch.device("cpu")
+    if arg == "mps":
+        raise ConfigError("--device mps: Apple's MPS is not supported; use --device cpu (or a CUDA device)")
     if not torch.cuda.is_available():
         raise ConfigError(f"--device {device_arg} asks for CUDA but no CUDA device is available; use --device cpu")
     if arg in ("", "cuda"):

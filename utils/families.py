@@ -149,8 +149,13 @@ def spec_from_cfg(cfg: str, num_classes: int) -> Any:
     """Resolve `--cfg` (a size name or a model YAML) with the first family that claims it.
 
     A value no family claims is a one-line ConfigError listing every family's size names and the
-    default: models/ cannot name the other families (or the default), so the list is built here.
+    default: models/ cannot name the other families (or the default), so the list is built here. A YAML
+    path with a folder that does not exist is not read as the size name in its file name (as
+    `yolov5s.yaml` alone is): that would train the stock model in place of the user's file.
     """
+    path = Path(cfg)
+    if path.suffix.lower() in (".yaml", ".yml") and len(path.parts) > 1 and not path.is_file():
+        raise ConfigError(f"--cfg {cfg}: file not found")
     family = next((family for family in FAMILIES.values() if family.claims_cfg(cfg)), None)
     if family is None:
         names = "; ".join(family.cfg_names for family in FAMILIES.values())

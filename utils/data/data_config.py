@@ -207,7 +207,10 @@ def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
     for key in ("train", "val"):
         if key not in raw:
             raise ConfigError(f"{yaml_file}: missing key '{key}'")
-    root_raw = Path(str(raw.get("path", "."))).expanduser()
+    path = raw.get("path")  # left empty (None): the YAML's folder, as without the key
+    if path is not None and not isinstance(path, str):
+        raise ConfigError(f"{yaml_file}: 'path' must be one folder, got {path!r}")
+    root_raw = Path(path or ".").expanduser()
     root = root_raw if root_raw.is_absolute() else (yaml_file.parent / root_raw).resolve()
     if raw.get("builtin"):
         ensure_builtin(str(raw["builtin"]), root, yaml_file, ctx)

@@ -99,6 +99,8 @@ def val_config_from_args(args: argparse.Namespace) -> ValConfig:
     for flag, value in (("--batch-size", args.batch_size), ("--max-det", args.max_det)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be at least 1")
+    if args.workers < 0:
+        raise ConfigError(f"--workers {args.workers} must be >= 0")
     check_dist_timeout(args.dist_timeout)
     names = {f.name for f in fields(ValConfig)}
     values = {key: value for key, value in vars(args).items() if key in names}
