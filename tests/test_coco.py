@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,17 @@ def test_coco_80_classes_map_to_its_91_ids() -> None:
 def test_equal_names_map_by_name_in_any_order() -> None:
     categories = [{"id": 7, "name": "dog"}, {"id": 2, "name": "cat"}, {"id": 5, "name": "cow"}]
     assert category_mapping(("cat", "cow", "dog"), categories, None, Path("f.json")) == (2, 5, 7)
+
+
+def test_names_partly_swapped_or_misspelt_are_refused_rather_than_mapped_by_id() -> None:
+    # Class 0 'triangle' would take category 1 'circle' by ascending ids while the file has 'triangle' (id 2):
+    # it would train on circles. Names that share none with the categories still map by id order.
+    categories = [{"id": 1, "name": "circle"}, {"id": 2, "name": "triangle"}, {"id": 3, "name": "crescent"}]
+    message = "f.json: class 0 'triangle' would take category 1 'circle' (ascending ids), but the file's category"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        category_mapping(("triangle", "circle", "moon"), categories, None, Path("f.json"))
+    assert category_mapping(("circle", "triangle", "moon"), categories, None, Path("f.json")) == (1, 2, 3)
+    assert category_mapping(("kreis", "dreieck", "mond"), categories, None, Path("f.json")) == (1, 2, 3)
 
 
 def test_explicit_mapping_overrides_names_and_is_checked() -> None:

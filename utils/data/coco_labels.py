@@ -50,8 +50,10 @@ def category_mapping(
 
     An `explicit` list (dataset YAML `category_ids:`) wins, each id must exist in the file. Else,
     when the class names equal the categories' names (any order), classes map by name. Else class
-    i maps to the i-th category by ascending id (COCO's 80 classes -> its 91-id list). A differing
-    class/category count without an explicit mapping is a one-line ConfigError naming `source`.
+    i maps to the i-th category by ascending id (COCO's 80 classes -> its 91-id list), unless that
+    gives a class a category of another name while the file has one of its name (names partly
+    swapped or misspelt: it would train on the wrong boxes). That, and a differing class/category
+    count without an explicit mapping, are one-line ConfigErrors naming `source`.
     Training labels read from the JSON and --save-json predictions both use this mapping.
     """
     ids = sorted(category["id"] for category in categories)
@@ -68,6 +70,14 @@ def category_mapping(
             f"{source}: {len(ids)} categories but the dataset has {len(names)} classes; "
             "set 'category_ids:' (one category id per class) in the dataset YAML"
         )
+    name_of = {category["id"]: str(category.get("name")) for category in categories}
+    for index, (name, cid) in enumerate(zip(names, ids, strict=True)):
+        if name != name_of[cid] and name in by_name:  # by id order the class would train on another category
+            raise ConfigError(
+                f"{source}: class {index} '{name}' would take category {cid} '{name_of[cid]}' (ascending ids), but "
+                f"the file's category '{name}' is id {by_name[name]}; give the YAML's names in the file's order, or "
+                "set 'category_ids:'"
+            )
     return tuple(int(cid) for cid in ids)
 
 
