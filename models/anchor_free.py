@@ -70,7 +70,8 @@ class AnchorFreeSpec:
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
-        if self.depth_multiple <= 0 or self.width_multiple <= 0 or self.max_channels < 8:
+        multipliers = (self.depth_multiple, self.width_multiple)
+        if not all(math.isfinite(v) and v > 0 for v in multipliers) or self.max_channels < 8:
             raise ValueError(f"bad scale {(self.depth_multiple, self.width_multiple, self.max_channels)}")
         if self.num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")

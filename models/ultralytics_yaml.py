@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,8 +161,9 @@ def _scale_row(raw: dict[str, Any], path: Path) -> tuple[float, float, int, str]
         letter = next(iter(scales))
         LOGGER.info("%s: no scale in the file name or 'scale' key; using the first row, '%s'", path, letter)
     row = scales.get(letter)
-    if not isinstance(row, list) or len(row) != 3:
-        raise ConfigError(f"{path}: scale '{letter}' is not a [depth, width, max_channels] row of 'scales'")
+    numbers = isinstance(row, list) and len(row) == 3 and all(type(v) in (int, float) for v in row)
+    if not numbers or not all(math.isfinite(v) and v > 0 for v in row):
+        raise ConfigError(f"{path}: scale '{letter}' is not a [depth, width, max_channels] row of positive numbers")
     return float(row[0]), float(row[1]), int(row[2]), str(letter)
 
 

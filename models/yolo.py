@@ -60,9 +60,9 @@ class ModelSpec:
     num_protos: int = 0
 
     def __post_init__(self) -> None:
-        if self.depth_multiple <= 0 or self.width_multiple <= 0:
-            scale = (self.depth_multiple, self.width_multiple)
-            raise ValueError(f"depth_multiple and width_multiple must be > 0, got {scale}")
+        scale = (self.depth_multiple, self.width_multiple)
+        if not all(math.isfinite(v) and v > 0 for v in scale):
+            raise ValueError(f"depth_multiple and width_multiple must be finite and > 0, got {scale}")
         if self.num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
         if self.num_masks < 0 or (self.num_masks > 0) != (self.num_protos > 0):
@@ -71,6 +71,8 @@ class ModelSpec:
         sizes = {len(level) for level in self.anchors}
         if len(self.anchors) != 3 or len(sizes) != 1 or sizes.pop() % 2 or not self.anchors[0]:
             raise ValueError(f"anchors must be 3 levels of equally many (w, h) pixel pairs, got {self.anchors}")
+        if not all(math.isfinite(v) and v > 0 for level in self.anchors for v in level):
+            raise ValueError(f"anchor sizes must be finite and > 0 pixels, got {self.anchors}")
 
     def to_dict(self) -> dict[str, Any]:
         """Return plain YAML/JSON-safe data (anchors as nested lists)."""

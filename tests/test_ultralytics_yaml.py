@@ -42,6 +42,18 @@ def test_a_file_without_a_scale_letter_uses_its_first_row(tmp_path: Path) -> Non
     assert spec_from_cfg(str(path), 3) == spec_for_name("yolo26n", 3)
 
 
+@pytest.mark.parametrize("row", [["a", 0.25, 1024], None, [float("nan"), 0.25, 1024], [0.5, float("inf"), 1024]])
+def test_a_scale_row_that_is_not_positive_numbers_is_one_line(row: Any, tmp_path: Path) -> None:
+    path = write_model_yaml(tmp_path / "yolo11n.yaml", "yolo11", seg=False)
+    data = yaml.safe_load(path.read_text())
+    data["scales"]["n"] = row
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(
+        ConfigError, match="scale 'n' is not a \\[depth, width, max_channels\\] row of positive numbers"
+    ):
+        spec_from_cfg(str(path), 3)
+
+
 def test_another_layer_is_refused_naming_the_first_difference(tmp_path: Path) -> None:
     def widen(backbone: list, head: list) -> None:
         head[2][3] = [768, False]  # layer 13

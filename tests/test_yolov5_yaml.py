@@ -278,6 +278,20 @@ def test_segment_arguments_set_masks_and_width_scaled_protos(tmp_path: Path) -> 
     assert (short.num_masks, short.num_protos) == (32, 128)  # YOLOv5's Segment defaults
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "needle"),
+    [
+        ("depth_multiple: 0.33", "depth_multiple: .nan", "depth_multiple and width_multiple must be finite and > 0"),
+        ("[10, 13, 16, 30, 33, 23]", "[-10, 13, 16, 30, 33, 23]", "anchor sizes must be finite and > 0 pixels"),
+    ],
+)
+def test_a_multiplier_or_anchor_that_is_not_a_positive_number_is_one_line(
+    tmp_path: Path, old: str, new: str, needle: str
+) -> None:
+    # A NaN depth failed while building the model; a negative anchor trained (and AutoAnchor took its log).
+    assert needle in _one_line_error(_write(tmp_path, "yolov5s.yaml", YOLOV5S.replace(old, new)))
+
+
 def test_p6_yaml_is_a_one_line_error(tmp_path: Path) -> None:
     message = _one_line_error(_write(tmp_path, "yolov5s6.yaml", YOLOV5S6))
     assert "P3-P6 (4 output levels) is not supported" in message and "yolov5n-x and -seg P5" in message
