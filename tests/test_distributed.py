@@ -109,6 +109,23 @@ def test_select_device_cpu_and_missing_cuda(monkeypatch: pytest.MonkeyPatch) -> 
         select_device("mps")
 
 
+def test_more_gpus_listed_than_processes_is_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # `python train.py --device 0,1` runs one process, on GPU 0: YOLOv5 users expect both (DataParallel).
+    from utils.distributed import _warn_unused_gpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    _warn_unused_gpus("0,1", 0, 1)
+    _warn_unused_gpus("0,1", 0, 2)  # torchrun --nproc_per_node 2: both used
+    _warn_unused_gpus("0", 0, 1)
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == [
+        "--device 0,1 lists 2 GPUs but this node runs 1 process(es), one GPU each: launch with torchrun "
+        "--nproc_per_node 2 to train on all of them"
+    ]
+
+
 @pytest.mark.parametrize(
     ("device", "local_rank", "message"),
     [

@@ -155,6 +155,18 @@ def gpu_indices(device_arg: str, arg: str) -> list[int]:
     return [int(word) for word in words]
 
 
+def _warn_unused_gpus(device_arg: str, local_rank: int, local_world_size: int) -> None:
+    """One warning (local rank 0) when --device lists more GPUs than this node runs processes: each process uses one
+    (DDP), so `python train.py --device 0,1` trains on GPU 0 alone, where YOLOv5 would use DataParallel."""
+    arg = device_arg.strip().lower().replace("cuda:", "")
+    listed = len(gpu_indices(device_arg, arg)) if arg not in ("", "cuda") else 0
+    if local_rank == 0 and listed > local_world_size:
+        LOGGER.warning(
+            f"--device {device_arg} lists {listed} GPUs but this node runs {local_world_size} process(es), one GPU "
+            f"each: launch with torchrun --nproc_per_node {listed} to train on all of them"
+        )
+
+
 def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> DistContext:
     """Create this process's DistContext and, when launched with several processes, the process group.
 
@@ -172,6 +184,7 @@ def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT
     device = select_device(device_arg, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        _warn_unused_gpus(device_arg, local_rank, local_world_size)
     if world_size > 1 and not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is unset; launch with torchrun or set MASTER_ADDR/PORT")
