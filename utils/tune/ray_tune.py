@@ -115,6 +115,7 @@ def _optuna_search_class() -> type:
         def __init__(self, run: StudyRun, **kwargs: Any) -> None:
             self.run = run
             self.asked: dict[str, optuna.trial.Trial] = {}  # Ray trial id -> Optuna trial
+            self.reported: dict[str, int] = {}  # Ray trial id -> the last epoch reported to its Optuna trial
             self._just_asked: optuna.trial.Trial | None = None
             self.lock = threading.Lock()
             super().__init__(space=self._define, **kwargs)
@@ -154,16 +155,25 @@ def _optuna_search_class() -> type:
 
         def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
             trial = self.asked.get(trial_id)
-            if trial is None or "state" in result or not math.isfinite(result.get(SCORE, math.nan)):
+            epoch = int(result.get("epoch", 0))
+            # Epochs in order, each once: the final result (with `state`) brings the last epoch's score, which
+            # run_ray_trial leaves out of the per-epoch results, and repeats it otherwise.
+            if (
+                trial is None
+                or epoch <= self.reported.get(trial_id, 0)
+                or not math.isfinite(result.get(SCORE, math.nan))
+            ):
                 return
-            trial.report(float(result[SCORE]), int(result["epoch"]))
+            self.reported[trial_id] = epoch
+            trial.report(float(result[SCORE]), epoch)
             trial.set_user_attr("heartbeat", time.time())
 
         def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
-            if result and "state" not in result:  # the result Ray's scheduler stopped the trial on: not yet reported
+            if result:  # the result Ray's scheduler stopped the trial on, or the final one: reported if new
                 self.on_trial_result(trial_id, result)
             with self.lock:
                 trial = self.asked.pop(trial_id, None)
+                self.reported.pop(trial_id, None)
             if trial is None:
                 return
             result = result or {}
