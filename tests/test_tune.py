@@ -407,6 +407,8 @@ def test_a_study_resumed_with_other_settings_is_refused(tiny_data: Path, tmp_pat
         ({"cos_lr": True}, "cos_lr False"),
         ({"cache": "shm"}, "cache_order 'per rank'"),
         ({"nproc_per_trial": 2}, "nproc_per_trial 1"),
+        ({"nosave": True}, "nosave False"),  # scores last.pt, not best.pt
+        ({"noval": True, "pruner": "none"}, "noval False"),  # best.pt is then the last epoch's
     ):
         with pytest.raises(ConfigError, match=message):
             tune.run(**_flags(tiny_data, tmp_path, trials=2, **flags))

@@ -137,6 +137,7 @@ def tune(cfg: TuneConfig, training: TrainingTask) -> StudySummary:
 TRIAL_OPTIONS = (
     "seed", "deterministic", "rect", "cos_lr", "close_mosaic", "freeze", "single_cls", "multi_scale",
     "noautoanchor", "sync_bn", "multi_label", "patience", "overlap_mask", "mask_ratio", "cache_order",
+    "noval", "nosave",  # what the final validation scores: best.pt of per-epoch fitness, or last.pt
 )  # fmt: skip
 
 
