@@ -336,13 +336,14 @@ def _write_yaml(root: Path, name: str, train: str) -> Path:
 
 
 def _build_on_rank(ctx: DistContext, root: str) -> dict[str, Any]:
-    """build_datasets twice: rank 1 lists one extra image, then rank 1 trains --rect (same files, other order)."""
+    """build_datasets: rank 1 lists one extra image; rank 1 trains --rect (same files, other order); one image."""
     outcome: dict[str, Any] = {}
     hyp = load_hyp(DEFAULT_HYP)
     bundle = SimpleNamespace(model=SimpleNamespace(stride=torch.tensor([8.0, 16.0, 32.0])))
     cases = {
         "extra_image": ("train.txt" if ctx.rank == 0 else "train_plus_one.txt", False),
         "rect_on_rank_1": ("train.txt", ctx.rank == 1),
+        "one_image": ("train_one.txt", False),  # fewer training images than ranks: a shard would be empty
     }
     for case, (train_list, rect) in cases.items():
         data = load_data_config(Path(root) / f"{train_list}.yaml", ctx)
@@ -363,7 +364,8 @@ def test_ranks_with_different_datasets_fail_fast_with_one_line(tmp_path: Path) -
     files = sorted(p.name for p in images.iterdir())
     (root / "train.txt").write_text("".join(f"images/train/{name}\n" for name in files[:-2]))
     (root / "train_plus_one.txt").write_text("".join(f"images/train/{name}\n" for name in files[:-1]))
-    for name in ("train.txt", "train_plus_one.txt"):
+    (root / "train_one.txt").write_text(f"images/train/{files[0]}\n")
+    for name in ("train.txt", "train_plus_one.txt", "train_one.txt"):
         _write_yaml(root, f"{name}.yaml", name)
     timeout_s = 60.0  # the group's: a rank that waited for the other would sit it out
     rank0, rank1 = run_distributed(_build_on_rank, 2, tmp_path / "dist", str(root), timeout_s=timeout_s)
@@ -376,6 +378,12 @@ def test_ranks_with_different_datasets_fail_fast_with_one_line(tmp_path: Path) -
         # The same 10 files, in aspect-ratio order on rank 1: the listing agrees, build_datasets' own check does not.
         assert order.startswith("train set differs across ranks: rank 0 has 10 images (digest "), order
         assert "rank 1 has 10 (digest" in order and seconds < timeout_s
+        one, seconds = rank["one_image"]  # every rank stops alike, naming the file, before the sampler would raise
+        assert (
+            one == f"{root / 'train_one.txt'}: 1 usable training image(s) for 2 processes; every rank needs "
+            "at least one (use fewer processes or more images)"
+        ), one
+        assert seconds < timeout_s
     assert rank0 == {case: (rank1[case][0], rank0[case][1]) for case in rank0}  # the same line on both ranks
 
 

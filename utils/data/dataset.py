@@ -33,6 +33,7 @@ from utils.data.masks import polygons_to_masks, polygons_to_overlap_mask
 from utils.data.scan import check_same_image_files, scan_labels
 from utils.data.shm_cache import ShmImageCache, open_shm_cache
 from utils.distributed import DistContext
+from utils.errors import ConfigError
 
 if TYPE_CHECKING:
     from utils.data.batch import ShapeInfo
@@ -183,6 +184,12 @@ class LoadImagesAndLabels(Dataset):
             # Under --single-cls every class id is 0, so ids past `names` are no reason to stop.
             num_classes = ANY_CLASS_ID if options.single_cls else options.num_classes
             index = scan_labels(files, num_classes, ctx, names_file=options.names_file, require_labels=options.augment)
+        named = str(coco.annotations) if coco is not None else _sources_text(sources)
+        if options.augment and len(index) < ctx.world_size:  # every rank scanned the same index: all stop here
+            raise ConfigError(
+                f"{named}: {len(index)} usable training image(s) for {ctx.world_size} processes; every rank "
+                "needs at least one (use fewer processes or more images)"
+            )
         self.batch_shapes: np.ndarray | None = None  # (num_batches, 2) (h, w) in rect mode
         if options.rect:
             order, batch_shapes = rect_batch_shapes(
@@ -202,9 +209,8 @@ class LoadImagesAndLabels(Dataset):
             _warn_if_copy_paste_idle(options.aug, self.use_mosaic, index)
         if options.augment and options.with_masks and coco is None and ctx.is_main and _boxes_only(index):
             # A COCO JSON without segmentations is noted per annotation by its reader.
-            named = [sources] if isinstance(sources, str | Path) else list(sources)
             LOGGER.warning(
-                f"{', '.join(map(str, named))}: no training label has a polygon, so every mask is its box's "
+                f"{named}: no training label has a polygon, so every mask is its box's "
                 "rectangle; is --data a segmentation dataset?"
             )
         self.cache: ImageCache | ShmImageCache | None = None
@@ -457,3 +463,8 @@ class LoadImagesAndLabels(Dataset):
 def _to_rgb(image: np.ndarray) -> np.ndarray:
     """A new RGB copy of a BGR uint8 image (the input may be a read-only cache view)."""
     return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+def _sources_text(sources: str | Path | Sequence[str | Path]) -> str:
+    """The dataset's sources as a message names them: 'a, b' for a list of folders or list files."""
+    return ", ".join(map(str, [sources] if isinstance(sources, str | Path) else sources))
