@@ -178,3 +178,14 @@ def test_where_a_resume_starts_depends_on_what_the_checkpoint_was_trained_with(
             assert (restarted.epoch, restarted.batch, restarted.seen) == (4, 0, None)
     assert "goes on with the 24 of its 40 images it had not trained" in caplog.text
     assert caplog.text.count("epoch restarts from its first batch") == 2
+    # At an epoch's end: another world size or batch is nothing to say, other files are said and trained on.
+    caplog.clear()
+    at_end = {**checkpoint, "batches_done": 0}
+    with caplog.at_level("INFO"):
+        for changed in ({"world_size": 1, "per_rank_batch": 8}, {"dataset_len": 41, "dataset": "abd"}):
+            point = resume_point(at_end, {**geometry, **changed})
+            assert (point.epoch, point.batch, point.seen) == (4, 0, None)
+    assert caplog.messages == [
+        "The train set is not the one the checkpoint trained on (40 images then, 41 now, or other files): the run "
+        "goes on with the train set as it is now"
+    ]

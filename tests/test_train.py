@@ -207,6 +207,8 @@ def test_eval_model_layout_follows_flag(trained_run, channels_last: bool) -> Non
 def test_resume_continues_from_saved_epoch(trained_run, tmp_path: Path) -> None:
     # Resume epoch1.pt in a copy of the run folder: it must run exactly epoch 2 and end like the original.
     copy = _copy_after_first_epoch(trained_run, tmp_path)
+    saved = torch.load(copy / "weights" / "epoch1.pt", weights_only=True)["epoch_geometry"]
+    assert saved["dataset_len"] == TINY.num_train and len(saved["dataset"]) == 40, "what a resume checks against"
     result = train.main(["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0"])
     assert result.run_dir == copy and result.epochs_run == 1
     assert [row["epoch"] for row in _read_rows(copy / "results.csv")] == ["1", "2"]

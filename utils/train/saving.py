@@ -88,18 +88,28 @@ def resume_point(checkpoint: dict[str, Any] | None, geometry: LoaderGeometry) ->
     would have. Another world size or per-rank batch puts other images at that position: the epoch
     then goes on with exactly the images it had not trained (the checkpoint's `epoch_seen`), as a
     remainder plan. Another train set (other paths, or another length) restarts the epoch, with a
-    warning: the saved indices would name other images.
+    warning: the saved indices would name other images. At an epoch's end, another train set is
+    only warned of: the run goes on with the files as they are now.
     """
     if checkpoint is None:
         return ResumePoint()
     epoch, done = int(checkpoint["epoch"]) + 1, int(checkpoint.get("batches_done", 0))
     saved, plan_seen = checkpoint.get("epoch_geometry"), checkpoint.get("plan_seen")
+    other_files = saved is not None and (saved["dataset_len"], saved.get("dataset")) != (
+        geometry["dataset_len"],
+        geometry["dataset"],
+    )
+    if not done and other_files:
+        LOGGER.warning(
+            f"The train set is not the one the checkpoint trained on ({saved['dataset_len']} images then, "
+            f"{geometry['dataset_len']} now, or other files): the run goes on with the train set as it is now"
+        )
     if not done or saved is None or dict(saved) == geometry:  # older checkpoints record no geometry
         return ResumePoint(epoch, done, None if plan_seen is None or not done else np.asarray(plan_seen))
     where = (
         f"epoch {epoch + 1} of the checkpoint ({saved['world_size']} rank(s), per-rank batch {saved['per_rank_batch']})"
     )
-    if (saved["dataset_len"], saved.get("dataset")) != (geometry["dataset_len"], geometry["dataset"]):
+    if other_files:
         LOGGER.warning(
             f"The train set is not the one {where} trained on ({saved['dataset_len']} images then, "
             f"{geometry['dataset_len']} now, or other files): the images it trained cannot be told apart, so that "
@@ -132,6 +142,8 @@ def checkpoint_state(run: TrainRun, state: TrainState, epoch: int) -> ckpt_io.Ch
     checkpoint["callback_state"] = _callback_state(run.callbacks.state, run.unsaved_state)  # the MLflow run id, ...
     checkpoint["early_stop"] = state.stopper.state_dict()  # rank 0's, which decides
     checkpoint["job"] = run.ctx.run_id  # a torchrun restart of this job resumes it before an older --resume file
+    # The train set it trained on (resume_point tells a resume on other files); a mid-epoch save's is the same.
+    checkpoint["epoch_geometry"] = dict(run.datasets.train_loader.geometry)
     return checkpoint
 
 
