@@ -51,7 +51,7 @@ STANDARD_ROWS: dict[str, tuple[tuple[Any, ...], ...]] = {
 }
 HEAD_FROM = {"yolov8": (15, 18, 21), "yolo11": (16, 19, 22), "yolo26": (16, 19, 22)}
 SEG_HEADS = {"yolov8": "Segment", "yolo11": "Segment", "yolo26": "Segment26"}
-SCALE_IN_NAME = re.compile(r"^yolo(?:v8|11|26)([nsmlx])(?:-seg)?$")
+SCALE_IN_NAME = re.compile(r"yolo(?:v8|11|26)([nsmlx])(?![a-z])")  # anywhere in the name: yolo11m-custom.yaml
 
 
 def _layer_rows(raw: dict[str, Any]) -> list[Any]:
@@ -65,7 +65,8 @@ def is_ultralytics_yaml(path: Path) -> bool:
         raw = read_yaml_mapping(path)
     except ConfigError:
         return False  # unreadable: left to the YOLOv5 resolver, whose error names the file
-    modules = {row[2] for row in _layer_rows(raw) if isinstance(row, list) and len(row) == 4}
+    rows = [row for row in _layer_rows(raw) if isinstance(row, list) and len(row) == 4]
+    modules = {row[2] for row in rows if isinstance(row[2], str)}  # a list there is refused by the layer check
     return "scales" in raw or bool(modules & MARKER_MODULES)
 
 
@@ -155,7 +156,7 @@ def _scale_row(raw: dict[str, Any], path: Path) -> tuple[float, float, int, str]
     scales = raw.get("scales")
     if not isinstance(scales, dict) or not scales:
         raise ConfigError(f"{path}: needs a 'scales' table of [depth, width, max_channels] rows (n, s, m, l, x)")
-    named = SCALE_IN_NAME.match(path.stem.lower())
+    named = SCALE_IN_NAME.search(path.stem.lower())
     letter = named.group(1) if named else raw.get("scale")
     if letter is None:
         letter = next(iter(scales))

@@ -76,6 +76,8 @@ def read_yolov5_layout(raw: dict[str, Any], path: Path) -> HeadArgs | None:
     if "num_masks" in raw:
         raise ConfigError(f"{path}: 'num_masks' cannot be combined with 'head'; set masks in the Segment arguments")
     rows = [*raw["backbone"], *raw["head"]]
+    if not rows:
+        raise ConfigError(f"{path}: 'backbone' and 'head' list no layers")
     for index, row in enumerate(rows):
         if not isinstance(row, list) or len(row) != 4 or not isinstance(row[3], list):
             raise ConfigError(f"{path}: layer {index} must be [from, number, module, args], got {row!r}")

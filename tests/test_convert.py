@@ -247,3 +247,11 @@ def test_resuming_a_yolov5_checkpoint_says_to_fine_tune_it(yolov5n_file: tuple[P
     assert message.startswith(f"checkpoint {path} is a YOLOv5 / Ultralytics checkpoint (WeightsUnpickler error: ")
     assert "models.yolo.DetectionModel" in message and "Please use" not in message  # torch's advice left out
     assert message.endswith(f"fine-tune from it with --weights {path}; its run cannot be resumed here")
+
+
+def test_a_whole_pickled_network_of_another_kind_is_one_line(tmp_path: Path) -> None:
+    # torch.save(model) of any other network: the pickle's top object is a module without a layer list.
+    path = tmp_path / "seq.pt"
+    torch.save(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()), path)
+    with pytest.raises(ConfigError, match="not a YOLOv5 or Ultralytics checkpoint"):
+        convert_checkpoint(path)

@@ -74,3 +74,10 @@ def test_a_p2_head_or_missing_layer_is_refused(tmp_path: Path) -> None:
     path = write_model_yaml(tmp_path / "yolo26n.yaml", "yolo26", seg=False, edit=lambda b, h: b.pop(10))
     with pytest.raises(ConfigError, match="layer 10 .* differs from yolo26's"):
         spec_from_cfg(str(path), 3)
+
+
+@pytest.mark.parametrize("stem", ["yolo11s-custom", "my-yolo11s", "yolo11s_parts"])
+def test_a_scale_letter_anywhere_in_the_name_picks_that_row(stem: str, tmp_path: Path) -> None:
+    # As Ultralytics reads it: a copy of yolo11.yaml saved as yolo11s-custom.yaml is the s model, not the first row.
+    path = write_model_yaml(tmp_path / f"{stem}.yaml", "yolo11", seg=False)
+    assert spec_from_cfg(str(path), 3) == spec_for_name("yolo11s", 3)

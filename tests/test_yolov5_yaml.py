@@ -396,3 +396,9 @@ def test_nc_must_agree_with_names(tmp_path: Path, nc: str, needle: str) -> None:
 def test_nc_without_names_still_names_classes(tmp_path: Path) -> None:
     data = load_data_config(_coco128_style(tmp_path, names="", nc="nc: 2"), DistContext())
     assert data.names == ("class0", "class1")
+
+
+def test_empty_layer_lists_are_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "yolov5s.yaml"
+    path.write_text("nc: 3\ndepth_multiple: 0.33\nwidth_multiple: 0.5\nanchors: 3\nbackbone: []\nhead: []\n")
+    assert "'backbone' and 'head' list no layers" in _one_line_error(str(path))

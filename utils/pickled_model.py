@@ -60,9 +60,7 @@ def flatten_tensors(
 
 def find_model(raw: Any, path: Path) -> Placeholder:
     """Return the pickled model of a YOLOv5/Ultralytics checkpoint: `ema` when present, else `model`."""
-    if isinstance(raw, Placeholder):
-        return raw
-    model = (raw.get("ema") or raw.get("model")) if isinstance(raw, Mapping) else None
+    model = (raw.get("ema") or raw.get("model")) if isinstance(raw, Mapping) else raw  # or a whole pickled model
     if not isinstance(model, Placeholder) or "model" not in children(model):
         raise ConfigError(f"{path}: not a YOLOv5 or Ultralytics checkpoint (no pickled model with a layer list)")
     return model
