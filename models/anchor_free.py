@@ -52,7 +52,9 @@ class AnchorFreeSpec:
     residual SPPF and attention in the last neck stage). `reg_max` bins per box side (16: DFL; 1: the
     distances directly), `end_to_end` trains a one-to-one branch whose outputs need no NMS.
     `num_masks > 0` makes a segmentation model with `num_protos` prototypes. `scale` is the size
-    letter the multipliers came from ('' for a custom row).
+    letter the multipliers came from ('' for a custom row). `linear_pool_reduce` leaves the SPPF's first 1x1
+    conv without an activation, as YOLO26 always has it and Ultralytics 8.4+ builds YOLOv8/YOLO11 too
+    (set by weight conversion when the file's SPPF says so).
     """
 
     family: ClassVar[str] = "anchor_free"
@@ -66,6 +68,7 @@ class AnchorFreeSpec:
     num_masks: int = 0
     num_protos: int = 0
     scale: str = ""
+    linear_pool_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -192,7 +195,8 @@ class AnchorFreeBackbone(nn.Module):
             self.down5 = Conv(w(512), w(1024), 3, 2)
             self.stage5 = C3k2(w(1024), w(1024), d(2), use_c3k=True)
         is_26 = spec.layout == "yolo26"
-        self.pyramid = PoolPyramid(w(1024), w(1024), 5, residual=is_26, reduce_activation=not is_26)
+        linear_reduce = is_26 or spec.linear_pool_reduce
+        self.pyramid = PoolPyramid(w(1024), w(1024), 5, residual=is_26, reduce_activation=not linear_reduce)
         self.attention = C2PSA(w(1024), d(2)) if spec.layout != "yolov8" else None
         self.out_channels = (self.stage3_width(spec), w(512), w(1024))
 

@@ -214,6 +214,43 @@ def test_every_tensor_shape_is_checked(tmp_path: Path) -> None:
         convert_checkpoint(_saved(model, tmp_path, "bad.pt"))
 
 
+def _leaky(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, v5.Conv):
+            module.act = torch.nn.LeakyReLU(0.1)  # yolov5s-LeakyReLU.yaml's network: same tensors, other outputs
+
+
+def _neck_shortcut(model: torch.nn.Module) -> None:
+    model.model[23].m[0].add = True  # a neck C3 built with shortcut=True
+
+
+def _no_backbone_shortcut(model: torch.nn.Module) -> None:
+    model.model[2].m[0].add = False
+
+
+def _sppf_kernel(model: torch.nn.Module) -> None:
+    model.model[9].m = torch.nn.MaxPool2d(3, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_leaky, r"layer 0 \(Conv\): activation LeakyReLU, ours SiLU"),
+        (_neck_shortcut, r"layer 23 \(C3\): m.0 adds its input \(a residual shortcut\), ours does not"),
+        (_no_backbone_shortcut, r"layer 2 \(C3\): ours \(blocks.0\) adds its input .*, the file's does not"),
+        (_sppf_kernel, r"layer 9 \(SPPF\): m has pool kernel 3, ours \(pool\) 5"),
+    ],
+    ids=["leaky_relu", "neck_shortcut", "no_backbone_shortcut", "sppf_kernel"],
+)
+def test_a_network_that_computes_otherwise_with_the_same_tensors_is_refused(
+    change, message: str, tmp_path: Path
+) -> None:
+    model = v5.DetectionModel(0.33, 0.25, nc=2)
+    change(model)
+    with pytest.raises(ConfigError, match=message + "; converting it would change what the network computes"):
+        convert_checkpoint(_saved(model, tmp_path, "other.pt"))
+
+
 def test_our_own_checkpoint_errors_are_kept_for_files_that_are_neither(tmp_path: Path) -> None:
     path = tmp_path / "plain.pt"
     torch.save({"something": torch.zeros(2), "other": [1, 2]}, path)

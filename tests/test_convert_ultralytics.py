@@ -67,6 +67,31 @@ def test_converted_model_reproduces_the_raw_outputs(layout: str, seg: bool, tmp_
             torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-4, msg=f"level {level}")
 
 
+@pytest.mark.parametrize("layout", ["yolov8", "yolo11"])
+def test_a_linear_sppf_reduce_from_newer_ultralytics_converts_exactly(layout: str, tmp_path: Path) -> None:
+    original = uf.randomise(uf.DetectionModel(layout, nc=3), seed=5)
+    original.model[9].cv1.act = torch.nn.Identity()  # how Ultralytics 8.4+ builds every SPPF
+    checkpoint = convert_checkpoint(_saved(original, tmp_path))
+    assert spec_from_checkpoint(checkpoint).linear_pool_reduce
+    image = torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        expected = original(image)
+        _, raw = _ours(checkpoint)(image)
+    for mine, reference in zip(raw.levels, expected, strict=True):
+        torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-4)
+    standard = convert_checkpoint(_saved(uf.randomise(uf.DetectionModel(layout, nc=3)), tmp_path, "standard.pt"))
+    assert not spec_from_checkpoint(standard).linear_pool_reduce
+
+
+def test_another_activation_is_refused_naming_the_layer(tmp_path: Path) -> None:
+    model = uf.DetectionModel("yolov8", nc=3)
+    for module in model.modules():
+        if isinstance(module, uf.Conv) and isinstance(module.act, torch.nn.SiLU):
+            module.act = torch.nn.ReLU()  # a model.yaml with `activation: nn.ReLU()`
+    with pytest.raises(ConfigError, match=r"layer 0 \(Conv\): activation ReLU, ours SiLU; converting it would"):
+        convert_checkpoint(_saved(model, tmp_path))
+
+
 def test_a_pre_strip_last_pt_converts_through_load_weights(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO")
     path = _saved(uf.DetectionModel("yolo11", nc=2), tmp_path, "last.pt", released=False)  # model None, ema set

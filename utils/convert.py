@@ -7,9 +7,10 @@ memory instead (`load_weights`). The file is read with utils/safe_pickle.py, so 
 Ultralytics' YOLOv8 / YOLO11 / YOLO26 models go to utils/convert_ultralytics.py; this module maps
 YOLOv5's by structure: its numbered layer list (`model.0` ... `model.24`) lines up with
 `DetectionModel.layers()`, each YOLOv5 block's sub-module names are renamed to ours (C3's
-cv1/cv2/cv3/m are deep_in/skip/mix/blocks, ...), and every tensor must match our tensor of that
-name in shape: a file that does not fill our model exactly is refused with one line naming the
-first difference. Anchors, strides, class names and the scale (depth/width multiples) come from the file.
+cv1/cv2/cv3/m are deep_in/skip/mix/blocks, ...), every tensor must match our tensor of that
+name in shape, and every activation, residual flag and pool must be ours (`check_marks`): a file
+that does not fill our model exactly is refused with one line naming the first difference.
+Anchors, strides, class names and the scale (depth/width multiples) come from the file.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from utils.errors import ConfigError, exit_on_user_error
 from utils.families import spec_from_checkpoint
 from utils.pickled_model import (
     ConvertedModel,
+    check_marks,
     children,
     conv_out_channels,
     find_model,
@@ -119,7 +121,8 @@ def map_weights(layers: list[Placeholder], model: torch.nn.Module, path: Path) -
     """Return our state dict filled from the pickled layers; any missing, extra or misshaped tensor is an error."""
     prefixes = {id(module): f"{name}." for name, module in model.named_modules()}
     theirs: dict[str, torch.Tensor] = {}
-    for layer, ours in zip(layers, model.layers(), strict=True):
+    for index, (layer, ours) in enumerate(zip(layers, model.layers(), strict=True)):
+        check_marks(layer, ours, f"{path}: layer {index} ({layer.class_name})")
         flatten_tensors(layer, prefixes[id(ours)], theirs, RENAMES, DERIVED_BUFFERS)
     own = model.state_dict()
     theirs.setdefault("head.stride", own["head.stride"])  # YOLOv5 keeps it as a plain attribute

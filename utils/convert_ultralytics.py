@@ -5,8 +5,10 @@ of numbered layers. Those indices equal `AnchorFreeModel.layers()`, and inside e
 register their sub-modules in the order Ultralytics' do (models/csp_blocks.py, models/dense_head.py),
 so a layer's tensors pair with ours one-to-one in state-dict order. Every pair must agree in shape and
 in kind (weight, bias, running_mean ...); the one reshape is the DFL's fixed (1, reg_max, 1, 1) conv
-weight onto our `head.bins.weight` (reg_max,). Layout, scale, classes, names, strides, reg_max,
-end-to-end and the mask sizes all come from the file; anything else is a one-line ConfigError.
+weight onto our `head.bins.weight` (reg_max,). Activations, residual flags and pools must be ours too
+(`check_marks`); the SPPF's first conv may be linear (Ultralytics 8.4+), which the spec then records.
+Layout, scale, classes, names, strides, reg_max, end-to-end and the mask sizes all come from the file;
+anything else is a one-line ConfigError.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ import torch
 
 from models.anchor_free import SCALES, STRIDES, AnchorFreeModel, AnchorFreeSpec, build_model
 from utils.errors import ConfigError
-from utils.pickled_model import ConvertedModel, children, conv_out_channels, flatten_tensors, layer_list
+from utils.pickled_model import (
+    ConvertedModel,
+    check_marks,
+    children,
+    conv_out_channels,
+    flatten_tensors,
+    layer_list,
+)
 from utils.safe_pickle import Placeholder
 
 SUPPORTED = "only the standard yolov8, yolo11 and yolo26 n-x layouts (detect and -seg) convert"
@@ -100,6 +109,14 @@ def _strides(model: Placeholder, head: Placeholder, path: Path) -> None:
         raise ConfigError(f"{path}: strides {shown} are not 8, 16, 32; {SUPPORTED}")
 
 
+def _linear_pool_reduce(sppf: Placeholder) -> bool:
+    """Whether the SPPF's first conv is linear: Ultralytics 8.4+ builds it so in every layout, earlier ones only
+    in YOLO26 (a file fine-tuned from an older model keeps that model's activation)."""
+    reduce = children(sppf).get("cv1")
+    act = children(reduce).get("act") if isinstance(reduce, Placeholder) else None
+    return isinstance(act, Placeholder) and act.class_name == "Identity"
+
+
 def spec_from_ultralytics(model: Placeholder, layers: list[Placeholder], path: Path) -> AnchorFreeSpec:
     """Describe the pickled model as our AnchorFreeSpec: layout, scale, classes, reg_max, end-to-end, masks."""
     layout = detect_layout(model, layers, path)
@@ -119,6 +136,7 @@ def spec_from_ultralytics(model: Placeholder, layers: list[Placeholder], path: P
             num_masks=int(head.attribute("nm")) if is_seg else 0,
             num_protos=int(head.attribute("npr")) if is_seg else 0,
             scale=scale,
+            linear_pool_reduce=layout != "yolo26" and _linear_pool_reduce(layers[9]),
         )
     except (TypeError, ValueError) as error:
         raise ConfigError(f"{path}: the {head.class_name} head's attributes do not describe a model: {error}") from None
@@ -138,6 +156,7 @@ def map_layers(layers: list[Placeholder], model: AnchorFreeModel, path: Path) ->
         prefix = prefixes[id(ours)]
         our_keys = [key for key in own if key.startswith(prefix) and key not in weights]
         where = f"{path}: layer {index} ({layer.class_name})"
+        check_marks(layer, ours, where)
         if len(theirs) != len(our_keys):
             raise ConfigError(f"{where} has {len(theirs)} tensors, ours {len(our_keys)}; {SUPPORTED}")
         for (name, tensor), key in zip(theirs.items(), our_keys, strict=True):

@@ -58,6 +58,83 @@ def flatten_tensors(
             flatten_tensors(child, f"{prefix}{names.get(name, name)}.", out, renames, skipped_buffers)
 
 
+# What a module computes beyond its tensors, as (kind, value) marks in module order. Defaults leave no mark
+# (no shortcut, 3 pools), so a file pickled before an attribute existed reads as that attribute's default.
+Mark = tuple[str, Any]
+
+
+def _pool_kernel(kernel: Any) -> Any:
+    """A max-pool's kernel_size as one int when square (5 and (5, 5) are the same pool)."""
+    if isinstance(kernel, (tuple, list)) and len(set(kernel)) == 1:
+        return int(kernel[0])
+    return kernel
+
+
+def pickled_marks(node: Placeholder, path: str = "") -> list[tuple[str, Mark]]:
+    """(module path, mark) for a pickled module tree: each `act` child's class, each true `add` (YOLOv5 and
+    Ultralytics' residual flag), each max-pool's kernel, and an SPPF's pool count when not 3."""
+    marks: list[tuple[str, Mark]] = []
+    act = children(node).get("act")
+    if isinstance(act, Placeholder):
+        marks.append((path, ("activation", act.class_name)))
+    if node.attribute("add") is True:
+        marks.append((path, ("shortcut", True)))
+    if node.class_name == "MaxPool2d":
+        marks.append((path, ("pool kernel", _pool_kernel(node.attribute("kernel_size")))))
+    if node.class_name == "SPPF" and node.attribute("n", 3) != 3:
+        marks.append((path, ("pools", node.attribute("n"))))
+    for name, child in children(node).items():
+        if isinstance(child, Placeholder) and name != "act":
+            marks.extend(pickled_marks(child, f"{path}.{name}" if path else name))
+    return marks
+
+
+def module_marks(module: torch.nn.Module, path: str = "") -> list[tuple[str, Mark]]:
+    """The same marks for one of our modules (`use_residual` is our `add`, `num_pools` our SPPF's `n`)."""
+    marks: list[tuple[str, Mark]] = []
+    act = module._modules.get("act")
+    if act is not None:
+        marks.append((path, ("activation", type(act).__name__)))
+    if getattr(module, "use_residual", False) is True:
+        marks.append((path, ("shortcut", True)))
+    if isinstance(module, torch.nn.MaxPool2d):
+        marks.append((path, ("pool kernel", _pool_kernel(module.kernel_size))))
+    if getattr(module, "num_pools", 3) != 3:
+        marks.append((path, ("pools", module.num_pools)))
+    for name, child in module.named_children():
+        if name != "act":
+            marks.extend(module_marks(child, f"{path}.{name}" if path else name))
+    return marks
+
+
+def _difference(theirs: tuple[str, Mark] | None, ours: tuple[str, Mark] | None) -> str:
+    """Say in words how one pickled mark differs from ours at the same place in module order."""
+    if theirs is not None and theirs[1][0] == "shortcut":
+        return f"{theirs[0]} adds its input (a residual shortcut), ours does not"
+    if ours is not None and ours[1][0] == "shortcut":
+        return f"ours ({ours[0]}) adds its input (a residual shortcut), the file's does not"
+    if theirs is None or ours is None:
+        path, (kind, value) = theirs or ours  # type: ignore[misc]
+        return f"{path or 'the layer'}: {kind} {value} has no counterpart {'here' if theirs else 'in the file'}"
+    where = f"{theirs[0]} has " if theirs[0] else ""
+    return f"{where}{theirs[1][0]} {theirs[1][1]}, ours{f' ({ours[0]})' if ours[0] else ''} {ours[1][1]}"
+
+
+def check_marks(theirs: Placeholder, ours: torch.nn.Module, where: str) -> None:
+    """Refuse a layer whose activations, residual flags or pooling differ from ours, in one line naming the module.
+
+    Tensors of the right shapes are not enough: a LeakyReLU network or a flipped shortcut loads into
+    ours without a complaint and computes something else.
+    """
+    their_marks, our_marks = pickled_marks(theirs), module_marks(ours)
+    for index in range(max(len(their_marks), len(our_marks))):
+        mine = their_marks[index] if index < len(their_marks) else None
+        other = our_marks[index] if index < len(our_marks) else None
+        if mine is None or other is None or mine[1] != other[1]:
+            difference = _difference(mine, other)
+            raise ConfigError(f"{where}: {difference}; converting it would change what the network computes")
+
+
 def find_model(raw: Any, path: Path) -> Placeholder:
     """Return the pickled model of a YOLOv5/Ultralytics checkpoint: `ema` when present, else `model`."""
     model = (raw.get("ema") or raw.get("model")) if isinstance(raw, Mapping) else raw  # or a whole pickled model
