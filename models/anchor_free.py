@@ -316,8 +316,10 @@ class AnchorFreeModel(nn.Module):
         return [*backbone, *neck, self.head]
 
     def fuse(self) -> AnchorFreeModel:
-        """Fold every BatchNorm into its conv for faster inference; returns self. Use only for eval."""
+        """Fold every BatchNorm into its conv for faster inference, and drop the branches an end-to-end head does
+        not decode; returns self. Use only for eval."""
         fuse_convs(self)
+        self.head.drop_one_to_many()
         return self
 
 

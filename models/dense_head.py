@@ -20,12 +20,13 @@ class DenseRaw(NamedTuple):
 
     `levels`: per level (B, 4 * reg_max + nc [+ nm], H_l, W_l) raw outputs of the one-to-many branch:
     box distribution logits (side-major: left, top, right, bottom, each `reg_max` bins), class logits,
-    mask coefficients. `one_to_one`: the same from the end-to-end branch (None without one), computed on
-    detached features so its loss trains only its own convs. `semantic`: YOLO26-seg's training-only
+    mask coefficients (None once a fused end-to-end model has dropped that branch). `one_to_one`: the same
+    from the end-to-end branch (None without one), computed on detached features so its loss trains only
+    its own convs. `semantic`: YOLO26-seg's training-only
     per-pixel class logits (B, nc, H/8, W/8), else None.
     """
 
-    levels: list[torch.Tensor]
+    levels: list[torch.Tensor] | None
     one_to_one: list[torch.Tensor] | None = None
     semantic: torch.Tensor | None = None
 
@@ -195,9 +196,18 @@ class DenseHead(nn.Module):
             outputs.append(torch.cat(parts, dim=1))
         return outputs
 
+    def drop_one_to_many(self) -> None:
+        """Inference only: delete the one-to-many branches an end-to-end head that decodes its one-to-one
+        branch never reads (yolo26n: 0.15M parameters, 0.6 of 6.1 GFLOPs at 640). Their raw outputs are then
+        None; --nms (`use_one_to_one` False) must be chosen before, as it decodes exactly those branches."""
+        if self.end_to_end and self.use_one_to_one:
+            self.box_branches = self.class_branches = None  # type: ignore[assignment]
+            if hasattr(self, "mask_branches"):
+                self.mask_branches = None
+
     def forward(self, features: list[torch.Tensor]) -> DenseRaw | tuple[torch.Tensor, DenseRaw]:
         """features: (B, C_l, H_l, W_l) per level, finest first. See the class docstring for outputs."""
-        levels = self._branch_outputs(features, one_to_one=False)
+        levels = self._branch_outputs(features, one_to_one=False) if self.box_branches is not None else None
         one_to_one = None
         if self.end_to_end and (self.training or self.use_one_to_one):
             # Detached: the one-to-one loss trains only these convs, the backbone learns from one-to-many.
@@ -206,6 +216,8 @@ class DenseHead(nn.Module):
         if self.training:
             return raw
         chosen = one_to_one if (self.end_to_end and self.use_one_to_one) else levels
+        if chosen is None:
+            raise RuntimeError("this head's one-to-many branches were dropped for inference; choose --nms before")
         return self.decode(chosen), raw
 
     def flatten(self, levels: list[torch.Tensor]) -> torch.Tensor:

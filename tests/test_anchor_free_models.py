@@ -186,6 +186,37 @@ def test_fused_model_gives_the_same_outputs(layout: str) -> None:
     assert torch.allclose(before, after, atol=1e-4) and torch.allclose(protos_before, protos_after, atol=1e-4)
 
 
+@pytest.mark.parametrize("seg", [False, True], ids=["detect", "seg"])
+def test_fusing_an_end_to_end_model_drops_the_branch_it_does_not_decode(seg: bool) -> None:
+    model = build_model(_tiny("yolo26", seg=seg)).eval()
+    images = torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        before = model(images)[0]
+        unused = sum(
+            p.numel() for p in [*model.head.box_branches.parameters(), *model.head.class_branches.parameters()]
+        )
+        if seg:
+            unused += sum(p.numel() for p in model.head.mask_branches.parameters())
+        count = sum(p.numel() for p in model.parameters())
+        after = model.fuse()(images)[0]
+    assert model.head.box_branches is None and sum(p.numel() for p in model.parameters()) < count - unused + 1
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    model.head.use_one_to_one = False  # --nms chosen too late: one line, not a crash inside the decoder
+    with pytest.raises(RuntimeError, match="choose --nms before"):
+        model(images)
+
+
+def test_an_end_to_end_model_fused_for_nms_keeps_its_one_to_many_branch() -> None:
+    model = build_model(_tiny("yolo26")).eval()
+    model.head.use_one_to_one = False
+    images = torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        before = model(images)[0]
+        after = model.fuse()(images)[0]
+    assert model.head.box_branches is not None
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+
 def test_model_info_prints_the_published_figures() -> None:
     model = build_model(spec_for_name("yolo11n", 80))
     info = model_info(model, 640)
