@@ -58,19 +58,22 @@ def test_the_first_start_is_generation_0_in_one_key_space(server: dist.TCPStore)
     _one_key_space(results, "first")
 
 
+@pytest.mark.parametrize("grown", [False, True], ids=["same_size", "grown"])
 @pytest.mark.parametrize("half_dead", [False, True])
 @pytest.mark.parametrize("rank0_delay", [0.0, 0.4])
 def test_a_restart_never_joins_what_an_earlier_start_left(
-    server: dist.TCPStore, half_dead: bool, rank0_delay: float
+    server: dist.TCPStore, half_dead: bool, rank0_delay: float, grown: bool
 ) -> None:
-    first = _start(server, 3, {})
+    # grown: torchrun --nnodes 1:2 restarts 2 workers as 4 when a node joins; the first start's complete
+    # token then has fewer joins than the new start has ranks, and must still be passed over.
+    first = _start(server, 2 if grown else 3, {})
     _one_key_space(first, "first")
     if half_dead:  # a start that died half-way: its rank 0 published a token, rank 1 joined it, rank 2 never came
         server.add(COUNTER_KEY, 1)
         server.set(CURRENT_KEY, "1-deadbeef")
         server.add(_joined_key("1-deadbeef"), 1)
     # The next start; with rank0_delay the other ranks find the earlier start's token first.
-    second = _start(server, 3, {0: rank0_delay, 1: 0.0, 2: 0.1})
+    second = _start(server, 4 if grown else 3, {0: rank0_delay, 1: 0.0, 2: 0.1})
     assert {generation for _, generation in second.values()} == {2 if half_dead else 1}
     for store, _ in second.values():
         assert not store.check(["probe"])  # nothing of the first start's key space is visible

@@ -14,10 +14,11 @@ agents meet again, so none of an earlier attempt is alive when the next one join
 
 - rank 0 numbers the start (a counter in the store), publishes `<number>-<random hex>` and waits
   until the other world_size - 1 ranks have joined that token, then marks it complete;
-- any other rank joins the published token by incrementing its join counter. A count above
-  world_size - 1 means that token's start already had all its ranks: it is stale, and the rank
-  waits for a newer one. A stale token whose start never completed is never marked complete
-  (its rank 0 is gone), so a rank that joined it moves on when rank 0 publishes the new token.
+- any other rank joins the published token by incrementing its join counter. A token already
+  marked complete (an earlier start, also one with fewer ranks when the job grew) or a count above
+  world_size - 1 (that start already had all its ranks) is stale, and the rank waits for a newer
+  one. A stale token whose start never completed is never marked complete (its rank 0 is gone),
+  so a rank that joined it moves on when rank 0 publishes the new token.
 
 The number also tells every rank, identically, whether this is the job's first start.
 """
@@ -74,8 +75,10 @@ def join_generation(
         while not (token and store.check([_complete_key(token)])):
             current = store.get(CURRENT_KEY).decode() if store.check([CURRENT_KEY]) else ""
             if current and current != token and current not in stale:
-                if store.add(_joined_key(current), 1) > world_size - 1:
-                    stale.add(current)  # that start had all its ranks already
+                # Complete, or joined by more ranks than this start has: an earlier start's token (one with
+                # fewer ranks, when the job grew, has fewer joins than this world size but is complete).
+                if store.check([_complete_key(current)]) or store.add(_joined_key(current), 1) > world_size - 1:
+                    stale.add(current)
                 else:
                     token = current
                 continue
