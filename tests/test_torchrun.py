@@ -185,7 +185,8 @@ def test_train_run_from_a_script_under_torchrun_trains_as_train_py_does(
     ddp_run, tiny_data: Path, tmp_path: Path
 ) -> None:
     # A user's script calling train.run under torchrun: every rank calls it, callbacks fire on rank 0 only, and the
-    # run is the one train.py gives with the same flags (same seed, same per-epoch figures).
+    # run is the one train.py gives with the same flags (same seed, same per-epoch figures). A second train.run in
+    # the same processes trains its own run (each new process group is not a torchrun restart).
     script = tmp_path / "my_training.py"
     script.write_text(
         "import os, sys\n"
@@ -196,6 +197,9 @@ def test_train_run_from_a_script_under_torchrun_trains_as_train_py_does(
         "args = {flag.lstrip('-').replace('-', '_'): value for flag, value in zip(words, words)}\n"
         "result = train.run(callbacks={'on_fit_epoch_end': mark}, epochs=2, save_period=1, **args)\n"
         "print('RESULT', result.epochs_run, result.best.name)\n"
+        "args['name'] += '-second'  # a second training in the same processes: a new run, not a torchrun restart\n"
+        "again = train.run(epochs=1, **args)\n"
+        "print('SECOND', again.run_dir.name, again.epochs_run)\n"
     )
     _, reference = ddp_run
     launch = _torchrun(tmp_path / "logs", *_train_args(tiny_data, tmp_path / "runs", "api"), script=str(script))
@@ -203,6 +207,7 @@ def test_train_run_from_a_script_under_torchrun_trains_as_train_py_does(
     assert "RESULT 2 best.pt" in launch.rank_stdout[0] and "RESULT 2 best.pt" in launch.rank_stdout[1]
     run_dir = tmp_path / "runs" / "api"
     assert [p.name for p in run_dir.glob("ended-on-rank*")] == ["ended-on-rank0"]
+    assert "SECOND api-second 1" in launch.rank_stdout[0] and "SECOND api-second 1" in launch.rank_stdout[1]
     with (run_dir / "results.csv").open() as mine, (reference / "ddp" / "results.csv").open() as theirs:
         ours, script_py = list(csv.DictReader(mine)), list(csv.DictReader(theirs))
     for key in ("train/box_loss", "train/cls_loss", "metrics/mAP50-95", "val/box_loss"):

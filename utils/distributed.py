@@ -167,6 +167,10 @@ def _warn_unused_gpus(device_arg: str, local_rank: int, local_world_size: int) -
         )
 
 
+# torchrun job id -> the start (rendezvous generation) this worker process joined first.
+_START_OF_PROCESS: dict[str, int] = {}
+
+
 def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> DistContext:
     """Create this process's DistContext and, when launched with several processes, the process group.
 
@@ -195,6 +199,9 @@ def init_distributed(device_arg: str = "", timeout: datetime.timedelta = DEFAULT
                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
             )
             init_kwargs["store"], generation = join_generation(agent_store, rank, world_size, timeout)
+            # A worker process lives within one start: a later group in the same process (a script calling
+            # train.run twice) gets a fresh key space but is still that start, not a torchrun restart.
+            generation = _START_OF_PROCESS.setdefault(os.environ.get("TORCHELASTIC_RUN_ID", ""), generation)
         if device.type == "cuda":
             init_kwargs["device_id"] = device
         dist.init_process_group(**init_kwargs)
