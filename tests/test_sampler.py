@@ -132,6 +132,7 @@ def test_inference_batches_cover_each_index_once_and_never_cross_a_global_batch(
     assert all(len({i // group for i in indices}) == 1 and len(indices) <= batch for indices in batches)
     lengths = [len(sampler) for sampler in samplers]
     assert max(lengths) - min(lengths) <= 1  # balanced to one batch
+    assert lengths[0] >= 1  # rank 0, which draws the val_batch figures, always gets a batch
     for sampler in samplers:  # each rank's indices are one contiguous run
         mine = [i for indices in sampler for i in indices]
         assert not mine or mine == list(range(mine[0], mine[0] + len(mine)))

@@ -249,10 +249,10 @@ def inference_batches(dataset_len: int, rank: int, world_size: int, group: int, 
 
     The dataset is cut into groups of `group` items (the batch its rectangular shapes were computed
     with: one shape per group), each group into batches of at most `batch`, and rank r takes batches
-    [r * S // W, (r + 1) * S // W) of the S in all. No batch crosses a group, so every image is
+    [ceil(r * S / W), ceil((r + 1) * S / W)) of the S in all. No batch crosses a group, so every image is
     letterboxed as one process with batches of `group` letterboxes it, whatever the number of ranks,
-    and the ranks' batch counts differ by at most one. A rank may get none when there are fewer
-    batches than ranks.
+    and the ranks' batch counts differ by at most one. With fewer batches than ranks the last ranks
+    get none, never rank 0 (the rank that draws the val_batch figures).
     """
     if group < 1 or batch < 1:
         raise ValueError(f"inference batch sizes must be >= 1, got group {group} and batch {batch}")
@@ -261,7 +261,8 @@ def inference_batches(dataset_len: int, rank: int, world_size: int, group: int, 
         for first in range(0, dataset_len, group)
         for start in range(first, min(first + group, dataset_len), batch)
     ]
-    return batches[rank * len(batches) // world_size : (rank + 1) * len(batches) // world_size]
+    count = len(batches)
+    return batches[-(-rank * count // world_size) : -(-(rank + 1) * count // world_size)]
 
 
 class ShardedInferenceSampler(Sampler[list[int]]):
