@@ -53,7 +53,7 @@ class AnchorFreeSpec:
     distances directly), `end_to_end` trains a one-to-one branch whose outputs need no NMS.
     `num_masks > 0` makes a segmentation model with `num_protos` prototypes. `scale` is the size
     letter the multipliers came from ('' for a custom row). `linear_pool_reduce` leaves the SPPF's first 1x1
-    conv without an activation, as YOLO26 always has it and Ultralytics 8.4+ builds YOLOv8/YOLO11 too
+    conv without an activation, as YOLO26 always has it and Ultralytics 8.4.0-8.4.140 built YOLOv8/YOLO11 too
     (set by weight conversion when the file's SPPF says so).
     """
 

@@ -70,7 +70,7 @@ def test_converted_model_reproduces_the_raw_outputs(layout: str, seg: bool, tmp_
 @pytest.mark.parametrize("layout", ["yolov8", "yolo11"])
 def test_a_linear_sppf_reduce_from_newer_ultralytics_converts_exactly(layout: str, tmp_path: Path) -> None:
     original = uf.randomise(uf.DetectionModel(layout, nc=3), seed=5)
-    original.model[9].cv1.act = torch.nn.Identity()  # how Ultralytics 8.4+ builds every SPPF
+    original.model[9].cv1.act = torch.nn.Identity()  # how Ultralytics 8.4.0-8.4.140 built it from a YAML
     checkpoint = convert_checkpoint(_saved(original, tmp_path))
     assert spec_from_checkpoint(checkpoint).linear_pool_reduce
     image = torch.rand(1, 3, 64, 64)

@@ -6,7 +6,7 @@ register their sub-modules in the order Ultralytics' do (models/csp_blocks.py, m
 so a layer's tensors pair with ours one-to-one in state-dict order. Every pair must agree in shape and
 in kind (weight, bias, running_mean ...); the one reshape is the DFL's fixed (1, reg_max, 1, 1) conv
 weight onto our `head.bins.weight` (reg_max,). Activations, residual flags and pools must be ours too
-(`check_marks`); the SPPF's first conv may be linear (Ultralytics 8.4+), which the spec then records.
+(`check_marks`); the SPPF's first conv may be linear (Ultralytics 8.4.0-8.4.140), which the spec then records.
 Layout, scale, classes, names, strides, reg_max, end-to-end and the mask sizes all come from the file;
 anything else is a one-line ConfigError.
 """
@@ -110,8 +110,8 @@ def _strides(model: Placeholder, head: Placeholder, path: Path) -> None:
 
 
 def _linear_pool_reduce(sppf: Placeholder) -> bool:
-    """Whether the SPPF's first conv is linear: Ultralytics 8.4+ builds it so in every layout, earlier ones only
-    in YOLO26 (a file fine-tuned from an older model keeps that model's activation)."""
+    """Whether the SPPF's first conv is linear: always in YOLO26; in YOLOv8/YOLO11 when Ultralytics 8.4.0-8.4.140
+    built the model from its YAML (8.4.141 restored the activation; a fine-tuned older model keeps its own)."""
     reduce = children(sppf).get("cv1")
     act = children(reduce).get("act") if isinstance(reduce, Placeholder) else None
     return isinstance(act, Placeholder) and act.class_name == "Identity"
