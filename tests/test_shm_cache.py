@@ -35,6 +35,7 @@ from utils.data.shm_segment import (
     FILLING,
     HEADER,
     MAGIC,
+    SHM_DIR,
     process_start_time,
     read_header,
     segment_path,
@@ -276,7 +277,8 @@ from utils.distributed import DistContext
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 paths = sys.argv[3:]
 shapes = np.array([(int(w), int(h)) for w, h in (s.split("x") for s in sys.argv[2].split(","))])
-ctx = DistContext(restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+ctx = DistContext(restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                  generation=int(os.environ.get("GENERATION", "0")))  # the job's start number (rendezvous)
 cache = open_shm_cache(paths, shapes, 32, ctx, num_threads=2, directory=Path(sys.argv[1]))
 print(cache.path, flush=True)
 if os.environ.get("FAIL"):
@@ -312,6 +314,29 @@ def test_segment_removed_at_exit_unless_torchrun_will_restart(tmp_path: Path, sh
     restart = _run_and_exit(shm_dir, paths, shapes, **{**restarts, "TORCHELASTIC_RESTART_COUNT": "1"})
     assert restart.returncode == 0 and "reused from an earlier start, no refill" in restart.stderr
     assert not list(shm_dir.iterdir())
+    # Two nodes: the other node's agent spent the job's last restart (this is start 1 of at most 2), while this
+    # agent, whose worker did not fail, counts none. The job ends with this failure: the segment must go.
+    last = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_RESTART_COUNT": "0", "GENERATION": "1"}
+    final_start = _run_and_exit(shm_dir, paths, shapes, FAIL="1", **last)
+    assert final_start.returncode == 1 and "keeping" not in final_start.stderr and not list(shm_dir.iterdir())
+
+
+@pytest.mark.slow  # a training run in this process
+def test_train_run_frees_the_segment_when_it_returns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A notebook or sweep calling train.run again must not keep every earlier run's images in /dev/shm.
+    import train
+
+    if not SHM_DIR.is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    data = make_tiny_dataset(tmp_path, elastic.TINY)
+    with caplog.at_level(logging.INFO, logger="utils.data.shm_cache"):
+        train.run(
+            cfg="yolov5n", data=str(data), device="cpu", workers=0, imgsz=64, batch_size=4, epochs=1, noval=True,
+            noplots=True, cache="shm", project=str(tmp_path / "runs"), name="a", seed=3,
+        )  # fmt: skip
+    segments = set(re.findall(r"in (/\S*yolo-shm-cache-\S+),", caplog.text))
+    assert len(segments) == 1, caplog.text
+    assert not Path(next(iter(segments))).exists()
 
 
 @pytest.mark.slow

@@ -14,9 +14,11 @@ segment complete. When any node cannot have a segment (too little room in the fo
 memory, the folder missing, a segment held by another live run) every rank falls back to
 `--cache ram` with one warning, so all ranks sample the same way.
 
-Removal: the leader owns the segment and unlinks it when its process exits, normally or by an
-exception, unless torchrun still has restarts left after a failure (TORCHELASTIC_MAX_RESTARTS
-minus the restart count): then the segment stays for the restart to reuse. A process killed
+Removal: the leader owns the segment and unlinks it when its training run ends normally
+(`release`, so a script calling train.run again does not keep it), or when its process exits by
+an exception, unless torchrun still has restarts left after a failure (TORCHELASTIC_MAX_RESTARTS
+minus the job's start number, counted alike on every node): then the segment stays for the
+restart to reuse. A process killed
 outside Python (SIGKILL, os._exit) cannot clean up; the next run on the node with the same data
 reuses or replaces what it left. Other ranks never unlink; an unlinked segment stays readable by
 whoever still maps it, until they exit.
@@ -161,7 +163,10 @@ def open_shm_cache(
         if ctx.is_main:
             LOGGER.warning(f"--cache shm: {refusal}; caching each rank's shard in RAM instead (--cache ram)")
         return None
-    cache = ShmImageCache(path, layout, hw, offsets, image_files, is_owner=is_leader, restart_count=ctx.restart_count)
+    # The job's start number, not this agent's own restart count: with several nodes, an agent whose workers did not
+    # fail counts fewer restarts, and would keep the segment for a restart the job no longer has.
+    starts = max(ctx.restart_count, ctx.generation)
+    cache = ShmImageCache(path, layout, hw, offsets, image_files, is_owner=is_leader, restart_count=starts)
     _report(cache, action, len(peers), len(set(identities)), ctx)
     return cache
 

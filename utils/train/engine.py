@@ -14,6 +14,7 @@ import torch
 from models.model_info import memory_format
 from utils import checkpoint as ckpt_io
 from utils.callbacks import Callbacks, load_callback_modules
+from utils.data.shm_cache import ShmImageCache
 from utils.distributed import (
     DistContext,
     average_bn_stats,
@@ -70,9 +71,15 @@ def fit(cfg: TrainConfig, training: TrainingTask, ctx: DistContext, callbacks: C
 
 
 def _end_run(run: TrainRun, error: BaseException | None) -> None:
-    """Stop the loaders' workers (after a stop too: they would otherwise run on), tear down, free the folder."""
+    """Stop the loaders' workers (after a stop too: they would otherwise run on), tear down, free the folder.
+
+    A run that ended without an error frees the node's --cache shm segment now; after an error the
+    process's exit decides (kept when torchrun will restart the workers, see utils/data/shm_cache.py).
+    """
     run.datasets.train_loader.close()
     run.datasets.val_loader.close()
+    if error is None and isinstance(run.datasets.train.cache, ShmImageCache):
+        run.datasets.train.cache.release()
     try:
         run.fire("teardown", error=error)
     finally:
