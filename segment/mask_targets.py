@@ -37,7 +37,9 @@ class MaskTargets:
         drawing at the prototypes' size would (utils/data/masks.py: a pixel is set when its centre is
         inside); nearest interpolation kept the block's first pixel, which moved the targets up and
         left by 1.5 (ratio 1) or 1 (ratio 2) image pixels against the box crop. Coarser masks, or sizes
-        that are no whole multiple, are resized (nearest).
+        that are no whole multiple (--multi-scale), are resized taking the mask pixel under each prototype
+        pixel's centre ('nearest-exact'); plain 'nearest' took the one under its top-left corner, which
+        shifted the targets up and left by up to half a mask pixel.
         """
         expected, layout = (batch_size, "overlap (one per image)") if self.overlap else (len(targets), "per-instance")
         if masks.dim() != 3 or len(masks) != expected:
@@ -50,7 +52,7 @@ class MaskTargets:
         if step_y >= 1 and step_x >= 1 and masks.shape[-2:] == (step_y * height, step_x * width):
             # The pixel whose top-left corner is the prototype pixel's centre (the top-left rule, as drawn).
             return masks[:, step_y // 2 :: step_y, step_x // 2 :: step_x]
-        return F.interpolate(masks[None].float(), size=size, mode="nearest")[0]
+        return F.interpolate(masks[None].float(), size=size, mode="nearest-exact")[0]
 
     @staticmethod
     def _instance_masks(

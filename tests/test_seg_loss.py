@@ -177,6 +177,26 @@ def test_finer_masks_become_the_masks_drawn_at_the_prototypes_size() -> None:
         torch.testing.assert_close(got.float(), want.float(), msg=f"--mask-ratio {ratio}")
 
 
+def test_multi_scale_resizes_mask_targets_onto_the_same_pixels() -> None:
+    # --multi-scale resizes a 64 px batch to 48-96 px; the (16, 16) targets must become what drawing the polygons at
+    # that size gives (mean IoU 0.81 here), not a copy shifted down and right by sampling each prototype pixel's
+    # top-left corner (0.75).
+    rng = np.random.default_rng(0)
+    polygons = []
+    for _ in range(40):
+        centre, radius, angles = rng.uniform(20, 44, 2), rng.uniform(10, 20), np.sort(rng.uniform(0, 2 * np.pi, 8))
+        polygons.append(np.stack([centre[0] + radius * np.cos(angles), centre[1] + radius * np.sin(angles)], 1))
+    masks = torch.from_numpy(polygons_to_masks(polygons, 64, 64, 4))
+    targets = torch.zeros(len(polygons), 6)
+    ious = []
+    for side in (48, 80, 96):
+        size = (side // 4, side // 4)
+        got = MaskTargets._prepare_masks(types.SimpleNamespace(overlap=False), masks, targets, 1, size) > 0.5
+        want = torch.from_numpy(polygons_to_masks([p * side / 64 for p in polygons], side, side, 4)).bool()
+        ious.append(((got & want).sum((1, 2)) / (got | want).sum((1, 2)).clamp(min=1)).float().mean())
+    assert sum(ious) / len(ious) > 0.79, [round(float(iou), 3) for iou in ious]
+
+
 def test_rank_halves_with_averaged_counts_add_up_to_full_batch(model: SegmentationModel) -> None:
     torch.manual_seed(1)
     raw, protos = _zero_outputs(model, 4)
