@@ -20,7 +20,7 @@ from tests.coco_fakes import (
     ZERO_AREA_ID,
     write_coco_dataset,
 )
-from utils.data.coco_polygons import join_parts, rle_to_polygon
+from utils.data.coco_polygons import join_parts, object_outline, polygon_parts, rle_to_polygon
 from utils.data.coco_reader import (
     BAD_IMAGE,
     BAD_SEGMENTATION,
@@ -108,6 +108,20 @@ def test_join_parts_links_closest_vertices_and_keeps_every_vertex() -> None:
         assert {tuple(p) for p in part} <= {tuple(p) for p in joined}
     jumps = np.linalg.norm(np.diff(np.vstack([joined, joined[:1]]), axis=0), axis=1)
     assert sorted(jumps)[-4:] == pytest.approx([8.0, 8.0, 8.0, 8.0])  # each link (closest vertices) twice
+
+
+def test_overlapping_parts_become_the_union_pycocotools_draws() -> None:
+    from pycocotools import mask as mask_utils
+
+    # Two 20 x 20 squares sharing a 10 x 10 corner: joined into one outline, the even-odd fill would leave the
+    # shared corner empty (600 pixels); COCO's mask is their union (700), and so must ours be.
+    parts = [[5, 5, 25, 5, 25, 25, 5, 25], [15, 15, 35, 15, 35, 35, 15, 35]]
+    coco = mask_utils.decode(mask_utils.merge(mask_utils.frPyObjects(parts, 40, 40)))
+    ours = polygons_to_mask([object_outline(polygon_parts(parts))], 40, 40)
+    assert coco.sum() == 700
+    np.testing.assert_array_equal(ours, coco)
+    apart = polygon_parts([[0, 0, 2, 0, 2, 2, 0, 2], [10, 0, 12, 0, 12, 2, 10, 2]])
+    np.testing.assert_array_equal(object_outline(apart), join_parts(apart))  # disjoint parts: joined as they are
 
 
 def test_rle_mask_is_traced_into_one_polygon() -> None:

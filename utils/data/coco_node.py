@@ -17,7 +17,7 @@ from utils.errors import ConfigError
 
 LOGGER = logging.getLogger(__name__)
 
-PARSE_VERSION = 4  # stored in the parse file (and the label cache's digest): another version is parsed again
+PARSE_VERSION = 5  # stored in the parse file (and the label cache's digest): another version is parsed again
 # 3: RLE outlines along the pixels' outer edges; 4: traced at twice the size (no diagonals, no bridged gaps)
 LIST_FIELDS = ("category_names", "file_names", "messages")  # stored as str arrays, held as lists
 

@@ -37,6 +37,29 @@ def join_parts(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(forward + backward[::-1])
 
 
+def object_outline(parts: list[np.ndarray]) -> np.ndarray:
+    """One polygon (m, 2) for the parts of one COCO object: `join_parts` when they are disjoint.
+
+    Parts that overlap cannot be joined: the single outline covers their shared area twice, and the
+    even-odd fill of a polygon leaves it empty, a hole where COCO (pycocotools, the union) has the
+    object. Those are drawn as pycocotools draws them, on a canvas around the parts, and the union's
+    outlines (along pixel edges, masks.mask_outlines) are joined instead.
+    """
+    if len(parts) < 2:
+        return join_parts(parts)
+    from pycocotools import mask as mask_utils
+
+    points = np.concatenate(parts)
+    corner = np.floor(points.min(axis=0)) - 1
+    width, height = (np.ceil(points.max(axis=0)) - corner + 2).astype(int)
+    rles = mask_utils.frPyObjects([(part - corner).reshape(-1).tolist() for part in parts], int(height), int(width))
+    union = mask_utils.merge(rles)
+    if mask_utils.area(union) >= mask_utils.area(rles).sum():
+        return join_parts(parts)
+    outlines = [outline + corner for outline in mask_outlines(mask_utils.decode(union)) if len(outline) >= 3]
+    return join_parts(outlines)
+
+
 def _closest_vertices(first: np.ndarray, second: np.ndarray) -> tuple[int, int]:
     """Indices (i, j) of the closest pair of vertices first[i], second[j]."""
     dx = first[:, 0, None] - second[None, :, 0]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from utils.data.coco_polygons import join_parts, polygon_parts, rle_to_polygon
+from utils.data.coco_polygons import object_outline, polygon_parts, rle_to_polygon
 from utils.data.json_stream import JsonStream
 from utils.data.labels import COORD_TOLERANCE
 from utils.data.polygons import clip_polygon, pack, replace
@@ -170,7 +170,7 @@ class _Entries:
         try:
             if isinstance(segmentation, list):
                 parts = polygon_parts(segmentation)
-                outline = join_parts(parts) if parts else np.zeros((0, 2))
+                outline = object_outline(parts) if parts else np.zeros((0, 2))
             elif isinstance(segmentation, dict):
                 outline = rle_to_polygon(segmentation)
                 self.rle_sizes[len(self.ann_ids)] = tuple(segmentation["size"])  # a valid size, or it raised
