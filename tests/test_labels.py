@@ -477,11 +477,12 @@ def test_degenerate_instances_are_dropped_counted_and_reported(
         "2 0.5 0.5 0 0.3\n"  # box of zero width
         "0 0.1 0.1 0.4 0.1 0.4 0.4\n"  # kept: triangle
         "1 0.5 0.5 0.2 0.2\n"  # kept: box
-        "2 0.5 0.5 0.001 0.001\n",  # kept: tiny (1e-6 of the image) but not degenerate
+        "2 0.5 0.5 0.001 0.001\n"  # kept: tiny (1e-6 of the image) but not degenerate
+        "0 0.2 0.2 0.8 0.8 0.8 0.2 0.2 0.8\n",  # kept: a figure 8, whose signed (shoelace) areas cancel to 0
     )
     record = verify_image_label(str(image), str(mixed))
     assert record.status == "found" and record.num_degenerate == 3
-    assert record.labels[:, 0].tolist() == [0, 1, 2] and len(record.segments) == 3
+    assert record.labels[:, 0].tolist() == [0, 1, 2, 0] and len(record.segments) == 4
     assert record.message == f"fixed label {mixed}: dropped 3 degenerate (zero-area) instance(s)"
     _image(tmp_path / "images" / "flat.jpg")
     flat = _label(tmp_path, "flat", "0 0.3 0.3 0.6 0.6 0.9 0.9\n")
@@ -490,7 +491,7 @@ def test_degenerate_instances_are_dropped_counted_and_reported(
     caplog.set_level(logging.INFO)
     files = list_image_files(tmp_path / "images")
     index = scan_labels(files, 3, CTX)
-    assert index.num_degenerate == 4 and len(index.labels) == 4
+    assert index.num_degenerate == 4 and len(index.labels) == 5
     assert index.counts == {"found": 2, "missing": 0, "empty": 1, "corrupt": 0}  # all rows dropped: background
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert sorted(warnings) == sorted(

@@ -14,6 +14,7 @@ from utils.data.augment import AugmentParams
 from utils.data.batch import collate_batch
 from utils.data.dataset import DatasetOptions, LoadImagesAndLabels
 from utils.data.masks import (
+    covered_areas,
     mask_outlines,
     polygon_areas,
     polygons_to_mask,
@@ -323,3 +324,14 @@ def test_mask_outlines_drawn_again_give_back_every_region_with_its_holes_filled(
         for outline in mask_outlines(mask):
             drawn |= polygons_to_mask([outline.astype(np.float64)], height, width).astype(bool)
         np.testing.assert_array_equal(drawn, inside)
+
+
+def test_covered_area_is_zero_only_for_polygons_that_cover_nothing() -> None:
+    # Packed as the COCO label index stores them: a square, a figure 8, a collinear row, a point, no points.
+    square = [[0, 0], [2, 0], [2, 2], [0, 2]]
+    figure8 = [[8, 8], [32, 32], [32, 8], [8, 32]]  # two triangles of 144 px: the shoelace sum cancels to 0
+    line, point = [[0, 0], [1, 1], [3, 3]], [[5, 5]]
+    areas = covered_areas(np.array(square + figure8 + line + point, np.float64), [4, 4, 3, 1, 0])
+    assert areas[0] == 4.0 and areas[1] >= 288.0 and areas[2:].tolist() == [0.0, 0.0, 0.0]  # never below the true area
+    assert polygon_areas([np.array(figure8, np.float64)])[0] == 0.0  # why the shoelace area cannot judge it
+    assert polygons_to_mask([np.array(figure8, np.float64)], 40, 40).sum() == 288  # what the rasteriser fills

@@ -15,6 +15,7 @@ import numpy as np
 from utils.data.coco_node import PARSE_VERSION, load_coco_parse
 from utils.data.coco_reader import BAD_SEGMENTATION, CocoParse, missing_segmentation_notes
 from utils.data.labels import MIN_RELATIVE_AREA, STATUSES, LabelIndex, load_label_cache, save_label_cache
+from utils.data.masks import covered_areas
 from utils.data.polygons import gather, packed_bounds, ranges
 from utils.data.scan import check_same_image_files, files_hash, scan_in_rounds
 from utils.data.scan_report import report_scan
@@ -124,16 +125,6 @@ def _box_corners(boxes_xywhn: np.ndarray) -> np.ndarray:
     return np.clip(corners, 0.0, 1.0)
 
 
-def _shoelace(points: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Area (n,) float64 of each packed polygon (counts >= 3 each)."""
-    xy = points.astype(np.float64)
-    starts = np.cumsum(counts) - counts
-    following = np.arange(len(xy)) + 1
-    following[starts + counts - 1] = starts  # each polygon's last vertex is followed by its first
-    cross = xy[:, 0] * xy[following, 1] - xy[:, 1] * xy[following, 0]
-    return np.abs(np.add.reduceat(cross, starts)) / 2 if len(counts) else np.zeros(0)
-
-
 def _instance_outlines(
     parse: CocoParse, instances: np.ndarray, with_masks: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -181,7 +172,7 @@ def build_coco_index(
             "one of the dataset's classes (category_ids); left out"
         )
     points, counts, is_polygon = _instance_outlines(parse, instances, with_masks)
-    keep = (instance_classes >= 0) & (_shoelace(points, counts) >= MIN_RELATIVE_AREA)
+    keep = (instance_classes >= 0) & (covered_areas(points, counts) >= MIN_RELATIVE_AREA)
     for j in np.flatnonzero((instance_classes >= 0) & ~keep):
         shape = "polygon" if is_polygon[j] else "box"
         messages.append(f"{parse.source}: annotation {parse.annotation_ids[instances[j]]}: zero-area {shape}; left out")

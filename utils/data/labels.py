@@ -16,7 +16,7 @@ import numpy as np
 from utils.data.image_check import BadInputError, check_image
 from utils.data.image_files import ImageFiles, image_to_label_path, labels_folder_cache
 from utils.data.mapped_npz import load_npz_mapped, save_npz_atomic
-from utils.data.masks import polygon_areas
+from utils.data.masks import covered_areas
 from utils.data.packed_strings import PackedStrings
 from utils.data.polygons import gather, ranges
 
@@ -26,12 +26,12 @@ LOGGER = logging.getLogger(__name__)
 # class 0, as YOLOv5 maps them before its nc check), so no id is past the classes (scan_report.check_class_ids).
 ANY_CLASS_ID = 2**31 - 1
 # Stored in (and hashed into) the label cache: a cache of another version is rebuilt. 9: a PNG's EXIF orientation
-# written after its pixel data is read.
-CACHE_VERSION = 9
+# written after its pixel data is read; 10: a self-intersecting (figure 8) polygon is kept, not dropped as zero-area.
+CACHE_VERSION = 10
 # Coordinates this far outside [0, 1] are clipped with a warning, further is corrupt; a box row's edges may
 # overhang the image this far (rounding) before its clip is noted as a repair.
 COORD_TOLERANCE = 0.01
-MIN_RELATIVE_AREA = 1e-8  # an instance covering less of the image (shoelace area) is degenerate and dropped
+MIN_RELATIVE_AREA = 1e-8  # an instance covering less of the image (masks.covered_areas) is degenerate and dropped
 STATUSES = ("found", "missing", "empty", "corrupt")
 
 
@@ -150,12 +150,14 @@ def _rows_to_instances(rows: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndar
 
 
 def _drop_degenerate(labels: np.ndarray, segments: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray], int]:
-    """Leave out instances whose polygon (a box's clipped corners) has area < MIN_RELATIVE_AREA of the image.
+    """Leave out instances whose polygon (a box's clipped corners) covers < MIN_RELATIVE_AREA of the image.
 
     Such rows (collinear or repeated points, a box of zero width or height) cover no pixel, and
     their box outlines a line or a point, not an object. Returns (labels, segments, number dropped).
     """
-    keep = np.flatnonzero(polygon_areas(segments) >= MIN_RELATIVE_AREA)
+    outlines = [np.asarray(segment, np.float64).reshape(-1, 2) for segment in segments]
+    points = np.concatenate(outlines) if outlines else np.zeros((0, 2))
+    keep = np.flatnonzero(covered_areas(points, [len(outline) for outline in outlines]) >= MIN_RELATIVE_AREA)
     return labels[keep], [segments[i] for i in keep], len(segments) - len(keep)
 
 

@@ -113,6 +113,30 @@ def polygon_areas(polygons: list[np.ndarray]) -> np.ndarray:
     return areas
 
 
+def covered_areas(points: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """An area (n,) float64 of each packed polygon (points (P, 2), polygon i the next counts[i] rows) that is 0
+    only when it covers nothing: the absolute areas of the triangles fanned out from its first vertex, summed.
+
+    The shoelace area of a self-intersecting polygon (a figure 8) cancels to 0 while the rasteriser
+    and pycocotools fill both loops; this one does not. It is >= the true area (concave polygons
+    count some triangles twice), which is what a test for degenerate, pixel-less polygons needs.
+    """
+    counts = np.asarray(counts, np.int64)
+    areas = np.zeros(len(counts), np.float64)
+    used = np.flatnonzero(counts > 0)
+    if not len(used):
+        return areas
+    xy = np.asarray(points, np.float64).reshape(-1, 2)
+    starts = np.cumsum(counts) - counts
+    first = np.repeat(starts, counts)
+    spoke = xy - xy[first]  # each vertex from its polygon's first one
+    following = np.arange(len(xy)) + 1
+    following[(starts + counts - 1)[used]] = starts[used]  # the last vertex's triangle closes on the first
+    cross = np.abs(spoke[:, 0] * spoke[following, 1] - spoke[:, 1] * spoke[following, 0])
+    areas[used] = np.add.reduceat(cross, starts[used]) / 2
+    return areas
+
+
 def polygons_to_overlap_mask(polygons: list[np.ndarray], height: int, width: int, ratio: int = 1) -> np.ndarray:
     """Rasterise all polygons into one index mask: int16 (1, height // ratio, width // ratio).
 
