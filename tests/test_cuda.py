@@ -229,3 +229,14 @@ def test_train_with_cuda_graph_replays_the_captured_step(tiny_data: Path, tmp_pa
 def test_segment_train_on_cuda(tiny_data: Path, tmp_path: Path) -> None:
     result = segment_train.main(_train_argv(tiny_data, tmp_path, "segment", "yolov5n-seg"))
     assert result.epochs_run == 1 and "mask_mAP50-95" in result.metrics
+
+
+@pytest.mark.slow
+def test_autobatch_measures_this_gpu_and_trains_at_that_batch(tiny_data: Path, tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    argv = _train_argv(tiny_data, tmp_path, "autobatch", "yolov8n")
+    argv[argv.index("--batch-size") + 1] = "-1"
+    result = train.main(argv)
+    assert result.epochs_run == 1 and "AutoBatch: --batch-size " in caplog.text
+    chosen = int(caplog.text.split("AutoBatch: --batch-size ")[1].split()[0])
+    assert 16 <= chosen <= 1024  # yolov8n at 64 px: far more than 16 images fit any GPU this runs on

@@ -47,6 +47,7 @@ AUGMENT_HELP = (
 )
 QUICKSTART_EPOCHS = 20
 QUICKSTART_BATCH = 16
+AUTOBATCH = -1  # --batch-size -1: measure the largest batch that fits (utils/train/autobatch.py)
 QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)
 
 

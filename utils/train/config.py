@@ -9,11 +9,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from utils.checkpoint import checkpoint_path_problem
 from utils.config import (
     AUTO,
+    AUTOBATCH,
     DEFAULT_DATA,
     DEFAULT_MODEL,
     DEFAULT_SEGMENT_MODEL,
@@ -185,7 +187,12 @@ def _add_model_flags(parser: argparse.ArgumentParser, task: str) -> None:
 def _add_training_flags(parser: argparse.ArgumentParser) -> None:
     """How it is trained: schedule, batch, cache, optimizer, seeds, mid-epoch saves, augmentation switches."""
     parser.add_argument("--epochs", type=int, default=QUICKSTART_EPOCHS)
-    parser.add_argument("--batch-size", type=int, default=QUICKSTART_BATCH, help="GLOBAL batch, summed over all ranks")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=QUICKSTART_BATCH,
+        help="GLOBAL batch, summed over all ranks; -1: AutoBatch (the largest that fits every rank's GPU)",
+    )
     parser.add_argument(
         "--cache",
         nargs="?",
@@ -356,8 +363,12 @@ def validate(cfg: TrainConfig, ctx: DistContext) -> None:
 
     Every rank runs the same checks on the same options, so every rank raises together.
     """
-    if not cfg.resume or "batch_size" in cfg.explicit:  # a resumed run's own batch is checked once restored
-        per_rank_batch(cfg.batch_size, ctx)
+    if cfg.batch_size == AUTOBATCH and cfg.resume:
+        raise ConfigError("--batch-size -1 (AutoBatch) with --resume: give a size, or leave it out to keep the run's")
+    if cfg.batch_size < 1 and cfg.batch_size != AUTOBATCH:
+        raise ConfigError(f"--batch-size {cfg.batch_size} must be at least 1, or -1 for AutoBatch")
+    if (not cfg.resume or "batch_size" in cfg.explicit) and cfg.batch_size != AUTOBATCH:
+        per_rank_batch(cfg.batch_size, ctx)  # a resumed run's own batch is checked once restored
     if cfg.epochs < 1:
         raise ConfigError(f"--epochs {cfg.epochs} must be at least 1")
     if cfg.close_mosaic < 0:
@@ -418,3 +429,10 @@ def save_run_config(cfg: TrainConfig, run_dir: Path, ctx: DistContext) -> None:
     hyp = options.pop("hyp")
     (run_dir / "opt.yaml").write_text(yaml.safe_dump(options, sort_keys=False), encoding="utf-8")
     (run_dir / "hyp.yaml").write_text(yaml.safe_dump(hyp, sort_keys=False), encoding="utf-8")
+
+
+def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    """--amp as an autocast dtype: auto is fp16 on CUDA (YOLOv5's AMP) and fp32 (None) elsewhere."""
+    if amp == "auto":
+        return torch.float16 if device.type == "cuda" else None
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]

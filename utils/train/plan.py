@@ -21,9 +21,10 @@ from utils.data.data_config import DataConfig, load_data_config
 from utils.data.image_files import list_image_files
 from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch, run_on_main
 from utils.errors import ConfigError
-from utils.families import checkpoint_family, family_of, segmentation_spec, spec_from_checkpoint
+from utils.families import build_model, checkpoint_family, family_of, segmentation_spec, spec_from_checkpoint
 from utils.tasks import Task
-from utils.train.config import TrainConfig, config_from_dict
+from utils.train.autobatch import resolve_autobatch
+from utils.train.config import TrainConfig, autocast_dtype, config_from_dict
 from utils.train.faults import find_restarted_run
 from utils.train.mlflow_logger import mlflow_wanted
 from utils.train.recipe import RecipeFiles, needs_image_count, resolve_recipe, restored_recipe_line
@@ -113,6 +114,8 @@ def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunP
     names = ("item",) if cfg.single_cls else tuple(data.names)
     spec, weights = plan_model(cfg, training.task, names, resume)
     family = family_training(spec)
+    # --batch-size -1: measured now, on the model this run builds; the recipe below depends on the batch.
+    cfg = resolve_autobatch(cfg, lambda: build_model(spec), autocast_dtype(cfg.amp, ctx.device), ctx)
     # opt.yaml, hyp.yaml and checkpoints record the concrete optimizer and hyp, never "auto".
     cfg = resolve_run_recipe(cfg, data, ctx, resume is not None, family.recipe_files)
     family.check_hyp(cfg.hyp, cfg.hyp_path)  # a hyp file without a key this family's losses read

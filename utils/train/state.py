@@ -18,7 +18,7 @@ from utils.data.data_config import DataConfig
 from utils.distributed import DistContext, smart_ddp
 from utils.runs import RunFolderLock
 from utils.tasks import Task
-from utils.train.config import TrainConfig
+from utils.train.config import TrainConfig, autocast_dtype
 from utils.train.cuda_graph import graphed_forward
 from utils.train.ema import ModelEMA
 from utils.train.faults import StopSignals
@@ -221,10 +221,3 @@ def compiled_loss(loss_fn: Any, cfg: TrainConfig) -> Any:
         return loss_fn
     LOGGER.info(f"torch.compile (mode {cfg.compile_mode}) of the training loss (--static-loss-shapes)")
     return torch.compile(loss_fn, mode=cfg.compile_mode)
-
-
-def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
-    """--amp as an autocast dtype: auto is fp16 on CUDA (YOLOv5's AMP) and fp32 (None) elsewhere."""
-    if amp == "auto":
-        return torch.float16 if device.type == "cuda" else None
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
