@@ -128,10 +128,10 @@ def check_marks(theirs: Placeholder, ours: torch.nn.Module, where: str) -> None:
     """
     their_marks, our_marks = pickled_marks(theirs), module_marks(ours)
     for index in range(max(len(their_marks), len(our_marks))):
-        mine = their_marks[index] if index < len(their_marks) else None
-        other = our_marks[index] if index < len(our_marks) else None
-        if mine is None or other is None or mine[1] != other[1]:
-            difference = _difference(mine, other)
+        their_mark = their_marks[index] if index < len(their_marks) else None
+        our_mark = our_marks[index] if index < len(our_marks) else None
+        if their_mark is None or our_mark is None or their_mark[1] != our_mark[1]:
+            difference = _difference(their_mark, our_mark)
             raise ConfigError(f"{where}: {difference}; converting it would change what the network computes")
 
 
