@@ -12,7 +12,7 @@ import train
 from tests.conftest import make_tiny_dataset
 from utils.data.synthetic import SyntheticSpec
 from utils.train import multi_scale, records
-from utils.train.multi_scale import multi_scale_size, resize_batch
+from utils.train.multi_scale import largest_size, multi_scale_size, resize_batch
 
 
 def test_sizes_are_strided_within_half_to_one_and_a_half_and_depend_only_on_seed_and_iteration() -> None:
@@ -67,3 +67,10 @@ def test_noautoanchor_skips_the_from_scratch_anchor_check(
     args = ["--data", str(data), "--cfg", "yolov5n", "--imgsz", "64", "--epochs", "1", "--batch-size", "2", *flag]
     train.main([*args, "--device", "cpu", "--workers", "0", "--project", str(tmp_path / "runs"), "--noplots"])
     assert len(checked) == (0 if flag else 1)
+
+
+@pytest.mark.parametrize("imgsz", [64, 100, 640])
+def test_largest_size_is_the_largest_any_iteration_draws(imgsz: int) -> None:
+    # What AutoBatch measures at under --multi-scale: a batch that fits there fits every iteration.
+    drawn = {multi_scale_size(iteration, imgsz, 32, seed=3) for iteration in range(5000)}
+    assert max(drawn) == largest_size(imgsz, 32)

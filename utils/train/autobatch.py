@@ -23,6 +23,7 @@ from torch import nn
 from utils.config import AUTOBATCH, QUICKSTART_BATCH
 from utils.distributed import DistContext, all_gather_objects
 from utils.train.config import TrainConfig
+from utils.train.multi_scale import largest_size
 
 LOGGER = logging.getLogger(__name__)
 
@@ -95,10 +96,12 @@ def resolve_autobatch(
     """
     if cfg.batch_size != AUTOBATCH:
         return cfg
-    proposal, reason = None, "no CUDA device to measure"
+    proposal, reason, size = None, "no CUDA device to measure", cfg.imgsz
     if ctx.device.type == "cuda":
         model = build().to(ctx.device)
-        sizes, peaks, free = measure_step_memory(model, cfg.imgsz, ctx.device, amp_dtype, PROBE_SIZES)
+        # --multi-scale trains batches up to 1.5x --imgsz: the batch must fit at the largest.
+        size = largest_size(cfg.imgsz, int(model.stride.max())) if cfg.multi_scale else cfg.imgsz
+        sizes, peaks, free = measure_step_memory(model, size, ctx.device, amp_dtype, PROBE_SIZES)
         del model
         torch.cuda.empty_cache()
         proposal = fit_batch(sizes, peaks, AUTOBATCH_FRACTION * free)
@@ -111,7 +114,7 @@ def resolve_autobatch(
     else:
         batch = per_rank * ctx.world_size
         LOGGER.info(
-            f"AutoBatch: --batch-size {batch} ({per_rank} per rank x {ctx.world_size}) at {cfg.imgsz} px fills "
+            f"AutoBatch: --batch-size {batch} ({per_rank} per rank x {ctx.world_size}) at {size} px fills "
             f"{AUTOBATCH_FRACTION:.0%} of the free memory of the tightest rank's GPU in the measured step"
         )
     return dataclasses.replace(cfg, batch_size=batch)

@@ -24,6 +24,11 @@ def multi_scale_size(iteration: int, imgsz: int, stride: int, seed: int) -> int:
     return max(drawn // stride * stride, stride)
 
 
+def largest_size(imgsz: int, stride: int) -> int:
+    """The largest long side multi_scale_size draws (what the batch's memory must allow for)."""
+    return max((int(imgsz * MAX_SCALE) + stride - 1) // stride * stride, stride)
+
+
 def resize_batch(images: torch.Tensor, long_side: int, stride: int) -> torch.Tensor:
     """`images` (B, C, H, W) float, resized (bilinear) to long side `long_side`, each side a multiple of `stride`.
 
