@@ -153,6 +153,7 @@ def test_train_flags_pass_to_trials_and_the_tuner_keeps_its_own() -> None:
         (["--trials", "0"], r"--trials 0 must be at least 1"),
         (["--resume"], r"--resume is train.py's: run the same tune command again"),
         (["--noval"], r"--noval leaves no per-epoch mAP to prune on"),
+        (["--batch-size", "-1"], r"^--batch-size -1 \(AutoBatch\) would give trials on other GPUs other batches"),
         (["--evolve", "3"], r"^--evolve is train.py's spelling of tune.py; tune.py takes the number of trials as"),
     ],
 )

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.config import ROOT, flag_words
+from utils.config import AUTOBATCH, ROOT, flag_words
 from utils.errors import ConfigError
 from utils.train.config import TrainConfig, build_train_parser, config_from_args, explicit_options
 
@@ -123,5 +123,7 @@ def check_tune_config(cfg: TuneConfig) -> None:
         raise ConfigError("--resume is train.py's: run the same tune command again to resume a study")
     if "evolve" in cfg.train.explicit:  # train.py --evolve N is this command with --trials N; here it would do nothing
         raise ConfigError("--evolve is train.py's spelling of tune.py; tune.py takes the number of trials as --trials")
+    if cfg.train.batch_size == AUTOBATCH:  # each trial would measure its own GPU: trials of other batches
+        raise ConfigError("--batch-size -1 (AutoBatch) would give trials on other GPUs other batches; give a size")
     if cfg.train.noval and cfg.pruner != "none":
         raise ConfigError("--noval leaves no per-epoch mAP to prune on; drop --noval or pass --pruner none")
