@@ -167,13 +167,28 @@ def test_after_an_error_under_torchrun_one_stop_signal_lets_the_exit_finish(
 
 
 def test_restarted_job_finds_its_own_newest_run_folder(tmp_path: Path) -> None:
-    for name, run_id in (("exp", "job-a"), ("exp2", "job-b"), ("exp3", "job-a")):
+    for name, run_id in (("exp", "job-a"), ("exp2", "job-b"), ("exp3", "job-a"), ("other", "job-a")):
         (tmp_path / name).mkdir()
         mark_run(tmp_path / name, run_id)
     os.utime(tmp_path / "exp" / ".torchelastic_run_id", (1, 1))
-    assert find_restarted_run(tmp_path, "job-a") == tmp_path / "exp3"
-    assert find_restarted_run(tmp_path, "job-c") is None
-    assert find_restarted_run(tmp_path, "") is None
+    assert find_restarted_run(tmp_path, "job-a", "exp") == tmp_path / "exp3"
+    assert find_restarted_run(tmp_path, "job-a", "other") == tmp_path / "other"  # only folders of the run's --name
+    assert find_restarted_run(tmp_path, "job-a", "today") is None  # died before making "today": a new run
+    assert find_restarted_run(tmp_path, "job-c", "exp") is None
+    assert find_restarted_run(tmp_path, "", "exp") is None
+
+
+def test_a_job_without_rdzv_id_never_takes_another_jobs_folder(tmp_path: Path) -> None:
+    # Every torchrun job without --rdzv-id has the id "none". Yesterday's finished "exp" must not be continued by
+    # today's job whose first attempt died before making its own folder; a folder this agent made is.
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / ".torchelastic_run_id").write_text("none\n1:12345\n")  # another agent's job
+    (tmp_path / "exp2").mkdir()
+    (tmp_path / "exp2" / ".torchelastic_run_id").write_text("none")  # written before agents were recorded
+    assert find_restarted_run(tmp_path, "none", "exp") is None
+    (tmp_path / "exp3").mkdir()
+    mark_run(tmp_path / "exp3", "none")  # by this process's agent (its parent)
+    assert find_restarted_run(tmp_path, "none", "exp") == tmp_path / "exp3"
 
 
 def _signal_self_then_report(name: str, handled: bool, results: multiprocessing.Queue) -> None:

@@ -18,12 +18,14 @@ import threading
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from utils.data.shm_segment import process_start_time
 from utils.data.workers import set_stops_handled
 from utils.errors import REQUEUE_EXIT_CODE, STOP_SIGNALS
 
 LOGGER = logging.getLogger(__name__)
 
 RUN_ID_FILE = ".torchelastic_run_id"  # in the run folder: the torchrun job that created it
+DEFAULT_RUN_ID = "none"  # torchrun's --rdzv-id when none is given: shared by every such job
 STOP_GRACE_S = 60.0  # after SIGTERM / SIGUSR1 the process ends within this many seconds, saved or not
 
 
@@ -123,27 +125,43 @@ class StopSignals:
         self._restore()
 
 
+def _agent() -> str:
+    """This worker's torchrun agent, the parent process, as "pid:start time": one job on this node for good."""
+    parent = os.getppid()
+    return f"{parent}:{process_start_time(parent)}"
+
+
 def mark_run(run_dir: Path, run_id: str) -> None:
-    """Record in `run_dir` which torchrun job created it (rank 0; nothing outside torchrun)."""
+    """Record in `run_dir` which torchrun job created it (rank 0; nothing outside torchrun): its rendezvous id and
+    its agent on this node."""
     if run_id:
-        (run_dir / RUN_ID_FILE).write_text(run_id, encoding="utf-8")
+        (run_dir / RUN_ID_FILE).write_text(f"{run_id}\n{_agent()}\n", encoding="utf-8")
 
 
-def find_restarted_run(project: Path, run_id: str) -> Path | None:
-    """Return the newest run folder under `project` created by torchrun job `run_id`, or None.
+def _is_named(folder: Path, name: str) -> bool:
+    """Whether `folder` is `name` or one of its numbered siblings (name2, name3, ... as next_run_dir makes them)."""
+    rest = folder.name[len(name) :] if folder.name.startswith(name) else None
+    return rest is not None and (rest == "" or rest.isdigit())
 
-    torchrun's default rendezvous id is "none" for every job that does not set --rdzv-id; the
-    newest folder marked so is then taken, which is the restarted attempt's own folder unless
-    two unnamed jobs share one --project at the same time (give them --rdzv-id or --name).
+
+def find_restarted_run(project: Path, run_id: str, name: str) -> Path | None:
+    """Return the newest run folder `name` (or name2, ...) under `project` created by torchrun job `run_id`, or None.
+
+    torchrun's rendezvous id is "none" for every job that does not set --rdzv-id (and for static
+    rendezvous): such a folder must also have been made under this worker's own agent, or a restart
+    whose first attempt died before making its folder would continue another job's run. A job with
+    "none" whose rank 0 moved to another node therefore starts a new run; --rdzv-id avoids that.
     """
     if not run_id or not project.is_dir():
         return None
+    wanted = [run_id] if run_id != DEFAULT_RUN_ID else [run_id, _agent()]
     marked = []
     for folder in project.iterdir():
         marker = folder / RUN_ID_FILE
         try:
-            if marker.is_file() and marker.read_text(encoding="utf-8").strip() == run_id:
-                marked.append(folder)
+            if _is_named(folder, name) and marker.is_file():
+                if marker.read_text(encoding="utf-8").split()[: len(wanted)] == wanted:
+                    marked.append(folder)
         except OSError:
             continue
     return max(marked, key=lambda folder: (folder / RUN_ID_FILE).stat().st_mtime) if marked else None

@@ -193,7 +193,7 @@ def resolve_resume(
 
 def _restart_target(cfg: TrainConfig, ctx: DistContext) -> tuple[str | None, str | None]:
     """Rank 0 after a torchrun restart: (this job's run folder, its newest intact checkpoint), either may be None."""
-    run_dir = find_restarted_run(cfg.project, ctx.run_id)
+    run_dir = find_restarted_run(cfg.project, ctx.run_id, cfg.name)
     if run_dir is None:
         return None, None
     try:
