@@ -18,8 +18,8 @@ class MaskTermLoss(MaskTargets):
     training output, protos (B, nm, h, w), targets (N, 6) normalised as for detection; masks are the
     batch's ground truth (docs/CONTRACTS.md): per-instance (N, h', w') 0/1 aligned with the target
     rows, or with `overlap` (B, h', w') holding i + 1 where an image's i-th instance is. Masks of
-    another size than the prototypes are resized (nearest) to it first. Returns (loss (1,) multiplied
-    by the batch size, items in `item_names` order, detached).
+    another size than the prototypes are resized to it first, centred (MaskTargets._prepare_masks).
+    Returns (loss (1,) multiplied by the batch size, items in `item_names` order, detached).
 
     A family's loss supplies the two steps that differ:
     - `_detection_items(raw, targets, reduce_counts)` -> (its detection items by name, gained, 0-d;

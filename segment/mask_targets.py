@@ -23,6 +23,73 @@ def overlap_instance_ids(image_index: torch.Tensor) -> torch.Tensor:
     return rows - first_row[image_index] + 1
 
 
+def _source_taps(out_size: int, in_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Along one axis, per output pixel: the input pixels either side of its centre (low, high) and high's weight.
+
+    As bilinear interpolation without align_corners: output pixel k's centre is input index
+    (k + 0.5) * in_size / out_size - 0.5, clamped to the first and last pixel. Worked out in float64,
+    so a centre exactly between two pixels gets weight 0.5 on each, not 0.5 plus rounding.
+    """
+    centre = (torch.arange(out_size, dtype=torch.float64) + 0.5) * in_size / out_size - 0.5
+    centre = centre.clamp(0, in_size - 1)
+    low = centre.floor().long()
+    weight_high = (centre - low).float()
+    return low.to(device), (low + 1).clamp(max=in_size - 1).to(device), weight_high.to(device)
+
+
+def _tie_break(masks: torch.Tensor) -> torch.Tensor:
+    """(n, max value + 1) float: per row and value, a bonus too small to outweigh a real difference in weight.
+
+    Background (0) gets none, an instance up to 1e-4, more the smaller its area in its row, so a tie goes to
+    an instance over the background and to the smaller of two instances, as polygons_to_overlap_mask
+    draws a small object over a large one.
+    """
+    values = masks.flatten(1).long()
+    num_values = int(values.max()) + 1
+    row_offsets = torch.arange(len(masks), device=masks.device).view(-1, 1) * num_values
+    # bincount without weights is deterministic on CUDA; a 2-D scatter_add_ is not.
+    areas = torch.bincount((values + row_offsets).flatten(), minlength=len(masks) * num_values)
+    tie_break = 1e-4 * (1 - areas.view(len(masks), num_values) / values.shape[1])
+    tie_break[:, 0] = 0
+    return tie_break
+
+
+def resize_masks_by_vote(masks: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Resize (n, h, w) 0/1 or index masks to (n, *size), same dtype, keeping them centred.
+
+    Each output pixel takes the value that holds the most bilinear weight among the four input
+    pixels around its centre, which for 0/1 masks is bilinear interpolation thresholded at 0.5: the
+    outline is placed between input pixels, close to where drawing at the new size puts it.
+    'nearest' took the pixel under each output pixel's top-left corner and moved --multi-scale
+    targets 1 to 1.5 input pixels down and right; 'nearest-exact' still rounds every half-way
+    centre the same way (0.1 to 0.25 output pixels up and left). A vote, unlike averaging, keeps
+    overlap masks' instance indices whole. A tie goes to an instance over the background.
+    """
+    rows_low, rows_high, weight_y = _source_taps(size[0], masks.shape[-2], masks.device)
+    cols_low, cols_high, weight_x = _source_taps(size[1], masks.shape[-1], masks.device)
+    weight_y, weight_x = weight_y.view(-1, 1), weight_x.view(1, -1)
+    top, bottom = masks[:, rows_low], masks[:, rows_high]
+    taps = (
+        (top[:, :, cols_low], (1 - weight_y) * (1 - weight_x)),
+        (top[:, :, cols_high], (1 - weight_y) * weight_x),
+        (bottom[:, :, cols_low], weight_y * (1 - weight_x)),
+        (bottom[:, :, cols_high], weight_y * weight_x),
+    )
+    tie_break = _tie_break(masks)
+
+    def score(value: torch.Tensor) -> torch.Tensor:
+        """The weight of the taps that hold `value`, plus its tie-break."""
+        weight = sum(weight * (other == value) for other, weight in taps)
+        return weight + tie_break.gather(1, value.flatten(1).long()).view_as(weight)
+
+    best, best_score = taps[0][0], score(taps[0][0])
+    for value, _ in taps[1:]:
+        value_score = score(value)
+        better = value_score > best_score
+        best, best_score = torch.where(better, value, best), torch.where(better, value_score, best_score)
+    return best
+
+
 class MaskTargets:
     """The ground-truth side of a mask term, shared by every family's segmentation loss (needs `self.overlap`)."""
 
@@ -37,9 +104,7 @@ class MaskTargets:
         drawing at the prototypes' size would (utils/data/masks.py: a pixel is set when its centre is
         inside); nearest interpolation kept the block's first pixel, which moved the targets up and
         left by 1.5 (ratio 1) or 1 (ratio 2) image pixels against the box crop. Coarser masks, or sizes
-        that are no whole multiple (--multi-scale), are resized taking the mask pixel under each prototype
-        pixel's centre ('nearest-exact'); plain 'nearest' took the one under its top-left corner, which
-        shifted the targets up and left by up to half a mask pixel.
+        that are no whole multiple (--multi-scale), are resized as `resize_masks_by_vote` does.
         """
         expected, layout = (batch_size, "overlap (one per image)") if self.overlap else (len(targets), "per-instance")
         if masks.dim() != 3 or len(masks) != expected:
@@ -52,7 +117,12 @@ class MaskTargets:
         if step_y >= 1 and step_x >= 1 and masks.shape[-2:] == (step_y * height, step_x * width):
             # The pixel whose top-left corner is the prototype pixel's centre (the top-left rule, as drawn).
             return masks[:, step_y // 2 :: step_y, step_x // 2 :: step_x]
-        return F.interpolate(masks[None].float(), size=size, mode="nearest-exact")[0]
+        if self.overlap:
+            return resize_masks_by_vote(masks, size)
+        # 0/1 masks: the same vote is bilinear interpolation at 0.5 or more (1e-4: its float32 rounding),
+        # which torch does some 50 times faster on CPU.
+        blended = F.interpolate(masks[None].float(), size=size, mode="bilinear", align_corners=False)[0]
+        return (blended > 0.5 - 1e-4).to(masks.dtype)
 
     @staticmethod
     def _instance_masks(

@@ -16,7 +16,7 @@ from segment.ops import assemble_masks, assemble_masks_by_image, crop_mask, proc
 from segment.training import SEGMENT_TRAINING
 from utils.boxes import xywhn_to_xyxy
 from utils.config import DEFAULT_HYP
-from utils.data.masks import polygons_to_masks
+from utils.data.masks import polygons_to_masks, polygons_to_overlap_mask
 from utils.hyp import load_hyp
 from utils.train.config import TrainConfig
 from utils.train.loss import assign_targets, grid_tables, scale_loss_gains
@@ -177,24 +177,52 @@ def test_finer_masks_become_the_masks_drawn_at_the_prototypes_size() -> None:
         torch.testing.assert_close(got.float(), want.float(), msg=f"--mask-ratio {ratio}")
 
 
-def test_multi_scale_resizes_mask_targets_onto_the_same_pixels() -> None:
-    # --multi-scale resizes a 64 px batch to 48-96 px; the (16, 16) targets must become what drawing the polygons at
-    # that size gives (mean IoU 0.81 here), not a copy shifted down and right by sampling each prototype pixel's
-    # top-left corner (0.75).
-    rng = np.random.default_rng(0)
+def _random_polygons(count: int, seed: int) -> list[np.ndarray]:
+    """`count` random 8-point star-shaped polygons inside a 64 px image, radius 4 to 20 px."""
+    rng = np.random.default_rng(seed)
     polygons = []
-    for _ in range(40):
-        centre, radius, angles = rng.uniform(20, 44, 2), rng.uniform(10, 20), np.sort(rng.uniform(0, 2 * np.pi, 8))
+    for _ in range(count):
+        centre, radius, angles = rng.uniform(20, 44, 2), rng.uniform(4, 20), np.sort(rng.uniform(0, 2 * np.pi, 8))
         polygons.append(np.stack([centre[0] + radius * np.cos(angles), centre[1] + radius * np.sin(angles)], 1))
-    masks = torch.from_numpy(polygons_to_masks(polygons, 64, 64, 4))
-    targets = torch.zeros(len(polygons), 6)
-    ious = []
-    for side in (48, 80, 96):
-        size = (side // 4, side // 4)
-        got = MaskTargets._prepare_masks(types.SimpleNamespace(overlap=False), masks, targets, 1, size) > 0.5
-        want = torch.from_numpy(polygons_to_masks([p * side / 64 for p in polygons], side, side, 4)).bool()
-        ious.append(((got & want).sum((1, 2)) / (got | want).sum((1, 2)).clamp(min=1)).float().mean())
-    assert sum(ious) / len(ious) > 0.79, [round(float(iou), 3) for iou in ious]
+    return polygons
+
+
+def _shift_and_iou(got: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, float]:
+    """Mean (x, y) centroid shift of `got`'s masks from `want`'s (both (n, h, w) bool) and their mean IoU."""
+    shifts, ious = [], []
+    for mask_got, mask_want in zip(got, want, strict=True):
+        if mask_want.any() and mask_got.any():
+            shifts.append(np.argwhere(mask_got).mean(0)[::-1] - np.argwhere(mask_want).mean(0)[::-1])
+        ious.append((mask_got & mask_want).sum() / max((mask_got | mask_want).sum(), 1))
+    return np.mean(shifts, axis=0), float(np.mean(ious))
+
+
+@pytest.mark.parametrize("side", [48, 80, 96])
+def test_multi_scale_masks_match_the_polygons_drawn_at_the_new_size(side: int) -> None:
+    # --multi-scale: masks drawn for 64 px (16 x 16) meet the prototypes of a batch resized to `side`. The
+    # resized targets must lie where the polygons drawn at that size lie; 'nearest' sampled each pixel's
+    # top-left corner and moved them 0.25 to 0.4 prototype pixels (1 to 1.5 input pixels) down and right,
+    # 'nearest-exact' rounds every half-way centre down and right, moving them 0.1 to 0.26 up and left.
+    polygons, proto = _random_polygons(200, seed=0), side // 4
+    scaled = [polygon * side / 64 for polygon in polygons]
+    per_instance = torch.from_numpy(polygons_to_masks(polygons, 64, 64, 4))
+    got = MaskTargets._prepare_masks(
+        types.SimpleNamespace(overlap=False), per_instance, torch.zeros(200, 6), 1, (proto, proto)
+    )
+    shift, iou = _shift_and_iou(got.numpy() > 0.5, polygons_to_masks(scaled, side, side, 4).astype(bool))
+    assert np.abs(shift).max() < 0.1 and iou > 0.8, (shift, iou)
+    # Overlap masks (index values, not 0/1) resize alike: 50 images of 4 instances each.
+    overlap = torch.from_numpy(
+        np.concatenate([polygons_to_overlap_mask(polygons[i : i + 4], 64, 64, 4) for i in range(0, 200, 4)])
+    )
+    targets = torch.zeros(200, 6)
+    targets[:, 0] = torch.arange(200) // 4
+    got = MaskTargets._prepare_masks(types.SimpleNamespace(overlap=True), overlap, targets, 50, (proto, proto))
+    want = np.concatenate([polygons_to_overlap_mask(scaled[i : i + 4], side, side, 4) for i in range(0, 200, 4)])
+    instance_id = np.arange(1, 5).reshape(1, 4, 1, 1)
+    got_each = (got.numpy()[:, None] == instance_id).reshape(200, proto, proto)
+    shift, iou = _shift_and_iou(got_each, (want[:, None] == instance_id).reshape(200, proto, proto))
+    assert np.abs(shift).max() < 0.1 and iou > 0.72, (shift, iou)
 
 
 def test_rank_halves_with_averaged_counts_add_up_to_full_batch(model: SegmentationModel) -> None:
