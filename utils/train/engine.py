@@ -190,7 +190,9 @@ def _run_callbacks(
     cfg: TrainConfig, run_dir: Path, ctx: DistContext, modules: Callbacks, given: Callbacks
 ) -> Callbacks:
     """The run's callbacks in calling order: TensorBoard, MLflow, W&B, --callbacks modules', `given` (train.run's)."""
-    callbacks = Callbacks(state=given.state, enabled=ctx.is_main)
+    # A copy: one Callbacks object given to train.run again must not hand this run's state (MLflow's run id,
+    # W&B's) to the next, unrelated run; a resumed run gets its own back from the checkpoint.
+    callbacks = Callbacks(state=dict(given.state), enabled=ctx.is_main)
     if ctx.is_main:
         callbacks.add_object(TensorBoardLogger(run_dir, ctx))
         if mlflow_wanted(cfg.mlflow):
