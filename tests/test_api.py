@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,14 @@ def test_callback_modules_from_a_file_or_a_name(tmp_path: Path, monkeypatch: pyt
         "object on_fit_epoch_end 2",
         "file on_train_end None",
     ]
+    # A file whose dataclass needs its module in sys.modules while it runs (postponed annotations).
+    (tmp_path / "tracked.py").write_text(
+        "from __future__ import annotations\nimport dataclasses\n"
+        "@dataclasses.dataclass\nclass Seen:\n    epochs: int = 0\n"
+        "def on_train_end(event):\n    pass\n"
+    )
+    assert load_callback_modules([str(tmp_path / "tracked.py")]).handlers["on_train_end"]
+    assert not any(name.startswith("_yolo_callbacks_") for name in sys.modules)  # not left behind
     (tmp_path / "empty.py").write_text("x = 1\n")
     with pytest.raises(ConfigError, match=r"empty.py: defines no function named like an event"):
         load_callback_modules([str(tmp_path / "empty.py")])
@@ -158,7 +167,9 @@ def test_train_run_twice_in_one_process_with_callbacks(tiny_data: Path, tmp_path
     handlers["on_fit_epoch_end"].append(keep_row)
     root = logging.getLogger()
     before = (root.level, list(root.handlers), torch.get_num_threads())
-    first = train.run(callbacks=handlers, **_tiny(tiny_data, tmp_path))
+    given = Callbacks.from_mapping(handlers)
+    first = train.run(callbacks=given, **_tiny(tiny_data, tmp_path))
+    assert given.state == {}  # the run's state (MLflow's or W&B's run id) stays with it, not with a reused object
     assert (root.level, list(root.handlers), torch.get_num_threads()) == before
     assert not dist.is_initialized()
     names = [name for name, _ in events]

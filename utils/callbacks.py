@@ -145,6 +145,7 @@ def _import(name: str) -> Any:
             spec = importlib.util.spec_from_file_location(f"_yolo_callbacks_{path.stem}", path)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # while it runs: dataclasses and typing look their module up there
             spec.loader.exec_module(module)
             return module
         return importlib.import_module(name)
