@@ -153,3 +153,39 @@ def test_without_the_flag_or_a_project_w_and_b_is_off(monkeypatch: pytest.Monkey
     assert not wandb_wanted(False) and wandb_wanted(True)
     monkeypatch.setenv("WANDB_PROJECT", "p")
     assert wandb_wanted(False)
+
+
+def test_without_an_api_key_w_and_b_is_one_warning_not_a_login_prompt(
+    tmp_path: Path, offline: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A server that answers (as api.wandb.ai would) but no key anywhere: wandb.init would prompt on a terminal and
+    # wait there, or end the run when stdin is closed. The logger asks for a key without a prompt and stays off.
+    import http.server
+    import threading
+
+    from utils.callbacks import TrainEvent
+    from utils.train.wandb_logger import WandbLogger
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the handler's name is http.server's)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("WANDB_MODE", "online")
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+        monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+        logger = WandbLogger(explicit=True)
+        event = TrainEvent(name="on_pretrain_routine_end", run_dir=tmp_path / "exp", options={}, epochs=1, state={})
+        with caplog.at_level(logging.WARNING):
+            logger.on_pretrain_routine_end(event)
+    finally:
+        server.shutdown()
+    assert logger.run is None and event.state == {}
+    assert "W&B: no API key (WANDB_API_KEY, or `wandb login` once); training goes on without W&B" in caplog.text

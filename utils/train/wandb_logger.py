@@ -57,6 +57,12 @@ class WandbLogger:
                        "the run locally)")  # fmt: skip
         if mode == "disabled" or (mode == "online" and not server_answers(server, "/healthz", unreachable, LOGGER)):
             return
+        if mode == "online" and not _has_credentials(wandb):
+            LOGGER.warning(
+                "W&B: no API key (WANDB_API_KEY, or `wandb login` once); training goes on without W&B "
+                "(WANDB_MODE=offline keeps the run locally)"
+            )
+            return
         self._call("start", lambda: self._start(wandb, event))
 
     def on_fit_epoch_end(self, event: TrainEvent) -> None:
@@ -134,6 +140,18 @@ class WandbLogger:
                     run.finish(exit_code=1)
                 except Exception:  # noqa: BLE001 - already broken; nothing more to say
                     pass
+
+
+def _has_credentials(wandb: Any) -> bool:
+    """Whether W&B has an API key (environment, settings or .netrc), asked without a prompt: wandb.init would
+    otherwise prompt for one on a terminal, and wait there (the other ranks until --dist-timeout) or, with
+    stdin closed, end the run with a KeyboardInterrupt."""
+    try:
+        return bool(wandb.login(prompt=False, verify=False))
+    except TypeError:  # a wandb without `prompt`: wandb.init decides, as before
+        return True
+    except Exception:  # noqa: BLE001 - a settings file it cannot read: no key to use
+        return False
 
 
 def _finite(value: Any) -> bool:
