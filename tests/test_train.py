@@ -499,8 +499,9 @@ def test_an_early_stop_under_nosave_saves_its_epoch_and_a_reused_folder_starts_c
 ) -> None:
     from utils.train.results import EarlyStopper
 
-    earlier = train.main(_train_args(tiny_data, tmp_path, "reuse", "--epochs", "1", "--noplots", "--save-period", "1"))
+    earlier = train.main(_train_args(tiny_data, tmp_path, "reuse", "--epochs", "1", "--save-period", "1"))
     assert earlier.best.is_file() and (earlier.run_dir / "weights" / "epoch1.pt").is_file()
+    assert list(earlier.run_dir.glob("*.png")) and len(list(earlier.run_dir.glob("events.out.tfevents*"))) == 1
     # The same folder again (--exist-ok) under --nosave, stopped early after its second of 4 epochs: that epoch is
     # saved as the final one, and nothing of the earlier run's weights is validated or reported as this run's.
     monkeypatch.setattr(EarlyStopper, "should_stop", lambda self, epoch, fitness: epoch == 1)
@@ -510,6 +511,9 @@ def test_an_early_stop_under_nosave_saves_its_epoch_and_a_reused_folder_starts_c
     assert result.run_dir == earlier.run_dir and result.epochs_run == 2
     assert "removed the earlier run's last.pt, best.pt, epoch1.pt" in caplog.text
     assert sorted(path.name for path in (result.run_dir / "weights").iterdir()) == ["best.pt", "last.pt"]
+    # Nor its figures (MLflow and W&B upload the folder's as this run's) or TensorBoard events (one run, not two).
+    assert not list(result.run_dir.glob("*.png")) and not list(result.run_dir.glob("*.jpg"))
+    assert len(list(result.run_dir.glob("events.out.tfevents*"))) == 1
     last = torch.load(result.last, map_location="cpu", weights_only=True)
     assert last["epoch"] == 1  # this run's stop epoch (0-based), resumable
     validated = torch.load(result.best, map_location="cpu", weights_only=True)

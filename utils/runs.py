@@ -20,6 +20,9 @@ except ImportError:  # pragma: no cover - Windows
 LOGGER = logging.getLogger(__name__)
 
 
+FIGURE_SUFFIXES = (".png", ".jpg")  # the figures a run writes into its folder (plots, batches)
+
+
 def next_run_dir(project: Path, name: str, exist_ok: bool) -> Path:
     """Return `project/name`, or when that exists (and not `exist_ok`) the first free `name2`, `name3`, ...
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from utils.errors import Preempted
+from utils.runs import FIGURE_SUFFIXES
 from utils.train.trackers import import_tracker, server_answers
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ STATE_KEY = "mlflow"  # its entry in the callbacks' checkpointed state: {"run_id
 # Fail fast instead of MLflow's default of 7 retries with backoff (minutes on rank 0 while the others wait).
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
-FIGURE_SUFFIXES = (".png", ".jpg")
 
 
 def mlflow_wanted(flag: bool) -> bool:

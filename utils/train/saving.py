@@ -14,7 +14,8 @@ import torch
 from utils import checkpoint as ckpt_io
 from utils.data.loader import LoaderGeometry
 from utils.distributed import DistContext, all_gather_objects, run_on_main
-from utils.runs import RunFolderLock, create_run_dir, lock_run_dir
+from utils.eval.coco import EVAL_FILE, PREDICTIONS_FILE
+from utils.runs import FIGURE_SUFFIXES, RunFolderLock, create_run_dir, lock_run_dir
 from utils.train.config import TrainConfig, save_run_config
 from utils.train.faults import mark_run
 from utils.train.optim import build_scheduler
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from utils.train.state import TrainRun, TrainState
 
 LOGGER = logging.getLogger(__name__)
+TENSORBOARD_PREFIX = "events.out.tfevents"  # TensorBoard's event files
+COCO_FILES = (PREDICTIONS_FILE, EVAL_FILE)
 
 
 def restore_state(
@@ -243,20 +246,28 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resuming:
     A new run in a folder an earlier run used (--exist-ok) starts without that run's last.pt,
     best.pt and epochN.pt: under --nosave, or when no epoch of this run beats the earlier best, they
     would be validated and reported as this run's at the end, and a damaged last.pt would fall back
-    to the earlier run's epochN.pt on --resume (load_resume_checkpoint).
+    to the earlier run's epochN.pt on --resume (load_resume_checkpoint). Its figures, TensorBoard
+    events and COCO results go too: TensorBoard would show both runs as one, and MLflow and W&B
+    upload the folder's figures as this run's.
     """
     save_run_config(cfg, run_dir, ctx)
     mark_run(run_dir, ctx.run_id)
     weights = run_dir / "weights"
     ckpt_io.remove_stale_temp_files(weights)
-    if resuming or not weights.is_dir():
+    if resuming:
         return
     periodic = sorted(path for path in weights.glob("epoch*.pt") if path.name[5:-3].isdigit())
     earlier = [path for path in (weights / "last.pt", weights / "best.pt") if path.exists()] + periodic
+    earlier += sorted(path for path in run_dir.iterdir() if path.is_file() and _is_run_output(path.name))
     for path in earlier:
         path.unlink()
     if earlier:
         names = ", ".join(path.name for path in earlier[:3]) + (
             f" and {len(earlier) - 3} more" if len(earlier) > 3 else ""
         )
-        LOGGER.info(f"{weights}: removed the earlier run's {names} (a new run in the folder, --exist-ok)")
+        LOGGER.info(f"{run_dir}: removed the earlier run's {names} (a new run in the folder, --exist-ok)")
+
+
+def _is_run_output(name: str) -> bool:
+    """Whether a run-folder file is one a run writes as it goes: a figure, TensorBoard events, COCO results."""
+    return Path(name).suffix in FIGURE_SUFFIXES or name.startswith(TENSORBOARD_PREFIX) or name in COCO_FILES

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from utils.errors import Preempted
+from utils.runs import FIGURE_SUFFIXES
 from utils.train.trackers import import_tracker, server_answers
 
 if TYPE_CHECKING:
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 LOGGER = logging.getLogger(__name__)
 STATE_KEY = "wandb"  # its entry in the callbacks' checkpointed state: {"run_id": ..., "project": ...}
 DEFAULT_BASE_URL = "https://api.wandb.ai"
-FIGURE_SUFFIXES = (".png", ".jpg")
 
 
 def wandb_wanted(flag: bool) -> bool:
