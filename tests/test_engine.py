@@ -124,7 +124,7 @@ def test_epoch_summary_row_names_every_column_and_fills_unvalidated_epochs_with_
 
 
 def test_amp_modes_map_to_autocast_dtypes() -> None:
-    from utils.train.state import autocast_dtype
+    from utils.train.config import autocast_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert autocast_dtype("auto", cpu) is None and autocast_dtype("auto", cuda) is torch.float16

@@ -291,6 +291,16 @@ def all_gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     return out
 
 
+def job_start_number(ctx: DistContext) -> int:
+    """This start's number within its torchrun job, 0 for the first; the same on every rank (a collective).
+
+    A restart counted by any agent counts: with several nodes, an agent whose workers did not fail
+    counts fewer restarts than the job had, and an agent store started afresh by a new rank-0 agent
+    numbers its restarts from 0 again, while the rendezvous generation still counts the job's starts.
+    """
+    return max(ctx.generation, *all_gather_objects(ctx.restart_count, ctx))
+
+
 def gather_objects(obj: Any, ctx: DistContext, dst: int = 0) -> list[Any] | None:
     """Return every rank's `obj` in rank order on rank `dst` and None on the others. Every rank must call it.
 

@@ -55,7 +55,7 @@ from utils.data.shm_segment import (
     parse_header,
     segment_path,
 )
-from utils.distributed import DistContext, all_gather_objects
+from utils.distributed import DistContext, all_gather_objects, job_start_number
 from utils.logs import tqdm_disabled
 
 LOGGER = logging.getLogger(__name__)
@@ -163,9 +163,9 @@ def open_shm_cache(
         if ctx.is_main:
             LOGGER.warning(f"--cache shm: {refusal}; caching each rank's shard in RAM instead (--cache ram)")
         return None
-    # The job's start number, not this agent's own restart count: with several nodes, an agent whose workers did not
-    # fail counts fewer restarts, and would keep the segment for a restart the job no longer has.
-    starts = max(ctx.restart_count, ctx.generation)
+    # The job's start number, not this agent's own restart count: an agent whose workers did not fail counts fewer
+    # restarts, and would keep the segment for a restart the job no longer has.
+    starts = job_start_number(ctx)
     cache = ShmImageCache(path, layout, hw, offsets, image_files, is_owner=is_leader, restart_count=starts)
     _report(cache, action, len(peers), len(set(identities)), ctx)
     return cache

@@ -19,7 +19,7 @@ from utils.config import AUTO
 from utils.convert import load_weights
 from utils.data.data_config import DataConfig, load_data_config
 from utils.data.image_files import list_image_files
-from utils.distributed import DistContext, all_gather_objects, broadcast_object, per_rank_batch, run_on_main
+from utils.distributed import DistContext, broadcast_object, job_start_number, per_rank_batch, run_on_main
 from utils.errors import ConfigError
 from utils.families import build_model, checkpoint_family, family_of, segmentation_spec, spec_from_checkpoint
 from utils.tasks import Task
@@ -105,7 +105,7 @@ def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunP
     Ranks agree: rank 0 reads files that only it may see (checkpoints, the train list) and
     broadcasts what it found. Problems are one-line ConfigErrors raised before any run folder exists.
     """
-    restart = _restart_number(ctx)
+    restart = job_start_number(ctx)
     cfg, resume = resolve_resume(cfg, ctx, restart)
     # opt.yaml, the checkpoint and the loggers' own records say what runs: a logger the environment turns on is on.
     cfg = dataclasses.replace(cfg, mlflow=mlflow_wanted(cfg.mlflow), wandb=wandb_wanted(cfg.wandb))
@@ -158,15 +158,6 @@ def _choose_resume_checkpoint(cfg: TrainConfig, job: str = "") -> str:
     return str(chosen)
 
 
-def _restart_number(ctx: DistContext) -> int:
-    """This start's number within its torchrun job, 0 for the first; the same on every rank (a collective).
-
-    A restart counted by any agent counts (one whose workers did not fail does not count it; an agent
-    store started afresh by a new rank-0 agent numbers starts from 0 again).
-    """
-    return max(ctx.generation, *all_gather_objects(ctx.restart_count, ctx))
-
-
 def resolve_resume(
     cfg: TrainConfig, ctx: DistContext, restart: int | None = None
 ) -> tuple[TrainConfig, dict[str, Any] | None]:
@@ -177,11 +168,11 @@ def resolve_resume(
     `--epochs` / `--batch-size` too when given there (RESUME_OVERRIDES). Any other option given
     with --resume with another value than the run's is a one-line error rather than silently
     ignored. The restored options are validated again for this world size.
-    After a torchrun restart (`restart`, from _restart_number when None) every rank takes the restart
+    After a torchrun restart (`restart`, from job_start_number when None) every rank takes the restart
     path, so they run the same collectives: the run folder this job trained, from its newest intact
     checkpoint, also when the job was started with --resume.
     """
-    restart = _restart_number(ctx) if restart is None else restart
+    restart = job_start_number(ctx) if restart is None else restart
     if restart > 0 and not cfg.resume:
         return _resume_after_restart(cfg, ctx, restart)
     if not cfg.resume:
