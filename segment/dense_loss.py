@@ -15,6 +15,30 @@ from segment.mask_targets import overlap_instance_ids
 from utils.train.dense_loss import BranchTerms, DenseGains, DenseLoss
 
 
+def semantic_targets(truth: torch.Tensor, size: tuple[int, int] | torch.Size) -> torch.Tensor:
+    """Bring (B, nc, h, w) 0/1 class masks to the semantic logits' (H, W): each cell's covered fraction.
+
+    Each cell takes the mean of the masks over the area it covers, fractions of mask pixels
+    included, so the targets stay centred on the masks at any ratio (--multi-scale too) and keep
+    their area; 'nearest' took each cell's top-left mask pixel, which at the usual 2:1 moved the
+    targets half a cell (two image pixels at --mask-ratio 4) up and left.
+    """
+    height, width = int(size[0]), int(size[1])
+    if truth.shape[-2:] == (height, width):
+        return truth
+    rows = _area_weights(height, truth.shape[-2], truth)
+    cols = _area_weights(width, truth.shape[-1], truth)
+    return torch.einsum("Hh,bchw,Ww->bcHW", rows, truth, cols).clamp_(0, 1)  # float rounding stays in [0, 1]
+
+
+def _area_weights(new: int, old: int, like: torch.Tensor) -> torch.Tensor:
+    """(new, old): the share of each new cell's extent that each old pixel covers (rows sum to 1)."""
+    edges = torch.arange(new + 1, device=like.device, dtype=like.dtype) * (old / new)
+    pixels = torch.arange(old, device=like.device, dtype=like.dtype)
+    overlap = torch.minimum(edges[1:, None], pixels + 1) - torch.maximum(edges[:-1, None], pixels)
+    return overlap.clamp(min=0) / (old / new)
+
+
 class DenseSegmentationLoss(MaskTermLoss, DenseLoss):
     """DenseLoss plus a mask term; items [box, seg, cls, dfl|l1], and [.., sem] for YOLO26-seg's semantic branch.
 
@@ -23,7 +47,8 @@ class DenseSegmentationLoss(MaskTermLoss, DenseLoss):
     cropped to the instance box and averaged over the box; summed and divided by the foreground count
     (averaged over ranks, floored as the score sums are); gain: the box gain, for each branch by its
     weight. The semantic term (training only) is half BCE, half soft Dice between the per-pixel class
-    logits and the union of each class's instance masks; gain: the box gain.
+    logits and the union of each class's instance masks, as `semantic_targets` brings it to the
+    logits' size; gain: the box gain.
     """
 
     def __init__(self, model: nn.Module, gains: DenseGains, *, overlap: bool = False, **kwargs: Any) -> None:
@@ -95,7 +120,7 @@ class DenseSegmentationLoss(MaskTermLoss, DenseLoss):
             instance = self._instance_masks(masks, rows, targets, row_ids)
             truth.index_put_((targets[:, 0].long(), targets[:, 1].long()), instance, accumulate=True)
             truth.clamp_(max=1.0)
-        truth = F.interpolate(truth, size=logits.shape[-2:], mode="nearest")
+        truth = semantic_targets(truth, logits.shape[-2:])
         bce = F.binary_cross_entropy_with_logits(logits, truth)
         probs = logits.sigmoid()
         overlap = (probs * truth).sum(dim=(2, 3))

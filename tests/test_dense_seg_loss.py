@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from models.anchor_free import AnchorFreeSpec, build_model, segmentation_spec
-from segment.dense_loss import DenseSegmentationLoss
+from segment.dense_loss import DenseSegmentationLoss, semantic_targets
 from segment.ops import crop_mask
 from utils.boxes import xywhn_to_xyxy
 from utils.train.dense_loss import DenseGains
@@ -81,3 +81,22 @@ def test_mask_term_equals_the_per_point_reference() -> None:
         total += crop_mask(bce[None], box).mean().item() / area
     assert len(image) > 0
     assert items[1].item() == pytest.approx(total / len(image) * GAINS.box, rel=1e-4)
+
+
+def _centroid(mask: torch.Tensor) -> tuple[float, float]:
+    rows, cols = torch.meshgrid(torch.arange(mask.shape[0]), torch.arange(mask.shape[1]), indexing="ij")
+    return float((rows * mask).sum() / mask.sum()), float((cols * mask).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("size", [(8, 8), (6, 10), (32, 32)])
+def test_semantic_targets_stay_centred_on_the_masks(size: tuple[int, int]) -> None:
+    truth = torch.zeros(1, 1, 16, 16)
+    truth[0, 0, 5:9, 3:10] = 1  # odd offsets: a top-left pick moves these by half a cell at 2:1
+    resized = semantic_targets(truth, size)[0, 0]
+    assert resized.shape == size and 0 <= resized.min() and resized.max() <= 1
+    # Pixel centres map as (i + 0.5) * scale - 0.5: the centre of mass lands where the mask's does.
+    (row, col), (got_row, got_col) = _centroid(truth[0, 0]), _centroid(resized)
+    expected = ((row + 0.5) * size[0] / 16 - 0.5, (col + 0.5) * size[1] / 16 - 0.5)
+    assert abs(got_row - expected[0]) < 0.05 and abs(got_col - expected[1]) < 0.05
+    # The area is kept, in cells of the new size.
+    assert abs(float(resized.sum()) - 28 * size[0] * size[1] / 256) < 1e-4
