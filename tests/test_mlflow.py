@@ -18,8 +18,9 @@ import yaml
 import train
 from tests.conftest import make_tiny_dataset
 from tests.dist_helpers import free_port
+from utils.callbacks import TrainEvent
 from utils.data.synthetic import SyntheticSpec
-from utils.train.mlflow_logger import metric_name
+from utils.train.mlflow_logger import MLflowLogger, absolute_store_uri, metric_name
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -30,6 +31,44 @@ TINY = SyntheticSpec(num_train=8, num_val=4, max_objects=3, min_object_frac=0.2)
 def test_metric_names_keep_results_csv_columns_readable() -> None:
     assert metric_name("metrics/mAP50-95") == "metrics/mAP50-95"
     assert metric_name("metrics/mAP50(B)") == "metrics/mAP50_B_"
+
+
+def test_relative_store_uris_are_kept_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert absolute_store_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert absolute_store_uri(f"sqlite:///{tmp_path}/x.db") == f"sqlite:///{tmp_path}/x.db"
+    assert absolute_store_uri("./mlruns") == str(tmp_path / "mlruns")
+    for uri in ("http://127.0.0.1:5000", "databricks", "file:///srv/mlruns", ""):
+        assert absolute_store_uri(uri) == uri
+
+
+def _logger_session(run_dir: Path, state: dict[str, object], options: dict[str, object]) -> MLflowLogger:
+    """An MLflowLogger started and torn down around no training, as fit() calls it; returns it (run_id set)."""
+    logger = MLflowLogger(explicit=True)
+    event = dict(run_dir=run_dir, options=options, epochs=1, state=state)
+    logger.on_pretrain_routine_end(TrainEvent(name="on_pretrain_routine_end", **event))
+    logger.teardown(TrainEvent(name="teardown", **event))
+    return logger
+
+
+def test_a_resume_without_the_tracking_uri_goes_on_in_the_checkpoints_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_tracking_env: None
+) -> None:
+    (tmp_path / "first").mkdir()
+    (tmp_path / "later").mkdir()
+    monkeypatch.chdir(tmp_path / "first")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")  # relative: kept absolute in the state
+    state: dict[str, object] = {}
+    run_id = _logger_session(tmp_path / "runs" / "exp", state, {"epochs": 1}).run_id
+    assert state["mlflow"] == {"run_id": run_id, "tracking_uri": f"sqlite:///{tmp_path / 'first' / 'mlflow.db'}"}
+    # --resume in another folder, without the variable: the same run in the same store, not ./mlflow.db there.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.chdir(tmp_path / "later")
+    assert _logger_session(tmp_path / "runs" / "exp", state, {"epochs": 1}).run_id == run_id
+    assert list((tmp_path / "later").iterdir()) == []
+    client = MlflowClient(f"sqlite:///{tmp_path / 'first' / 'mlflow.db'}")
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert len(client.search_runs([client.get_run(run_id).info.experiment_id])) == 1
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,10 @@ On with `--mlflow`, or when `MLFLOW_TRACKING_URI` is set. Runs go to the trackin
 `MLFLOW_TRACKING_URI` (a server, or e.g. `sqlite:///mlflow.db`), else to MLflow's own default
 local store (MLflow 3: `./mlflow.db`, artifacts under `./mlruns`), in the experiment named by
 `MLFLOW_EXPERIMENT_NAME`, else the run folder's parent (`train`, `train-seg`). The MLflow run is
-named like the run folder; its id is kept in every checkpoint (callback state), so `--resume`
-and elastic restarts continue the same MLflow run. MLflow never costs the training run: a
-missing package, an unreachable server or a failed call is one warning and logging stops.
+named like the run folder; its id and store are kept in every checkpoint (callback state), so `--resume`
+and elastic restarts continue the same MLflow run, in that store when `MLFLOW_TRACKING_URI` is not set.
+MLflow never costs the training run: a missing package, an unreachable server or a failed call is one
+warning and logging stops.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 from utils.errors import Preempted
 from utils.runs import FIGURE_SUFFIXES
@@ -58,6 +60,10 @@ class MLflowLogger:
         if tracking is None:
             return
         uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        stored_uri = (event.state.get(STATE_KEY) or {}).get("tracking_uri", "")
+        if not uri and stored_uri:  # a resume without the variable: the store the run is in, not MLflow's default
+            uri = stored_uri
+            LOGGER.info(f"MLflow: MLFLOW_TRACKING_URI is not set; continuing in the checkpoint's store {uri}")
         unreachable = "MLflow: no tracking server at {url} ({reason}); training goes on without MLflow"
         if uri.startswith(("http://", "https://")) and not server_answers(uri, "/health", unreachable, LOGGER):
             return
@@ -116,13 +122,17 @@ class MLflowLogger:
     def _start(self, client: Any, event: TrainEvent) -> None:
         """Continue the checkpoint's MLflow run when it exists on this server, else create one with the options."""
         stored = event.state.get(STATE_KEY) or {}
-        run_id, where = stored.get("run_id", ""), client.tracking_uri
+        run_id, where = stored.get("run_id", ""), absolute_store_uri(client.tracking_uri)
         if run_id and _run_exists(client, run_id):
             client.update_run(run_id, status="RUNNING")
             LOGGER.info(f"MLflow: continuing run {run_id} at {where}")
         else:
             if run_id:
-                LOGGER.warning(f"MLflow: run {run_id} of the checkpoint is not on {where}; starting a new one")
+                logged_to = stored.get("tracking_uri") or "another store"
+                LOGGER.warning(
+                    f"MLflow: run {run_id} of the checkpoint (logged to {logged_to}) is not on {where}; "
+                    "starting a new one"
+                )
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or event.run_dir.parent.name
             experiment = client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(name)
@@ -170,6 +180,18 @@ def params(options: Mapping[str, Any]) -> Iterator[Any]:
 def metric_name(column: str) -> str:
     """A results.csv column as an MLflow metric name (letters, digits, _ - . space / are allowed; others become _)."""
     return re.sub(r"[^\w\-. /]", "_", column)
+
+
+def absolute_store_uri(uri: str) -> str:
+    """`uri` with a relative local path made absolute (`sqlite:///mlflow.db`, `./mlruns`); others as they are.
+
+    The checkpoint keeps this form, so a resume started in another folder finds the same store.
+    """
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
+    if uri and uri != "databricks" and not urlparse(uri).scheme:  # a plain path: a file store
+        return str(Path(uri).resolve())
+    return uri
 
 
 def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
