@@ -71,6 +71,24 @@ def test_a_resume_without_the_tracking_uri_goes_on_in_the_checkpoints_store(
     assert len(client.search_runs([client.get_run(run_id).info.experiment_id])) == 1
 
 
+def test_a_resume_that_changes_options_tags_the_new_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_tracking_env: None
+) -> None:
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    run_dir, state = tmp_path / "runs" / "exp", {}
+    run_id = _logger_session(run_dir, state, {"epochs": 1, "seed": 1, "hyp": {"lr0": 0.01}}).run_id
+    _logger_session(
+        run_dir, state, {"epochs": 3, "seed": 1, "hyp": {"lr0": 0.01}, "patience": 5}
+    )  # --resume --epochs 3
+    run = MlflowClient(store).get_run(run_id)
+    assert run.data.params == {"epochs": "1", "seed": "1", "hyp/lr0": "0.01"}  # MLflow's params cannot change
+    resumed = {key: value for key, value in run.data.tags.items() if key.startswith("resumed/")}
+    assert resumed == {"resumed/epochs": "3", "resumed/patience": "5"}
+    _logger_session(run_dir, state, {"epochs": 1, "seed": 1, "hyp": {"lr0": 0.01}})  # back to the params' values
+    assert not [key for key in MlflowClient(store).get_run(run_id).data.tags if key.startswith("resumed/")]
+
+
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_dataset(tmp_path_factory.mktemp("mlflow"), TINY)
@@ -120,6 +138,8 @@ def test_local_store_gets_params_metrics_artifacts_and_a_resume_continues_the_ru
     assert _metric_steps(client, run_id, "train/box_loss") == [1, 2]
     assert _metric_steps(client, run_id, "final/mAP50-95") == [1, 2]  # each end at its epoch count, not both at 0
     assert client.get_run(run_id).info.status == "FINISHED"
+    assert client.get_run(run_id).data.params["epochs"] == "1"  # params are immutable: the new value is a tag
+    assert client.get_run(run_id).data.tags["resumed/epochs"] == "2"
     assert len(client.search_runs([run.info.experiment_id])) == 1
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # its HTTP settings do not outlive the run
 

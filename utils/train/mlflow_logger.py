@@ -5,7 +5,8 @@ On with `--mlflow`, or when `MLFLOW_TRACKING_URI` is set. Runs go to the trackin
 local store (MLflow 3: `./mlflow.db`, artifacts under `./mlruns`), in the experiment named by
 `MLFLOW_EXPERIMENT_NAME`, else the run folder's parent (`train`, `train-seg`). The MLflow run is
 named like the run folder; its id and store are kept in every checkpoint (callback state), so `--resume`
-and elastic restarts continue the same MLflow run, in that store when `MLFLOW_TRACKING_URI` is not set.
+and elastic restarts continue the same MLflow run, in that store when `MLFLOW_TRACKING_URI` is not set;
+options a resume changes (`--epochs`...) become `resumed/<key>` tags, as MLflow's params cannot change.
 MLflow never costs the training run: a missing package, an unreachable server or a failed call is one
 warning and logging stops.
 """
@@ -34,6 +35,7 @@ STATE_KEY = "mlflow"  # its entry in the callbacks' checkpointed state: {"run_id
 # Fail fast instead of MLflow's default of 7 retries with backoff (minutes on rank 0 while the others wait).
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+RESUMED_TAG = "resumed/"  # a continued run's options that differ from its (immutable) params: resumed/epochs, ...
 
 
 def mlflow_wanted(flag: bool) -> bool:
@@ -123,8 +125,10 @@ class MLflowLogger:
         """Continue the checkpoint's MLflow run when it exists on this server, else create one with the options."""
         stored = event.state.get(STATE_KEY) or {}
         run_id, where = stored.get("run_id", ""), absolute_store_uri(client.tracking_uri)
-        if run_id and _run_exists(client, run_id):
+        found = _find_run(client, run_id) if run_id else None
+        if found is not None:
             client.update_run(run_id, status="RUNNING")
+            _tag_changed_options(client, found, event.options)
             LOGGER.info(f"MLflow: continuing run {run_id} at {where}")
         else:
             if run_id:
@@ -199,12 +203,32 @@ def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
         yield items[start : start + size]
 
 
-def _run_exists(client: Any, run_id: str) -> bool:
+def _find_run(client: Any, run_id: str) -> Any:
+    """The MLflow run `run_id` on the client's store, or None when it is not there."""
     try:
-        client.get_run(run_id)
+        return client.get_run(run_id)
     except Exception:  # noqa: BLE001 - MlflowException (not found), or a store of another kind
-        return False
-    return True
+        return None
+
+
+def _tag_changed_options(client: Any, run: Any, options: Mapping[str, Any]) -> None:
+    """Set `resumed/<key>` tags for the options a continued run has that differ from its params.
+
+    MLflow refuses a new value for a logged param, so the params keep what the run started with and
+    a resume's other `--epochs`, `--batch-size`, `--patience`, `--device`... show as tags. Tags of an
+    earlier resume that this one no longer differs in are deleted, so the tags always say what the
+    latest attempt ran with.
+    """
+    from mlflow.entities import RunTag
+
+    logged = run.data.params
+    changed = {param.key: param.value for param in params(options) if logged.get(param.key) != param.value}
+    tags = [RunTag(f"{RESUMED_TAG}{key}", value) for key, value in changed.items()]
+    for chunk in _chunks(tags, 100):  # MLflow takes at most 100 tags per call
+        client.log_batch(run.info.run_id, tags=chunk)
+    for tag in run.data.tags:
+        if tag.startswith(RESUMED_TAG) and tag.removeprefix(RESUMED_TAG) not in changed:
+            client.delete_tag(run.info.run_id, tag)
 
 
 def _failed_status(error: BaseException) -> str:
