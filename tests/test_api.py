@@ -153,8 +153,12 @@ def test_train_run_twice_in_one_process_with_callbacks(tiny_data: Path, tmp_path
     events: list[tuple[str, int | None]] = []
     rows: list[dict] = []
 
+    saves: list[tuple[int | None, int | None]] = []
+
     def record(event: TrainEvent) -> None:
         events.append((event.name, event.epoch))
+        if event.name == "on_model_save":
+            saves.append((event.epoch, event.batch))
 
     def explode(event: TrainEvent) -> None:
         raise ValueError("a broken tracker")
@@ -168,7 +172,7 @@ def test_train_run_twice_in_one_process_with_callbacks(tiny_data: Path, tmp_path
     root = logging.getLogger()
     before = (root.level, list(root.handlers), torch.get_num_threads())
     given = Callbacks.from_mapping(handlers)
-    first = train.run(callbacks=given, **_tiny(tiny_data, tmp_path))
+    first = train.run(callbacks=given, **_tiny(tiny_data, tmp_path, save_period_steps=1))
     assert given.state == {}  # the run's state (MLflow's or W&B's run id) stays with it, not with a reused object
     assert (root.level, list(root.handlers), torch.get_num_threads()) == before
     assert not dist.is_initialized()
@@ -176,6 +180,8 @@ def test_train_run_twice_in_one_process_with_callbacks(tiny_data: Path, tmp_path
     assert names[0] == "on_pretrain_routine_end" and names[-2:] == ["on_train_end", "teardown"]
     assert [epoch for name, epoch in events if name == "on_train_epoch_start"] == [1, 2]
     assert names.count("on_val_end") == 3  # each epoch, and the final validation of best.pt
+    # Every write of last.pt: after batch 1 of each epoch's 2 (--save-period-steps 1), and at each epoch's end.
+    assert saves == [(1, 1), (1, None), (2, 1), (2, None)]
     with (first.run_dir / "results.csv").open() as file:
         written = list(csv.DictReader(file))
     assert [float(row["metrics/mAP50-95"]) for row in rows] == pytest.approx(

@@ -7,7 +7,8 @@ Events fire on rank 0 only, in this order (YOLOv5's names where it has the event
     on_train_epoch_end        after the epoch's batches (`row` holds the train losses and learning rates)
     on_val_end                after a validation (`metrics`), every validated epoch and the final one
     on_fit_epoch_end          the epoch's results.csv row is written (`row`)
-    on_model_save             last.pt (and best.pt when it improved) were written (`path`: last.pt)
+    on_model_save             last.pt (and best.pt when it improved) were written (`path`: last.pt); also
+                              after a mid-epoch save (`batch`: the batches of `epoch` it holds)
     on_figure                 a figure file was written (`path`: train_batch0.jpg, results.png, ...)
     on_train_end              the run finished (`result`: FitResult with best/last paths and final metrics)
     teardown                  always last, also when the run failed (`error`)
@@ -59,6 +60,7 @@ class TrainEvent:
     row: Mapping[str, Any] | None = None  # results.csv columns (on_train_epoch_end: the train ones so far)
     metrics: Mapping[str, float] | None = None  # on_val_end: P, R, mAP50, mAP50-95 (and mask_*), fitness
     path: Path | None = None  # on_model_save: last.pt; on_figure: the file
+    batch: int | None = None  # on_model_save of a mid-epoch save: the batches of `epoch` trained; else None
     result: Any = None  # on_train_end: the FitResult
     error: BaseException | None = None  # teardown: what ended the run, None when it finished
     final: bool = False  # on_val_end: the final validation of best.pt

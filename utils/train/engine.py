@@ -218,7 +218,10 @@ def _run_epoch(run: TrainRun, state: TrainState, epoch: int) -> EpochSummary:
     draw = batch_drawer(run.run_dir, run.bundle.names, on_saved=run.figure_written) if draws else None
 
     def save_now(batches_done: int, mean_loss: np.ndarray) -> Path:
-        return save_mid_epoch(run, state, epoch, batches_done, mean_loss)
+        path = save_mid_epoch(run, state, epoch, batches_done, mean_loss)
+        # Every write of last.pt is an on_model_save: a follower copying it off the node needs the preemption save most.
+        run.fire("on_model_save", epoch=epoch + 1, path=path, batch=batches_done)
+        return path
 
     run.fire("on_train_epoch_start", epoch=epoch + 1)
     state.loss_fn.start_epoch(epoch, cfg.epochs)  # e.g. an end-to-end model's branch weights (resume-safe)
