@@ -250,6 +250,26 @@ def test_mismatches_are_refused_in_one_line_naming_the_file(files: dict[str, dic
         load_backend(tmp_path / "missing.onnx", _request())
 
 
+def test_malformed_metadata_is_refused_in_one_line_and_any_suffix_case_reads(
+    files: dict[str, dict[str, Path]], tmp_path: Path
+) -> None:
+    import onnx
+
+    source = files["yolov8n"]["onnx"]
+    upper = Path(shutil.copy(source, tmp_path / "BEST.ONNX"))  # val.py and detect.py take it: so does read_metadata
+    assert read_metadata(upper) == read_metadata(source)
+    for key, value, shown in (("imgsz", "64", "64"), ("stride", "'32'", "'32'"), ("dynamic", "'yes'", "'yes'")):
+        graph = onnx.load(str(source))
+        for prop in graph.metadata_props:
+            if prop.key == key:
+                prop.value = value
+        broken = tmp_path / f"bad-{key}.onnx"
+        onnx.save(graph, str(broken))
+        with pytest.raises(ConfigError) as error:
+            load_backend(broken, _request())
+        assert _one_line(error).startswith(f"{broken}: its metadata's {key} is {shown}, not ")
+
+
 def test_files_without_our_metadata_are_refused(tmp_path: Path) -> None:
     pytest.importorskip("onnx")
     conv = nn.Conv2d(3, 8, 3).eval()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -81,6 +83,27 @@ def test_an_openvino_folder_holds_the_ir_and_the_metadata_the_backend_reports(
     info = load_backend(folder, _request(task)).info
     assert info == dataclasses.replace(checkpoint, path=folder, file_format="openvino", layout=metadata["layout"])
     assert load_backend(folder / "best.xml", _request(task)).info == info  # its .xml stands for it, as in YOLOv5
+    assert read_metadata(folder / "best.xml") == metadata
+
+
+@pytest.mark.slow  # OpenVINO conversions: out of the fast loop
+def test_a_broken_openvino_folder_is_refused_in_one_line_that_says_why(
+    folders: dict[str, dict[str, Path]], tmp_path: Path
+) -> None:
+    truncated_yaml, truncated_bin = (Path(shutil.copytree(folders["yolov8n"]["openvino"], tmp_path / name))
+                                     for name in ("yaml", "bin"))  # fmt: skip
+    (truncated_yaml / "metadata.yaml").write_text("stride: 32\nnames: {0: a\n")  # cut off mid-write
+    with pytest.raises(ConfigError) as error:
+        load_backend(truncated_yaml, _request("detect"))
+    assert str(error.value).startswith(f"{truncated_yaml / 'metadata.yaml'}: not valid YAML") and "\n" not in str(
+        error.value
+    )
+    data = (truncated_bin / "best.bin").read_bytes()
+    (truncated_bin / "best.bin").write_bytes(data[:1000])
+    with pytest.raises(ConfigError) as error:
+        load_backend(truncated_bin, _request("detect"))
+    # OpenVINO's message leads with C++ source locations; the line keeps its reason.
+    assert str(error.value) == f"{truncated_bin}: OpenVINO cannot read it (Incorrect weights in bin file!)"
 
 
 @pytest.mark.slow  # OpenVINO conversions: out of the fast loop
@@ -141,15 +164,21 @@ def test_detect_writes_an_openvino_folders_detections_as_its_checkpoints(
 
 @pytest.mark.slow
 def test_int8_export_calibrates_on_train_images_keeps_attention_in_float_and_val_runs_it(
-    tiny_data: Path, tmp_path: Path
+    tiny_data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     pytest.importorskip("nncf")
     import openvino as ov
 
     weights = _save_random_checkpoint("yolo11n", DETECT, tmp_path / "best.pt")
     cfg = ExportConfig(weights, ("openvino",), int8=True, data=tiny_data, calib_images=3)
-    (exported,) = export_checkpoint(cfg, TASKS, DistContext())
+    with caplog.at_level(logging.INFO):
+        (exported,) = export_checkpoint(cfg, TASKS, DistContext())
     assert exported.path == tmp_path / "best_int8_openvino_model" and exported.agreement is not None
+    # The agreement line never reports a check that compared nothing as a pass.
+    warned = [r.message for r in caplog.records if r.levelno == logging.WARNING and "could not be checked" in r.message]
+    (agreement_line,) = [r.message for r in caplog.records if "INT8 finds" in r.message or "not measured" in r.message]
+    measured = not math.isnan(exported.agreement)  # NaN: PyTorch found nothing to compare with
+    assert ("not measured" in agreement_line) == (not measured) == bool(warned)
     metadata = read_metadata(exported.path)
     assert metadata["precision"] == "int8" and not metadata["dynamic"] and metadata["batch"] == 1
     # Quantized, not a copy of the FP32 graph; yolo11n's C2PSA attention multiplies activations by activations
@@ -209,6 +238,7 @@ def test_agreement_counts_pytorchs_detections_found_with_their_class() -> None:
     assert _matched(want, got) == 2  # the second has another class
     assert _matched(want, got[:1].repeat(3, 1)) == 1  # one file detection matches one PyTorch detection
     assert Agreement(0, 0, 5).recall == 1.0 and Agreement(3, 4, 4).recall == 0.75
+    assert not Agreement(0, 0, 5).measured and Agreement(0, 1, 0).measured  # nothing to compare is not a pass
 
 
 def _flags(*argv: str) -> ExportConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -69,6 +70,22 @@ def exit_on_user_error(main: Callable[[], object]) -> None:
     except StudyFailed as failed:
         print(f"error: {failed}", file=sys.stderr)
         sys.exit(1)
+
+
+# Lines a runtime's error message leads with that say where it was raised, not why (OpenVINO's C++ frames).
+_WHERE_LINE = re.compile(r"^(Exception from \S+:\d+:|Check '.*' failed at \S+:\d+:?)$")
+
+
+def error_reason(error: BaseException, limit: int = 200) -> str:
+    """The line of `error`'s message that says why: the first non-empty one that is not a source location.
+
+    OpenVINO, for one, leads with the C++ frames it passed through ("Exception from src/...cpp:132:")
+    and ends with the reason ("Incorrect weights in bin file!"). At most `limit` characters; the
+    exception's type name when the message has no such line.
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reasons = [line for line in lines if not _WHERE_LINE.match(line)]
+    return (reasons or lines or [type(error).__name__])[0][:limit]
 
 
 def read_yaml_mapping(path: Path) -> dict[str, Any]:

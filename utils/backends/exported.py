@@ -42,6 +42,7 @@ def exported_info(path: Path, metadata: Mapping[str, Any], file_format: str) -> 
     if metadata["layout"] not in LAYOUTS:
         raise ConfigError(f"{path}: unknown output layout {metadata['layout']!r} (known: {', '.join(LAYOUTS)})")
     family_named(metadata["family"], path)  # an unknown family is a one-line error naming the file
+    _check_field_types(path, metadata)
     names = metadata["names"]
     height, width = metadata["imgsz"]
     # A TorchScript trace builds its grids from the input's size, so it runs any batch and size; a TensorRT
@@ -63,6 +64,30 @@ def exported_info(path: Path, metadata: Mapping[str, Any], file_format: str) -> 
         end_to_end=metadata["layout"] == END_TO_END,
         precision=str(metadata.get("precision", "fp16" if metadata["half"] else "fp32")),  # older files lack the key
     )
+
+
+def _check_field_types(path: Path, metadata: Mapping[str, Any]) -> None:
+    """A one-line ConfigError naming the file and the key when a field export.py writes has the wrong kind of value."""
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    imgsz = metadata["imgsz"]
+    checks = {
+        "imgsz": (isinstance(imgsz, list | tuple) and len(imgsz) == 2 and all(whole(s) and s > 0 for s in imgsz),
+                  "[height, width]"),
+        "names": (isinstance(metadata["names"], dict | list | tuple) and len(metadata["names"]) > 0,
+                  "class names (a mapping or a list)"),
+        "batch": (whole(metadata["batch"]) and metadata["batch"] > 0, "a positive whole number"),
+        "stride": (whole(metadata["stride"]) and metadata["stride"] > 0, "a positive whole number"),
+        "num_masks": (whole(metadata["num_masks"]) and metadata["num_masks"] >= 0, "a whole number"),
+        "half": (isinstance(metadata["half"], bool), "true or false"),
+        "dynamic": (isinstance(metadata["dynamic"], bool), "true or false"),
+    }  # fmt: skip
+    for key, (valid, expected) in checks.items():
+        if not valid:
+            value = metadata[key]
+            raise ConfigError(f"{path}: its metadata's {key} is {value!r}, not {expected}; export the .pt again")
 
 
 FP32_INPUT_FORMATS = ("openvino", "engine")  # their precision is chosen at export; their input stays FP32

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 import torch
-import yaml
+
+from utils.errors import read_yaml_mapping
 
 # How `output0` is laid out in a file (the `layout` key). The eval model itself always returns ROWS.
 ROWS = "rows"  # (B, N, no): [cx, cy, w, h (input pixels), objectness (YOLOv5 only), class probabilities, coeffs]
@@ -81,17 +82,21 @@ def parse_torchscript_metadata(text: str) -> dict[str, Any]:
 
 
 def read_metadata(path: Path | str) -> ExportMetadata:
-    """Read the metadata of an export: `.torchscript`, `.onnx`, `.engine` or an OpenVINO folder (class ids as int keys).
+    """Read the metadata of an export (class ids as int keys).
+
+    Any file val.py and detect.py take: `.torchscript`, `.onnx`, `.engine` (suffixes in any case), an
+    OpenVINO folder or the `.xml` in it.
 
     Reads ONNX with the `onnx` package (the graph, not its weights' external data); a file without
     our metadata gives whatever keys it has, possibly none.
     """
     path = Path(path)
-    if path.is_dir():
-        return read_openvino_metadata(path)  # type: ignore[return-value]
-    if path.suffix == ".engine":
+    suffix = path.suffix.lower()  # as val.py and detect.py take the file (BEST.ONNX)
+    if path.is_dir() or suffix == ".xml":  # an OpenVINO folder, or the .xml in it
+        return read_openvino_metadata(path if path.is_dir() else path.parent)  # type: ignore[return-value]
+    if suffix == ".engine":
         return read_engine_metadata(path)  # type: ignore[return-value]
-    if path.suffix == ".onnx":
+    if suffix == ".onnx":
         import onnx
 
         props = {prop.key: prop.value for prop in onnx.load(str(path), load_external_data=False).metadata_props}
@@ -115,8 +120,7 @@ def read_openvino_metadata(folder: Path) -> dict[str, Any]:
     path = folder / OPENVINO_METADATA_FILE
     if not path.is_file():
         return {}
-    loaded = yaml.safe_load(path.read_text())
-    return loaded if isinstance(loaded, dict) else {}
+    return read_yaml_mapping(path)  # a truncated or hand-broken file: one line naming it
 
 
 def write_engine_file(path: Path, metadata: Mapping[str, Any], plan: bytes) -> None:

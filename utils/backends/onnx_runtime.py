@@ -12,7 +12,7 @@ import torch
 from utils.backends.base import BackendInfo, BackendRequest
 from utils.backends.exported import HostRuntimeBackend, check_request, exported_info
 from utils.backends.metadata import parse_onnx_metadata
-from utils.errors import ConfigError
+from utils.errors import ConfigError, error_reason
 
 LOGGER = logging.getLogger(__name__)
 CUDA_PROVIDER = "CUDAExecutionProvider"
@@ -47,7 +47,7 @@ class OnnxBackend(HostRuntimeBackend):
         try:
             session = onnxruntime.InferenceSession(str(path), providers=providers)
         except Exception as error:  # onnxruntime raises its own exception types; add the file and re-raise as ours
-            raise ConfigError(f"{path}: onnxruntime cannot open it ({str(error).splitlines()[0][:200]})") from error
+            raise ConfigError(f"{path}: onnxruntime cannot open it ({error_reason(error)})") from error
         info = exported_info(path, parse_onnx_metadata(session.get_modelmeta().custom_metadata_map), "onnx")
         check_request(info, request)
         return cls(info, request.device, session)

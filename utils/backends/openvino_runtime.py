@@ -12,7 +12,7 @@ import torch
 from utils.backends.base import BackendInfo, BackendRequest
 from utils.backends.exported import HostRuntimeBackend, Runner, check_request, exported_info
 from utils.backends.metadata import read_openvino_metadata
-from utils.errors import ConfigError
+from utils.errors import ConfigError, error_reason
 
 LOGGER = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class OpenVinoBackend(HostRuntimeBackend):
         try:
             compiled = compile_for_cpu(openvino.Core(), models[0])
         except RuntimeError as error:  # OpenVINO reports a bad IR as RuntimeError; add the folder
-            raise ConfigError(f"{path}: OpenVINO cannot read it ({str(error).splitlines()[0][:200]})") from error
+            raise ConfigError(f"{path}: OpenVINO cannot read it ({error_reason(error)})") from error
         return cls(info, request.device, compiled)
 
     def input_array(self, images: torch.Tensor) -> np.ndarray:

@@ -13,7 +13,7 @@ from utils.backends.metadata import (
     parse_torchscript_metadata,
     without_torchscript_deprecation,
 )
-from utils.errors import ConfigError
+from utils.errors import ConfigError, error_reason
 
 
 class TorchScriptBackend(ExportedBackend):
@@ -31,7 +31,7 @@ class TorchScriptBackend(ExportedBackend):
             with without_torchscript_deprecation():
                 module = torch.jit.load(str(path), _extra_files=extra_files, map_location=request.device)
         except (RuntimeError, ValueError) as error:
-            reason = str(error).splitlines()[0][:200]
+            reason = error_reason(error)
             raise ConfigError(f"{path}: not a TorchScript file torch can load ({reason})") from error
         info = exported_info(path, parse_torchscript_metadata(extra_files[TORCHSCRIPT_METADATA_FILE]), "torchscript")
         check_request(info, request)

@@ -10,6 +10,7 @@ import datetime
 import importlib
 import itertools
 import logging
+import math
 import os
 import shutil
 import time
@@ -105,7 +106,7 @@ class ExportedFile:
     export_seconds: float
     max_abs_diff: float | None  # None when parity could not be run (ONNX without onnxruntime) or for INT8
     tolerance_share: float | None = None  # the largest |diff| / (atol + rtol * |value|): <= 1 passes
-    agreement: float | None = None  # INT8 only: share of PyTorch's detections the file also finds (quantization.py)
+    agreement: float | None = None  # INT8 only: share of PyTorch's detections the file also finds; NaN: it found none
 
 
 class ExportWrapper(nn.Module):
@@ -348,7 +349,7 @@ def _export_format(
             inputs = [_random_images(batch, cfg.imgsz, example) for batch in batch_sizes]
             parity = check_parity(_parity_reference(wrapper, file_format, cfg), runner, inputs, tolerance, path)
         _replace(tmp_path, path)
-    recall = None if agreement is None else agreement.recall
+    recall = None if agreement is None else agreement.recall if agreement.measured else math.nan
     exported = ExportedFile(file_format, path, seconds, *_parity_fields(parity), agreement=recall)
     _log_export(exported, batch_sizes, tolerance, parity, agreement)
     return exported
@@ -421,7 +422,12 @@ def _log_export(
     """Log one line per file: path, size, time, and the parity result with its margin (INT8: the agreement)."""
     files = [item.path] if item.path.is_file() else [path for path in item.path.iterdir() if path.is_file()]
     size_mb = sum(path.stat().st_size for path in files) / 1e6
-    if agreement is not None:
+    if agreement is not None and not agreement.measured:
+        result = (
+            f"INT8 agreement not measured (PyTorch finds no detection on the calibration images; the file gives "
+            f"{agreement.found}); val.py gives its mAP"
+        )
+    elif agreement is not None:
         result = (
             f"INT8 finds {agreement.matched} of PyTorch's {agreement.expected} detections ({agreement.recall:.1%}; "
             f"refused below {MIN_AGREEMENT:.0%}) on the calibration images at conf 0.25, IoU 0.5; it gives "

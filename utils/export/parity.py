@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from utils.backends.exported import Runner
 from utils.backends.metadata import ExportMetadata
 from utils.errors import ConfigError
 from utils.export.quantization import MIN_AGREEMENT, Agreement, detection_agreement
+
+LOGGER = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,12 @@ def check_agreement(
 ) -> Agreement:
     """detection_agreement on the calibration batches; below MIN_AGREEMENT an ExportMismatchError naming `path`."""
     agreement = detection_agreement(wrapper, runner, batches, metadata)
+    if not agreement.measured:
+        LOGGER.warning(
+            f"{path}: PyTorch finds no detection on the {sum(len(b) for b in batches)} calibration image(s) at conf "
+            "0.25, so the INT8 file's agreement with it could not be checked (an undertrained model, or --data "
+            "images unlike its training data); check the file with val.py"
+        )
     if agreement.recall < MIN_AGREEMENT:
         raise ExportMismatchError(
             f"{path}: the INT8 model finds {agreement.matched} of PyTorch's {agreement.expected} detections on the "

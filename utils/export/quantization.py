@@ -107,8 +107,14 @@ class Agreement:
     found: int  # the INT8 file's detections at AGREEMENT_CONF
 
     @property
+    def measured(self) -> bool:
+        """Whether PyTorch found anything to compare with: an undertrained model, or calibration images unlike
+        its data, may find nothing at AGREEMENT_CONF, and then the check says nothing about the file."""
+        return self.expected > 0
+
+    @property
     def recall(self) -> float:
-        """matched / expected; 1.0 when PyTorch finds nothing (nothing to lose)."""
+        """matched / expected; 1.0 when PyTorch finds nothing (nothing to lose: see `measured`)."""
         return self.matched / self.expected if self.expected else 1.0
 
 
