@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,9 +14,10 @@ import pytest
 
 import tune
 from tests.test_tune import FAKE, _flags, _study, _tune_process, _wait_for, fake_trainer, tiny_data  # noqa: F401
+from utils.config import ROOT
 from utils.hyp import load_hyp
 from utils.train.records import FAMILY_TRAINING
-from utils.tune.ray_tune import FITNESS, NUMBER, SCORE, RayTrialJob, run_ray_trial
+from utils.tune.ray_trial import FITNESS, NUMBER, SCORE, RayTrialJob, run_ray_trial
 from utils.tune.space import load_space
 from utils.tune.trial import TrialRecipe
 
@@ -113,3 +116,13 @@ def test_a_trials_last_epoch_reaches_ray_only_in_its_final_report(
     assert [report["epoch"] for report in reports] == [1, 2, 3], reports
     assert "state" not in reports[1] and reports[2]["state"] == "complete"
     assert reports[2][FITNESS] == pytest.approx(reports[2][SCORE])
+
+
+def test_a_ray_worker_imports_neither_torch_nor_the_tuner() -> None:
+    # Each trial's Ray worker imports run_ray_trial's module: with torch it started seconds slower and held
+    # several hundred MB more, only to start and follow a training process.
+    probed = ("torch", "optuna", "utils.tune.study", "utils.tune.ray_tune")
+    code = f"import sys, utils.tune.ray_trial; print(sorted(n for n in {probed!r} if n in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
