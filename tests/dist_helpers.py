@@ -8,6 +8,7 @@ import pickle
 import random
 import socket
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,3 +148,25 @@ def run_distributed(
     if failure is not None:
         pytest.fail(failure, pytrace=False)
     return [pickle.loads(_result_path(tmp_path, rank).read_bytes()) for rank in range(world_size)]
+
+
+def captured(check: Callable[..., Any], *args: Any) -> Any:
+    """Return `check(*args)`, or {"error": traceback} when it raises, so one broken check fails one test.
+
+    For a rank function that runs several checks in one spawned job (a spawn costs seconds of torch
+    imports). A check that raises on every rank (an assertion) leaves the group in step; a check that
+    breaks the group takes the rest down with it, and the job fails as a whole.
+    """
+    try:
+        return check(*args)
+    except Exception:  # noqa: BLE001 - handed to the test that owns this check
+        return {"error": traceback.format_exc()}
+
+
+def check_parts(rank_results: list[dict[str, Any]], name: str) -> list[Any]:
+    """Each rank's result of check `name` (run through `captured`); fails the test with a rank's traceback."""
+    parts = [result[name] for result in rank_results]
+    for rank, part in enumerate(parts):
+        if isinstance(part, dict) and "error" in part:
+            pytest.fail(f"rank {rank} raised in check {name}:\n{part['error']}", pytrace=False)
+    return parts

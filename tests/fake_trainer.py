@@ -2,9 +2,10 @@
 
 Reads the flags the tuner passes (--hyp, --project, --name, --epochs). Its per-epoch score and
 fitness are a smooth function of lr0 (best at 0.002), so samplers have something to find. Behaviour
-per trial name comes from FAKE_TRAINER (JSON {name: crash | oom | nan | hang | slow | slow_final}: slow_final
-spends ten epochs' time between its last row and trial.json, as train.py's final validation does); FAKE_EPOCH_S
-sets the seconds per epoch. It never imports torch, so a trial costs about one Python start.
+per trial name comes from FAKE_TRAINER (JSON {name: crash | oom | nan | hang | slow | slow_final | quick}:
+slow_final spends ten epochs' time between its last row and trial.json, as train.py's final validation does;
+quick epochs take a tenth of the time); FAKE_EPOCH_S sets the seconds per epoch. It never imports torch, so a
+trial costs about one Python start.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main() -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     hyp = yaml.safe_load(Path(args.hyp).read_text())
     mode = json.loads(os.environ.get("FAKE_TRAINER", "{}")).get(args.name, "")
-    epoch_s = float(os.environ.get("FAKE_EPOCH_S", "0.05")) * (50 if mode in ("slow", "hang") else 1)
+    epoch_s = float(os.environ.get("FAKE_EPOCH_S", "0.05")) * {"slow": 50, "hang": 50, "quick": 0.1}.get(mode, 1)
     epochs = int(args.epochs or 2)
     (run_dir / "argv.json").write_text(json.dumps(sys.argv[1:]))
     if mode == "crash":

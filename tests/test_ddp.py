@@ -13,7 +13,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch import nn
 from models.anchor_free import AnchorFreeSpec
 from models.yolo import spec_from_cfg
 from tests.conftest import compile_without_codegen, make_tiny_dataset
-from tests.dist_helpers import PROCESS_TIMEOUT_S, free_port, run_distributed
+from tests.dist_helpers import PROCESS_TIMEOUT_S, captured, check_parts, free_port, run_distributed
 from utils.config import DEFAULT_HYP
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext, average_bn_stats
@@ -309,42 +308,26 @@ def _fit_with_patience(ctx: DistContext, data_yaml: str, project: str) -> int:
     return fit(cfg, training, ctx).epochs_run
 
 
-def _captured(check: Any, *args: Any) -> Any:
-    """Return `check(*args)`, or {"error": traceback} when it raises, so one broken check fails one test.
-
-    A check that raises on every rank (an assertion, verify_identical_weights) leaves the group in
-    step; a check that breaks the group takes the rest down with it, and the fixture fails.
-    """
-    try:
-        return check(*args)
-    except Exception:  # noqa: BLE001 - handed to the test that owns this check
-        return {"error": traceback.format_exc()}
-
-
 def _rank_checks(ctx: DistContext, data_yaml: str, project: str) -> dict[str, Any]:
     """Every check that needs a healthy 2-rank group, in the same order on both ranks."""
     return {
-        "gradients": _captured(_gradients, ctx),
+        "gradients": captured(_gradients, ctx),
         # Anchor-free: DFL (yolo11 layout) and the end-to-end one-to-one branch with L1 (yolo26 layout).
-        "gradients_yolo11": _captured(_gradients, ctx, ANCHOR_FREE_SPECS["yolo11"], ANCHOR_FREE_HYP),
-        "gradients_yolo26": _captured(_gradients, ctx, ANCHOR_FREE_SPECS["yolo26"], ANCHOR_FREE_HYP),
-        "engine": _captured(_engine_steps, ctx),
-        "engine_compiled": _captured(_engine_steps, ctx, "default"),
-        "verify_reseed": _captured(_verify_with_rank1_changed, ctx, "reseed"),
-        "verify_swap": _captured(_verify_with_rank1_changed, ctx, "swap"),
-        "early_stop_epochs": _captured(_fit_with_patience, ctx, data_yaml, project),
-        "nonfinite": _captured(_nonfinite_on_rank1, ctx),
-        "nonfinite_tail": _captured(_nonfinite_on_rank1, ctx, POISONED_MICRO_BATCH + 1),
+        "gradients_yolo11": captured(_gradients, ctx, ANCHOR_FREE_SPECS["yolo11"], ANCHOR_FREE_HYP),
+        "gradients_yolo26": captured(_gradients, ctx, ANCHOR_FREE_SPECS["yolo26"], ANCHOR_FREE_HYP),
+        "engine": captured(_engine_steps, ctx),
+        "engine_compiled": captured(_engine_steps, ctx, "default"),
+        "verify_reseed": captured(_verify_with_rank1_changed, ctx, "reseed"),
+        "verify_swap": captured(_verify_with_rank1_changed, ctx, "swap"),
+        "early_stop_epochs": captured(_fit_with_patience, ctx, data_yaml, project),
+        "nonfinite": captured(_nonfinite_on_rank1, ctx),
+        "nonfinite_tail": captured(_nonfinite_on_rank1, ctx, POISONED_MICRO_BATCH + 1),
     }
 
 
 def _parts(rank_results: tuple[list[dict[str, Any]], Path], name: str) -> list[Any]:
     """Each rank's result of check `name`; fails the test with the rank's traceback if it raised."""
-    parts = [result[name] for result in rank_results[0]]
-    for rank, part in enumerate(parts):
-        if isinstance(part, dict) and "error" in part:
-            pytest.fail(f"rank {rank} raised in check {name}:\n{part['error']}", pytrace=False)
-    return parts
+    return check_parts(rank_results[0], name)
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,15 @@ import gc
 import re
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import captured, check_parts, run_distributed
 from utils.distributed import (
     DistContext,
     average_bn_stats,
@@ -39,6 +41,7 @@ LAUNCH_VARS = (
     "SLURM_STEP_TASKS_PER_NODE",
     "SLURM_NODEID",
 )
+GROUP_TIMEOUT_S = 60.0  # the 2-rank jobs' collective timeout
 
 
 @pytest.fixture
@@ -159,8 +162,8 @@ def _bn_average(ctx: DistContext) -> list[float]:
 
 
 @pytest.mark.distributed
-def test_average_bn_stats_over_two_ranks(tmp_path: Path) -> None:
-    results = run_distributed(_bn_average, 2, tmp_path)
+def test_average_bn_stats_over_two_ranks(rank_results: RankResults) -> None:
+    results = check_parts(rank_results.results, "bn_average")
     assert results[0] == results[1] == [0.5, 0.5, 2.0, 2.0]
 
 
@@ -174,10 +177,9 @@ def _ordered(ctx: DistContext, log_file: str) -> str:
 
 
 @pytest.mark.distributed
-def test_main_first_runs_local_main_first_and_broadcast(tmp_path: Path) -> None:
-    log_file = tmp_path / "order.txt"
-    results = run_distributed(_ordered, 2, tmp_path / "dist", str(log_file))
-    assert log_file.read_text() == "01"
+def test_main_first_runs_local_main_first_and_broadcast(rank_results: RankResults) -> None:
+    results = check_parts(rank_results.results, "ordered")
+    assert rank_results.order_file.read_text() == "01"
     assert results == ["from0", "from0"]
 
 
@@ -196,8 +198,8 @@ def _ddp_steps(ctx: DistContext) -> list[float]:
 
 
 @pytest.mark.distributed
-def test_smart_ddp_keeps_ranks_identical(tmp_path: Path) -> None:
-    first, second = run_distributed(_ddp_steps, 2, tmp_path)
+def test_smart_ddp_keeps_ranks_identical(rank_results: RankResults) -> None:
+    first, second = check_parts(rank_results.results, "ddp_steps")
     assert first == second
 
 
@@ -244,11 +246,42 @@ def _rank0_fails(ctx: DistContext, kind: str) -> tuple[str, str, float]:
 
 
 @pytest.mark.distributed
-def test_run_on_main_raises_rank0_failure_on_every_rank(tmp_path: Path) -> None:
-    timeout_s = 60.0  # the group's: a rank 1 that waited for rank 0 would sit it out
-    config = run_distributed(_rank0_fails, 2, tmp_path / "config", "config", timeout_s=timeout_s)
+def test_run_on_main_raises_rank0_failure_on_every_rank(rank_results: RankResults) -> None:
+    config = check_parts(rank_results.results, "rank0_fails_config")
     assert [(kind, message) for kind, message, _ in config] == [("ConfigError", "data.yaml: bad annotations")] * 2
-    other = run_distributed(_rank0_fails, 2, tmp_path / "other", "os", timeout_s=timeout_s)
+    other = check_parts(rank_results.results, "rank0_fails_os")
     assert other[0][:2] == ("OSError", "disk full")
     assert other[1][:2] == ("RuntimeError", "writing results failed on rank 0: disk full")
-    assert max(seconds for *_, seconds in config + other) < timeout_s, "rank 1 waited instead of failing"
+    # The group's timeout (GROUP_TIMEOUT_S): a rank 1 that waited for rank 0 would sit it out.
+    assert max(seconds for *_, seconds in config + other) < GROUP_TIMEOUT_S, "rank 1 waited instead of failing"
+
+
+def _rank_checks(ctx: DistContext, order_file: str) -> dict[str, Any]:
+    """Every check above that leaves the 2-rank group healthy, in the same order on both ranks: one spawned job."""
+    return {
+        "bn_average": captured(_bn_average, ctx),
+        "ordered": captured(_ordered, ctx, order_file),
+        "ddp_steps": captured(_ddp_steps, ctx),
+        "rank0_fails_config": captured(_rank0_fails, ctx, "config"),
+        "rank0_fails_os": captured(_rank0_fails, ctx, "os"),
+    }
+
+
+@dataclass(frozen=True)
+class RankResults:
+    """Both ranks' results of _rank_checks, and the file _ordered's ranks wrote in turn."""
+
+    results: list[dict[str, Any]]
+    order_file: Path
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> RankResults:
+    """One spawned 2-rank job for the checks that keep the group healthy: each spawn costs seconds of torch imports.
+
+    cleanup() (test_cleanup_frees_ddp_before_destroying_the_group) destroys the group, so it runs in its own job.
+    """
+    root = tmp_path_factory.mktemp("distributed")
+    order_file = root / "order.txt"
+    results = run_distributed(_rank_checks, 2, root / "dist", str(order_file), timeout_s=GROUP_TIMEOUT_S)
+    return RankResults(results, order_file)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import utils.export as export
 from models import anchor_free
 from segment.task import SEGMENT
 from tests.test_backends import _save_random_checkpoint
@@ -21,6 +22,7 @@ from utils.backends import BackendRequest, load_backend
 from utils.backends.metadata import CHANNELS_FIRST, END_TO_END, ROWS, read_metadata
 from utils.distributed import DistContext
 from utils.export import ExportConfig, export_checkpoint
+from utils.export.torch_formats import trace_export_graph
 from utils.families import FAMILIES, spec_from_cfg
 from utils.tasks import DETECT
 
@@ -70,16 +72,19 @@ def test_the_matrix_holds_every_family_layout_and_task() -> None:
 
 @pytest.mark.parametrize(("name", "nms"), list(MATRIX), ids=lambda value: {True: "nms", False: ""}.get(value, value))
 def test_every_format_exports_within_tolerance_and_selects_the_checkpoints_detections(
-    name: str, nms: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    name: str, nms: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     task = SEGMENT if name.endswith("-seg") else DETECT
     weights = _save_random_checkpoint(name, task, tmp_path / "best.pt")
     spec = spec_from_cfg(name, 6)
     family, num_masks = spec.family, spec.num_masks
     formats = _formats()
+    traced = []
+    monkeypatch.setattr(export, "trace_export_graph", lambda *args: traced.append(1) or trace_export_graph(*args))
     with caplog.at_level(logging.INFO, logger="utils.export"):
         exported = export_checkpoint(ExportConfig(weights, formats, nms=nms), TASKS, DistContext())
     assert [item.file_format for item in exported] == list(formats)
+    assert len(traced) == 1, "TorchScript and OpenVINO export one trace of the same CPU graph"
     for item in exported:  # the parity check ran, passed, and its line was printed
         assert item.max_abs_diff is not None and item.tolerance_share <= 1, item
         assert any(f"{item.file_format}: {item.path}" in line and "matches PyTorch" in line for line in caplog.messages)

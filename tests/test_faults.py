@@ -9,7 +9,7 @@ import multiprocessing
 import os
 import shutil
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from utils.data.workers import outlast_stop_signals
 from utils.errors import Preempted
 from utils.train import step as step_module
 from utils.train.faults import StopSignals, find_restarted_run, mark_run
+from utils.train.state import FitResult
 
 FORK = multiprocessing.get_context("fork")  # the child shares this test's code, not a re-import
 TINY = SyntheticSpec(num_train=16, num_val=4, max_objects=3, min_object_frac=0.15)
@@ -49,6 +50,24 @@ def _args(data: Path, project: Path, name: str, workers: int, batch: int = 4) ->
         "--device", "cpu", "--project", str(project), "--name", name, "--seed", "5", "--deterministic",
         "--noplots", "--save-period", "1",
     ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], FitResult]:
+    """Train `_args(tiny_data, ..., workers, batch)` without a stop, once per (workers, batch) in this module.
+
+    The run is deterministic (--deterministic, one seed), so the stop signals tested on the same loader and
+    batch compare their resumed runs with one uninterrupted run; each caller only reads it or copies its folder.
+    """
+    runs: dict[tuple[int, int], FitResult] = {}
+
+    def run(workers: int, batch: int) -> FitResult:
+        if (workers, batch) not in runs:
+            project = tmp_path_factory.mktemp("faults_uninterrupted")
+            runs[workers, batch] = train.main(_args(tiny_data, project, "whole", workers, batch))
+        return runs[workers, batch]
+
+    return run
 
 
 def _weights(path: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -88,8 +107,9 @@ def test_a_stop_signal_mid_epoch_then_resume_is_bit_identical(
     batches_done: int,
     signal_name: str,
     caplog: pytest.LogCaptureFixture,
+    uninterrupted_run: Callable[[int, int], FitResult],
 ) -> None:
-    uninterrupted = train.main(_args(tiny_data, tmp_path, "whole", workers, batch))
+    uninterrupted = uninterrupted_run(workers, batch)  # trained once for SIGTERM and SIGINT on 2 workers
     # The second run gets a real SIGTERM after an optimizer step (one step per batch in warmup), and so do its
     # loader workers, as torchrun (killpg) and SLURM signal them; every rank agrees on it at the next step,
     # which is then saved while the workers still serve it batches.
@@ -126,8 +146,8 @@ def test_a_stop_signal_mid_epoch_then_resume_is_bit_identical(
     assert f"{total} batches/epoch (resumed epoch 1 {where})" in caplog.text
     assert _epochs(resumed.run_dir) == ["1", "2"]
     _assert_identical(uninterrupted.last, resumed.last)
-    if batch != 4:  # the resume from epoch1.pt below does not depend on where the stop came: once is enough
-        return
+    if (batch, signal_name) != (4, "SIGTERM"):  # the resume from epoch1.pt below does not depend on where the stop
+        return  # came, nor how: it resumes the shared uninterrupted run, once is enough
     # And from the end of epoch 1 (epoch1.pt of the uninterrupted run), in a copy of its folder.
     copy = tmp_path / "from-epoch1"
     shutil.copytree(uninterrupted.run_dir, copy)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import utils.data.file_digest as file_digest
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import captured, check_parts, run_distributed
 from utils.data.file_digest import mount_identity, stat_digest
 from utils.distributed import DistContext
 
@@ -118,14 +119,40 @@ def _digest_on_rank(ctx: DistContext, root: str, hosts: str) -> dict[str, Any]:
     return {"digest": digest, "statted": [path for path in statted if path.endswith((".jpg", ".txt"))]}
 
 
+# The machines _digest_on_rank's ranks act out, in the order one job runs them: "one" first, as the machine is.
+HOSTS = ("one", "separate", "folder missing")
+
+
+def _digests_on_rank(ctx: DistContext, root: str) -> dict[str, Any]:
+    """_digest_on_rank for each of HOSTS in turn: one spawned job (seconds of torch imports) for all three."""
+    return {hosts: captured(_digest_on_rank, ctx, root, hosts) for hosts in HOSTS}
+
+
+@dataclass(frozen=True)
+class RankDigests:
+    """Both ranks' _digests_on_rank results, and the _files images and labels they digested (left unchanged)."""
+
+    results: list[dict[str, Any]]
+    images: list[str]
+    labels: list[str]
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> RankDigests:
+    """One spawned job digesting one _files folder on 2 ranks as each of HOSTS."""
+    root = tmp_path_factory.mktemp("digest_ranks")
+    images, labels = _files(root / "data")
+    return RankDigests(run_distributed(_digests_on_rank, 2, root / "dist", str(root / "data")), images, labels)
+
+
 @pytest.mark.distributed
 def test_ranks_of_one_node_stat_each_file_once_and_agree_with_one_process(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    rank_results: RankDigests, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    images, labels = _files(tmp_path / "data")
+    images, labels = rank_results.images, rank_results.labels
     monkeypatch.setattr(file_digest, "STAT_CHUNK_PATHS", SMALL_CHUNK)
     alone = _digest(images, labels)
-    rank0, rank1 = run_distributed(_digest_on_rank, 2, tmp_path / "dist", str(tmp_path / "data"), "one")
+    rank0, rank1 = check_parts(rank_results.results, "one")
     assert rank0["digest"] == rank1["digest"] == alone  # the value does not depend on the number of ranks
     # Chunks 0, 2, 4 (images 0-2, 6-8; labels 0-2) on rank 0; chunks 1, 3, 5 (images 3-5, 9; label 3) on rank 1.
     assert rank0["statted"] == images[0:3] + images[6:9] + labels[0:3]
@@ -133,12 +160,14 @@ def test_ranks_of_one_node_stat_each_file_once_and_agree_with_one_process(
 
 
 @pytest.mark.distributed
-def test_ranks_on_separate_hosts_each_stat_every_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ranks_on_separate_hosts_each_stat_every_file(
+    rank_results: RankDigests, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Separate machines may hold separate copies: each node's digest must come from its own files.
-    images, labels = _files(tmp_path / "data")
+    images, labels = rank_results.images, rank_results.labels
     monkeypatch.setattr(file_digest, "STAT_CHUNK_PATHS", SMALL_CHUNK)
     alone = _digest(images, labels)
     for hosts in ("separate", "folder missing"):  # a missing folder names no mount: no pooling either
-        rank0, rank1 = run_distributed(_digest_on_rank, 2, tmp_path / hosts, str(tmp_path / "data"), hosts)
+        rank0, rank1 = check_parts(rank_results.results, hosts)
         assert rank0["digest"] == rank1["digest"] == alone
         assert rank0["statted"] == rank1["statted"] == images + labels

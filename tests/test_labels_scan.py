@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,7 +19,7 @@ from PIL import Image
 
 import train
 import utils.data.scan as scan_module
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import captured, check_parts, run_distributed
 from utils.config import DEFAULT_HYP
 from utils.data.data_config import load_data_config
 from utils.data.image_files import image_to_label_path, list_image_files
@@ -50,6 +51,7 @@ SIZES_WH = [(40, 30), (30, 40), (50, 20), (32, 32), (20, 45), (45, 35), (35, 20)
 SIZES_WH += [(36, 36)]
 BOX, POLYGON, DUPLICATES = "0 0.5 0.5 0.4 0.2\n", "1 0.1 0.2 0.6 0.2 0.6 0.8 0.1 0.8\n", "0 0.5 0.5 0.2 0.2\n" * 2
 LABELS = [BOX, POLYGON, "", None, DUPLICATES]  # None: no label file (background)
+GROUP_TIMEOUT_S = 60.0  # the 2-rank job's collective timeout
 
 
 def _folder(root: Path, sizes: list[tuple[int, int]] = SIZES_WH) -> Path:
@@ -311,9 +313,9 @@ def _scan_on_rank(ctx: DistContext, folder: str) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_two_ranks_scan_their_blocks_build_one_index_and_write_the_cache_once(tmp_path: Path) -> None:
-    folder = _folder(tmp_path / "data")
-    rank0, rank1 = run_distributed(_scan_on_rank, 2, tmp_path / "dist", str(folder))
+def test_two_ranks_scan_their_blocks_build_one_index_and_write_the_cache_once(rank_results: RankResults) -> None:
+    folder = rank_results.folders["scan"]
+    rank0, rank1 = check_parts(rank_results.results, "scan")
     files = list_image_files(folder)
     reference = _reference_index(files)
     for rank in (rank0, rank1):
@@ -357,9 +359,8 @@ def _build_on_rank(ctx: DistContext, root: str) -> dict[str, Any]:
     return outcome
 
 
-@pytest.mark.distributed
-def test_ranks_with_different_datasets_fail_fast_with_one_line(tmp_path: Path) -> None:
-    root = tmp_path / "data"
+def _lists_folder(root: Path) -> Path:
+    """The _folder dataset with train lists of 8, 9 and 1 of its images and a YAML for each; returns `root`."""
     images = _folder(root)
     files = sorted(p.name for p in images.iterdir())
     (root / "train.txt").write_text("".join(f"images/train/{name}\n" for name in files[:-2]))
@@ -367,8 +368,14 @@ def test_ranks_with_different_datasets_fail_fast_with_one_line(tmp_path: Path) -
     (root / "train_one.txt").write_text(f"images/train/{files[0]}\n")
     for name in ("train.txt", "train_plus_one.txt", "train_one.txt"):
         _write_yaml(root, f"{name}.yaml", name)
-    timeout_s = 60.0  # the group's: a rank that waited for the other would sit it out
-    rank0, rank1 = run_distributed(_build_on_rank, 2, tmp_path / "dist", str(root), timeout_s=timeout_s)
+    return root
+
+
+@pytest.mark.distributed
+def test_ranks_with_different_datasets_fail_fast_with_one_line(rank_results: RankResults) -> None:
+    root = rank_results.folders["build"]
+    timeout_s = GROUP_TIMEOUT_S  # the group's: a rank that waited for the other would sit it out
+    rank0, rank1 = check_parts(rank_results.results, "build")
     for rank in (rank0, rank1):
         listing, seconds = rank["extra_image"]
         assert "differs across ranks: rank 0 has 10 images" in listing and "rank 1 has 11 (digest" in listing
@@ -443,10 +450,41 @@ def test_a_run_stopped_by_its_labels_leaves_no_run_folder(tmp_path: Path) -> Non
 
 
 @pytest.mark.distributed
-def test_two_ranks_stop_alike_when_only_one_rank_scanned_the_out_of_range_ids(tmp_path: Path) -> None:
-    yaml_file = _short_names_dataset(tmp_path / "data")  # files 09 and 10 fall in rank 1's block of the scan
-    rank0, rank1 = run_distributed(_build_short_names, 2, tmp_path / "dist", str(yaml_file))
+def test_two_ranks_stop_alike_when_only_one_rank_scanned_the_out_of_range_ids(rank_results: RankResults) -> None:
+    rank0, rank1 = check_parts(rank_results.results, "short_names")  # files 09 and 10: rank 1's block of the scan
     assert rank0 == rank1 and SHORT_NAMES_ERROR in rank0[0]
+
+
+def _rank_checks(ctx: DistContext, folders: dict[str, str]) -> dict[str, Any]:
+    """This module's 2-rank checks in one spawned job (a job costs seconds of torch imports), the same order on both
+    ranks. _scan_on_rank comes last: it sets the scan's module constants for the rest of the rank's life."""
+    return {
+        "build": captured(_build_on_rank, ctx, folders["build"]),
+        "short_names": captured(_build_short_names, ctx, folders["short_names"]),
+        "scan": captured(_scan_on_rank, ctx, folders["scan"]),
+    }
+
+
+@dataclass(frozen=True)
+class RankResults:
+    """Both ranks' results of _rank_checks, and the dataset folder (or YAML) each check read."""
+
+    results: list[dict[str, Any]]
+    folders: dict[str, Path]
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> RankResults:
+    """Each check's own dataset under one folder, and one spawned job running them all."""
+    root = tmp_path_factory.mktemp("scan_ranks")
+    folders = {
+        "build": _lists_folder(root / "build"),
+        "short_names": _short_names_dataset(root / "short_names"),
+        "scan": _folder(root / "scan"),
+    }
+    results = run_distributed(_rank_checks, 2, root / "dist", {k: str(v) for k, v in folders.items()},
+                              timeout_s=GROUP_TIMEOUT_S)  # fmt: skip
+    return RankResults(results, folders)
 
 
 def _unlabelled_folder(root: Path, num_images: int = 3) -> Path:

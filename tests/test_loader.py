@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import captured, check_parts, run_distributed
 from utils.data.batch import collate_batch
 from utils.data.loader import build_train_loader, build_val_loader
 from utils.data.sampler import SmartDistributedSampler
@@ -374,8 +374,8 @@ def _gather_loader_batches(ctx: DistContext, num_items: int) -> None:
 
 
 @pytest.mark.distributed
-def test_two_gloo_ranks_get_equal_batches(tmp_path: Path) -> None:
-    run_distributed(_gather_loader_batches, 2, tmp_path, 13)
+def test_two_gloo_ranks_get_equal_batches(rank_results: list[dict[str, Any]]) -> None:
+    check_parts(rank_results, "equal_batches")  # the ranks assert; a rank that raised fails this test
 
 
 def test_collate_pads_masks_of_mixed_sizes_with_zeros() -> None:
@@ -444,5 +444,24 @@ def _stream_as_per_epoch_samplers(ctx: DistContext, num_items: int, shared: bool
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("shared", [False, True])
-def test_two_gloo_ranks_stream_epochs_exactly_as_set_epoch_would(tmp_path: Path, shared: bool) -> None:
-    run_distributed(_stream_as_per_epoch_samplers, 2, tmp_path, 11, shared)
+def test_two_gloo_ranks_stream_epochs_exactly_as_set_epoch_would(
+    rank_results: list[dict[str, Any]], shared: bool
+) -> None:
+    check_parts(rank_results, f"stream_shared_{shared}")  # the ranks assert; a rank that raised fails this test
+
+
+def _rank_checks(ctx: DistContext) -> dict[str, Any]:
+    """The 2-rank checks of this module, in the same order on both ranks: one spawned job for all of them."""
+    return {
+        "equal_batches": captured(_gather_loader_batches, ctx, 13),
+        **{
+            f"stream_shared_{shared}": captured(_stream_as_per_epoch_samplers, ctx, 11, shared)
+            for shared in (False, True)
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Both ranks' results of _rank_checks: a spawned job costs seconds of torch imports, so the tests share one."""
+    return run_distributed(_rank_checks, 2, tmp_path_factory.mktemp("loader_ranks"))

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import captured, check_parts, run_distributed
 from utils.data.sampler import ShardedInferenceSampler, SmartDistributedSampler, inference_batches, order_seed
 from utils.distributed import DistContext
 
@@ -161,8 +161,8 @@ def _gather_sampler_indices(ctx: DistContext, num_items: int, seed: int) -> None
 
 
 @pytest.mark.distributed
-def test_two_gloo_ranks_agree_on_lengths_and_cover_dataset(tmp_path: Path) -> None:
-    run_distributed(_gather_sampler_indices, 2, tmp_path, 11, 5)
+def test_two_gloo_ranks_agree_on_lengths_and_cover_dataset(rank_results: list[dict[str, Any]]) -> None:
+    check_parts(rank_results, "lengths_and_cover")  # the ranks assert; a rank that raised fails this test
 
 
 def shared_samplers(num_items: int, world_size: int, seed: int = 3, **kwargs: object) -> list[SmartDistributedSampler]:
@@ -269,12 +269,36 @@ def _plan_on_two_ranks(ctx: DistContext, num_items: int, seen: list[int]) -> tup
     return start, sampler.indices_of(4)[start * 2 :].tolist()
 
 
+REMAINDER_ITEMS = 23
+
+
+def _seen_before_the_remainder() -> np.ndarray:
+    """What a one-rank run had trained of epoch 4 when it stopped: 3 batches of 4, 12 images."""
+    return _seen_by([make_sampler(REMAINDER_ITEMS, 0, 1)], 4, per_rank_batch=4, batches_done=3)
+
+
 @pytest.mark.distributed
-def test_on_two_gloo_ranks_a_remainder_plan_is_equally_long_and_covers_the_unseen(tmp_path: Path) -> None:
-    num_items = 23
-    seen = _seen_by([make_sampler(num_items, 0, 1)], 4, per_rank_batch=4, batches_done=3)  # one rank had 12
-    (start0, rest0), (start1, rest1) = run_distributed(_plan_on_two_ranks, 2, tmp_path, num_items, seen.tolist())
+def test_on_two_gloo_ranks_a_remainder_plan_is_equally_long_and_covers_the_unseen(
+    rank_results: list[dict[str, Any]],
+) -> None:
+    num_items, seen = REMAINDER_ITEMS, _seen_before_the_remainder()
+    (start0, rest0), (start1, rest1) = check_parts(rank_results, "remainder_plan")
     assert start0 == start1 and len(rest0) == len(rest1) > 0
     for rank, rest in enumerate((rest0, rest1)):  # each rank keeps to its own shard (what its cache holds)
         assert set(rest) <= set(stand_in_rank_shard(num_items, DistContext(rank=rank, world_size=2), 3).tolist())
     assert set(rest0) | set(rest1) == set(range(num_items)) - set(seen.tolist())
+
+
+def _rank_checks(ctx: DistContext, seen: list[int]) -> dict[str, Any]:
+    """The 2-rank checks of this module, in the same order on both ranks: one spawned job for both."""
+    return {
+        "lengths_and_cover": captured(_gather_sampler_indices, ctx, 11, 5),
+        "remainder_plan": captured(_plan_on_two_ranks, ctx, REMAINDER_ITEMS, seen),
+    }
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Both ranks' results of _rank_checks: a spawned job costs seconds of torch imports, so the tests share one."""
+    seen = _seen_before_the_remainder().tolist()
+    return run_distributed(_rank_checks, 2, tmp_path_factory.mktemp("sampler_ranks"), seen)

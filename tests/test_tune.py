@@ -354,7 +354,8 @@ class PruneFromTrialOne(optuna.pruners.BasePruner):
 def test_a_pruned_trial_stops_early_with_its_last_score(tiny_data: Path, tmp_path: Path, fake_trainer: None,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setattr(study_module, "make_pruner", lambda cfg: PruneFromTrialOne())
-    monkeypatch.setenv("FAKE_EPOCH_S", "0.5")
+    monkeypatch.setenv("FAKE_EPOCH_S", "0.5")  # trial 1's epochs: long enough to be stopped right after its second
+    monkeypatch.setenv("FAKE_TRAINER", json.dumps({"trial_0000": "quick"}))  # all 10 of trial 0's, in 0.5 s
     started = time.monotonic()
     summary = tune.run(**_flags(tiny_data, tmp_path, trials=2, epochs=10))
     trials = _study(tmp_path).get_trials()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,9 +14,10 @@ import pytest
 
 import tune
 from tests.test_tune import FAKE, _flags, _study, _tune_process, _wait_for, fake_trainer, tiny_data  # noqa: F401
+from utils.config import ROOT
 from utils.hyp import load_hyp
 from utils.train.records import FAMILY_TRAINING
-from utils.tune.ray_tune import FITNESS, NUMBER, SCORE, RayTrialJob, run_ray_trial
+from utils.tune.ray_trial import FITNESS, NUMBER, SCORE, RayTrialJob, run_ray_trial
 from utils.tune.space import load_space
 from utils.tune.trial import TrialRecipe
 
@@ -43,14 +46,16 @@ def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Six epochs: ASHA's first rung is at epoch 3 (a third, plus one); epochs slow enough for Ray to stop a trial.
+    # Four trials, each costing a Ray worker's start (seconds): the base recipe, a sampled one, the crash, and
+    # trial 3, whose sampled lr0 (seed 3) scores below both complete trials at the rung, so ASHA stops it.
     monkeypatch.setenv("FAKE_EPOCH_S", "0.2")
     monkeypatch.setenv("FAKE_TRAINER", json.dumps({"trial_0002": "crash"}))  # Ray's workers inherit it at start
-    flags = _flags(tiny_data, tmp_path, trials=6, epochs=6, pruner="halving", ray="local")
+    flags = _flags(tiny_data, tmp_path, trials=4, epochs=6, pruner="halving", ray="local")
     summary = tune.run(**flags)
     study = _study(tmp_path)
     trials = study.get_trials()
     states = [t.state for t in trials]
-    assert len(trials) == 6 and states[0] == COMPLETE and trials[0].user_attrs["baseline"]
+    assert len(trials) == 4 and states[0] == COMPLETE and trials[0].user_attrs["baseline"]
     assert states[2] == FAIL and trials[2].user_attrs["reason"] == "RuntimeError: the fake trainer crashed"
     assert PRUNED in states, "ASHA stopped no trial"
     for trial in trials:
@@ -68,13 +73,13 @@ def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
     best = max((t for t in trials if t.state == COMPLETE), key=lambda t: t.value)
     assert summary.best_number == best.number
     assert load_hyp(tmp_path / "exp" / "best_hyp.yaml").lr0 == pytest.approx(best.params["lr0"])
-    assert len((tmp_path / "exp" / "trials.csv").read_text().splitlines()) == 7
+    assert len((tmp_path / "exp" / "trials.csv").read_text().splitlines()) == 5
 
     # The same command with more trials continues the numbering and trains no point twice.
-    tune.run(**{**flags, "trials": 8})
+    tune.run(**{**flags, "trials": 6})
     trials = _study(tmp_path).get_trials()
-    assert [t.number for t in trials] == list(range(8))
-    assert len({t.params["lr0"] for t in trials}) == 8
+    assert [t.number for t in trials] == list(range(6))
+    assert len({t.params["lr0"] for t in trials}) == 6
 
 
 @pytest.mark.distributed  # tune.py --ray local as a process
@@ -111,3 +116,13 @@ def test_a_trials_last_epoch_reaches_ray_only_in_its_final_report(
     assert [report["epoch"] for report in reports] == [1, 2, 3], reports
     assert "state" not in reports[1] and reports[2]["state"] == "complete"
     assert reports[2][FITNESS] == pytest.approx(reports[2][SCORE])
+
+
+def test_a_ray_worker_imports_neither_torch_nor_the_tuner() -> None:
+    # Each trial's Ray worker imports run_ray_trial's module: with torch it started seconds slower and held
+    # several hundred MB more, only to start and follow a training process.
+    probed = ("torch", "optuna", "utils.tune.study", "utils.tune.ray_tune")
+    code = f"import sys, utils.tune.ray_trial; print(sorted(n for n in {probed!r} if n in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"

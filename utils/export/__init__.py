@@ -53,7 +53,7 @@ from utils.export.quantization import (
     load_calibration_images,
 )
 from utils.export.tensorrt import EngineSettings, export_engine
-from utils.export.torch_formats import WRITERS, export_onnx, export_torchscript
+from utils.export.torch_formats import export_onnx, export_torchscript, trace_export_graph
 from utils.families import decodes_end_to_end, family_of
 from utils.inference_model import inference_model
 from utils.tasks import Task
@@ -277,6 +277,15 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
             graphs[device, half] = ExportWrapper(model).eval()  # eval: exporters restore the wrapper's mode
         return graphs[device, half]
 
+    traces: dict[tuple[int, torch.Size], torch.jit.ScriptModule] = {}
+
+    def trace(wrapper: ExportWrapper, example: torch.Tensor) -> torch.jit.ScriptModule:
+        """`wrapper` traced at `example`'s shape, once: TorchScript saves and OpenVINO converts the same trace."""
+        key = (id(wrapper), example.shape)  # a wrapper's device and dtype are its own (see graph)
+        if key not in traces:
+            traces[key] = trace_export_graph(wrapper, example)
+        return traces[key]
+
     calibration = None
     if cfg.int8:
         model = graph(ctx.device, False).model
@@ -288,7 +297,7 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
         device = torch.device("cpu") if file_format == "openvino" else ctx.device
         wrapper = graph(device, cfg.half and file_format in HALF_INPUT_FORMATS)
         metadata = export_metadata(wrapper, checkpoint["names"], task, cfg, file_format)
-        exported.append(_export_format(file_format, wrapper, metadata, cfg, calibration))
+        exported.append(_export_format(file_format, wrapper, metadata, cfg, calibration, trace))
     return exported
 
 
@@ -330,6 +339,7 @@ def _export_format(
     metadata: ExportMetadata,
     cfg: ExportConfig,
     calibration: torch.Tensor | None,
+    trace: Tracer,
 ) -> ExportedFile:
     """Write one format to a temporary sibling, check it against PyTorch, and move it into place."""
     dtype = next(wrapper.parameters()).dtype
@@ -339,7 +349,7 @@ def _export_format(
     path = export_path(cfg.weights, file_format, cfg.int8)
     with _temporary_sibling(path) as tmp_path:
         start = time.perf_counter()
-        runner = _writer(file_format, cfg, calibration)(wrapper, example, tmp_path, metadata)
+        runner = _writer(file_format, cfg, calibration, trace)(wrapper, example, tmp_path, metadata)
         seconds = time.perf_counter() - start
         parity = agreement = None
         if runner is not None and calibration is not None:
@@ -357,18 +367,23 @@ def _export_format(
 
 # A writer saves the graph to a path and returns a runner of the saved file (None: it cannot be run here).
 Writer = Callable[[nn.Module, torch.Tensor, Path, ExportMetadata], Runner | None]
+# The graph traced at an example's shape, once per export (export_checkpoint's `trace`).
+Tracer = Callable[[nn.Module, torch.Tensor], torch.jit.ScriptModule]
 
 
-def _writer(file_format: str, cfg: ExportConfig, calibration: torch.Tensor | None) -> Writer:
+def _writer(file_format: str, cfg: ExportConfig, calibration: torch.Tensor | None, trace: Tracer) -> Writer:
     """The function that writes `file_format` with `cfg`'s options (and `calibration` images for --int8)."""
+    if file_format == "torchscript":
+        return lambda wrapper, example, path, metadata: export_torchscript(trace(wrapper, example), example, path,
+                                                                           metadata)  # fmt: skip
     if file_format == "openvino":
         settings = OpenVinoSettings(cfg.weights.stem, cfg.half, cfg.dynamic, calibration)
-        return lambda wrapper, example, path, metadata: export_openvino(wrapper, example, path, metadata, settings)
+        return lambda wrapper, example, path, metadata: export_openvino(wrapper, trace(wrapper, example), example,
+                                                                        path, metadata, settings)  # fmt: skip
     if file_format == "engine":
         engine = EngineSettings(cfg.half, calibration, cfg.opset)
         return lambda wrapper, example, path, metadata: export_engine(wrapper, example, path, metadata, engine)
-    writer = WRITERS[file_format]
-    return lambda wrapper, example, path, metadata: writer(wrapper, example, path, metadata, cfg)
+    return lambda wrapper, example, path, metadata: export_onnx(wrapper, example, path, metadata, cfg)
 
 
 def _replace(tmp_path: Path, path: Path) -> None:

@@ -41,6 +41,7 @@ class OpenVinoSettings:
 
 def export_openvino(
     wrapper: nn.Module,
+    traced: torch.jit.ScriptModule,
     example: torch.Tensor,
     folder: Path,
     metadata: ExportMetadata,
@@ -48,7 +49,8 @@ def export_openvino(
 ) -> Runner:
     """Convert `wrapper` (FP32, on CPU) to OpenVINO and save `folder`/<name>.xml, .bin and metadata.yaml.
 
-    The graph is traced at `example`'s shape; `settings.dynamic` frees batch, height and width. FP32
+    `traced` is `wrapper` traced at `example`'s shape (trace_export_graph; OpenVINO's frontend would trace
+    it again); `settings.dynamic` frees batch, height and width. FP32
     keeps FP32 weights (OpenVINO would compress them to FP16 by default), `settings.half` stores FP16
     weights, and `settings.calibration` (N, 3, H, W images) quantizes to INT8 with NNCF, keeping the
     head's output convolutions, the DFL and the box decode in FP32 (`ignored_patterns`). Returns a
@@ -58,9 +60,6 @@ def export_openvino(
 
     shape = [-1, 3, -1, -1] if settings.dynamic else list(example.shape)
     with torch.no_grad(), without_torchscript_deprecation():
-        # Traced here, as OpenVINO's frontend would, but without torch.jit's check run: the export's own parity
-        # check compares the saved model with PyTorch anyway, and the check was a third of the conversion.
-        traced = torch.jit.trace(wrapper, example, check_trace=False, strict=False)
         model = ov.convert_model(traced, example_input=example, input=[ov.PartialShape(shape)])
     model.inputs[0].get_tensor().set_names({"images"})
     for index, output in enumerate(model.outputs):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,18 +26,27 @@ if TYPE_CHECKING:  # the config is defined by the package that calls these write
 LOGGER = logging.getLogger(__name__)
 
 
-def export_torchscript(
-    wrapper: nn.Module, example: torch.Tensor, path: Path, metadata: ExportMetadata, cfg: ExportConfig
-) -> Runner:
-    """Trace `wrapper` on `example` (as YOLOv5 does) and save it to `path` with metadata as `config.txt`.
+def trace_export_graph(wrapper: nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:
+    """Trace `wrapper` on `example` (as YOLOv5 does): the graph TorchScript saves and OpenVINO converts.
 
     Tracing records tensor sizes as values of the graph, so DetectHead's grid cache (keyed by size)
-    misses and the grids are built in the graph from the input's size: the file runs at any batch
-    size and any multiple-of-32 image size. Returns a runner of the saved file.
+    misses and the grids are built in the graph from the input's size: the trace runs at any batch
+    size and any multiple-of-32 image size. Tracing takes seconds for a nano model on a CPU, so
+    export_checkpoint traces each graph once for both formats; neither changes the traced module.
     """
     with torch.no_grad(), without_torchscript_deprecation():
         # check_trace would trace a second time; check_parity compares the saved file's outputs instead.
-        traced = torch.jit.trace(wrapper, example, check_trace=False)
+        return torch.jit.trace(wrapper, example, check_trace=False)
+
+
+def export_torchscript(
+    traced: torch.jit.ScriptModule, example: torch.Tensor, path: Path, metadata: ExportMetadata
+) -> Runner:
+    """Save `traced` (trace_export_graph's, at `example`) to `path` with metadata as `config.txt`.
+
+    Returns a runner of the saved file.
+    """
+    with torch.no_grad(), without_torchscript_deprecation():
         traced.save(str(path), _extra_files={TORCHSCRIPT_METADATA_FILE: json.dumps(metadata)})
         loaded = torch.jit.load(str(path), map_location=example.device)
 
@@ -138,9 +146,3 @@ def _onnxruntime_runner(path: Path, example: torch.Tensor) -> Runner | None:
         return session.run(None, {"images": images.cpu().numpy()})
 
     return run
-
-
-WRITERS: dict[str, Callable[..., Runner | None]] = {
-    "torchscript": export_torchscript,
-    "onnx": export_onnx,
-}  # OpenVINO and TensorRT: _writer
