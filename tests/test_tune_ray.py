@@ -7,12 +7,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-import tune
 from tests.test_tune import FAKE, _flags, _study, _tune_process, _wait_for, fake_trainer, tiny_data  # noqa: F401
 from utils.config import ROOT
 from utils.hyp import load_hyp
@@ -29,29 +27,26 @@ COMPLETE, PRUNED, FAIL = (optuna.trial.TrialState[name] for name in ("COMPLETE",
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def local_ray() -> Iterator[None]:
-    """A Ray instance started by the test's first --ray local study (after its environment is set), shut after."""
-    if ray.is_initialized():
-        ray.shutdown()
-    yield
-    ray.shutdown()
+def _run_tune(data: Path, project: Path, *extra: str, env: dict[str, str]) -> str:
+    """tune.py --ray local as a process, to its end: Ray's signal handlers and threads stay out of pytest's
+    process, where a later test's forked loader workers would inherit them (and could hang)."""
+    process = _tune_process(data, project, "--ray", "local", *extra, env=env)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-3000:]
+    return output
 
 
+@pytest.mark.distributed  # tune.py --ray local as a process
 def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
     tiny_data: Path,  # noqa: F811
     tmp_path: Path,
-    fake_trainer: None,  # noqa: F811
-    local_ray: None,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Six epochs: ASHA's first rung is at epoch 3 (a third, plus one); epochs slow enough for Ray to stop a trial.
     # Four trials, each costing a Ray worker's start (seconds): the base recipe, a sampled one, the crash, and
     # trial 3, whose sampled lr0 (seed 3) scores below both complete trials at the rung, so ASHA stops it.
-    monkeypatch.setenv("FAKE_EPOCH_S", "0.2")
-    monkeypatch.setenv("FAKE_TRAINER", json.dumps({"trial_0002": "crash"}))  # Ray's workers inherit it at start
-    flags = _flags(tiny_data, tmp_path, trials=4, epochs=6, pruner="halving", ray="local")
-    summary = tune.run(**flags)
+    env = {"FAKE_EPOCH_S": "0.2", "FAKE_TRAINER": json.dumps({"trial_0002": "crash"})}  # Ray's workers inherit it
+    study_flags = ("--epochs", "6", "--pruner", "halving")
+    output = _run_tune(tiny_data, tmp_path, *study_flags, "--trials", "4", env=env)
     study = _study(tmp_path)
     trials = study.get_trials()
     states = [t.state for t in trials]
@@ -63,7 +58,8 @@ def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
         if trial.state == PRUNED:  # Ray stopped it at a rung, and its training process stopped with it
             epochs = trial.user_attrs["epochs"]
             assert trial.user_attrs["reason"] == f"pruned after epoch {epochs}" and epochs < 6
-            assert len(rows) - 1 == epochs and max(trial.intermediate_values) == epochs
+            # Ray's stop reaches the trainer asynchronously: it may finish the epoch it is in, never the run.
+            assert epochs <= len(rows) - 1 < 6 and max(trial.intermediate_values) == epochs
         elif trial.state == COMPLETE:  # the fitness is the run's final score, its epochs reported on the way
             assert trial.user_attrs["epochs"] == 6 and len(trial.intermediate_values) == 6
             assert trial.value == pytest.approx(json.loads((Path(trial.user_attrs["run_dir"]) / "trial.json")
@@ -71,12 +67,12 @@ def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
     argv = json.loads((tmp_path / "exp" / "trials" / "trial_0001" / "argv.json").read_text())
     assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--name") + 1] == "trial_0001"
     best = max((t for t in trials if t.state == COMPLETE), key=lambda t: t.value)
-    assert summary.best_number == best.number
+    assert f"; best trial {best.number}: " in output
     assert load_hyp(tmp_path / "exp" / "best_hyp.yaml").lr0 == pytest.approx(best.params["lr0"])
     assert len((tmp_path / "exp" / "trials.csv").read_text().splitlines()) == 5
 
     # The same command with more trials continues the numbering and trains no point twice.
-    tune.run(**{**flags, "trials": 6})
+    _run_tune(tiny_data, tmp_path, *study_flags, "--trials", "6", env=env)
     trials = _study(tmp_path).get_trials()
     assert [t.number for t in trials] == list(range(6))
     assert len({t.params["lr0"] for t in trials}) == 6
