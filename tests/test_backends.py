@@ -270,6 +270,36 @@ def test_malformed_metadata_is_refused_in_one_line_and_any_suffix_case_reads(
         assert _one_line(error).startswith(f"{broken}: its metadata's {key} is {shown}, not ")
 
 
+def test_metadata_that_does_not_fit_the_graphs_outputs_is_refused_in_one_line(
+    files: dict[str, dict[str, Path]], tmp_path: Path
+) -> None:
+    import onnx
+
+    images = torch.zeros(1, 3, IMGSZ, IMGSZ)
+    five_names = str({index: name for index, name in enumerate(SHAPE_NAMES[:5])})
+    cases = (  # model, key, value, what the error says
+        ("yolov8n", "names", five_names, "has 10 values per row, its metadata says 9 (box + 5 classes + 0 mask"),
+        ("yolov5n", "names", five_names, "has 11 values per row, its metadata says 10 (box + objectness + 5 classes"),
+        ("yolov8n-seg", "num_masks", "16", "has 42 values per row, its metadata says 26 (box + 6 classes + 16 mask"),
+        ("yolo26n", "num_masks", "2", "has 6 values per row, its metadata says 8 (box, score, class + 2 mask"),
+    )
+    for name, key, value, says in cases:
+        graph = onnx.load(str(files[name]["onnx"]))
+        for prop in graph.metadata_props:
+            if prop.key == key:
+                prop.value = value
+        edited = tmp_path / f"{name}-{key}.onnx"
+        onnx.save(graph, str(edited))
+        task = "segment" if key == "num_masks" and name.endswith("-seg") else "detect"
+        backend = load_backend(edited, _request(task))
+        with pytest.raises(ConfigError) as error:
+            backend(images)
+        message = _one_line(error)
+        assert message.startswith(f"{edited}: output0 (1, ") and says in message, message
+    for name in MODELS:  # the files as exported pass the check
+        load_backend(files[name]["onnx"], _request(MODELS[name].name))(images)
+
+
 def test_files_without_our_metadata_are_refused(tmp_path: Path) -> None:
     pytest.importorskip("onnx")
     conv = nn.Conv2d(3, 8, 3).eval()

@@ -46,6 +46,7 @@ class Family:
     - channels_first: decoded rows are (B, N, no) in every family ([cx, cy, w, h (input pixels), YOLOv5's
       objectness, class scores (probabilities), mask coefficients]); export writes `output0` as (B, no, N),
       the layout Ultralytics' consumers read, instead of YOLOv5's (B, N, no)
+    - objectness: whether decoded rows hold YOLOv5's objectness column between the box and the class scores
     - detection_selector(end_to_end) gives the function that turns the model's decoded rows into detections
       (`non_max_suppression`'s arguments and result): NMS, or the top scores of rows from an end-to-end
       head (`decodes_end_to_end(model)`, or an exported file's metadata); force_nms(model) (--nms) makes an
@@ -60,6 +61,7 @@ class Family:
     segmentation_spec: Callable[[Any], Any]
     build_model: Callable[[Any], nn.Module]
     channels_first: bool
+    objectness: bool
     detection_selector: Callable[[bool], Callable[..., list[torch.Tensor]]]
     force_nms: Callable[[nn.Module], None]
 
@@ -77,6 +79,7 @@ YOLOV5 = Family(
     segmentation_spec=yolo.segmentation_spec,
     build_model=yolo.build_model,
     channels_first=False,
+    objectness=True,
     detection_selector=lambda end_to_end: non_max_suppression,
     force_nms=lambda model: None,  # always NMS
 )
@@ -112,6 +115,7 @@ ANCHOR_FREE = Family(
     segmentation_spec=anchor_free.segmentation_spec,
     build_model=anchor_free.build_model,
     channels_first=True,
+    objectness=False,
     detection_selector=dense_selector,
     force_nms=use_one_to_many,
 )

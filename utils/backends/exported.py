@@ -140,6 +140,7 @@ class ExportedBackend(InferenceBackend):
             shape, fixed = tuple(images.shape), self.info.imgsz
             raise ValueError(f"{self.info.path}: input {shape} does not match its fixed size {fixed}")
         outputs = self._run_in_batches(images)
+        check_outputs(self.info, outputs)
         rows = rows_from_output(outputs[0].float(), self.info)
         return (rows, (None, outputs[1])) if self.info.num_masks else (rows, None)
 
@@ -170,6 +171,32 @@ class HostRuntimeBackend(ExportedBackend):
         blank = lambda shape, like: np.zeros(shape, like.dtype)  # noqa: E731
         outputs = run_in_chunks(self.run_array, self.input_array(images), self.info.batch, np.concatenate, blank)
         return [torch.from_numpy(output).to(self.device) for output in outputs]
+
+
+def check_outputs(info: BackendInfo, outputs: list[torch.Tensor]) -> None:
+    """A one-line ConfigError naming the file when its outputs do not have the widths its metadata describes.
+
+    The metadata travels beside the graph (ONNX props, an OpenVINO folder's yaml, a TensorRT header):
+    edited, or taken from another export, it would make the selector read mask coefficients as class
+    scores, or a class as another, without a word. Shapes only: no copy, no host synchronisation.
+    """
+    num_classes, num_masks = len(info.names), info.num_masks
+    if info.layout == END_TO_END:
+        expected, meaning = 6 + num_masks, f"box, score, class + {num_masks} mask coefficients"
+    else:
+        objectness = family_named(info.family, info.path).objectness
+        expected = 4 + int(objectness) + num_classes + num_masks
+        meaning = f"box{' + objectness' if objectness else ''} + {num_classes} classes + {num_masks} mask coefficients"
+    shape = tuple(outputs[0].shape)
+    width = (shape[1] if info.layout == CHANNELS_FIRST else shape[2]) if len(shape) == 3 else None
+    problem = ""
+    if width != expected:
+        problem = f"output0 {shape} has {width} values per row, its metadata says {expected} ({meaning})"
+    elif num_masks and (len(outputs) < 2 or outputs[1].ndim != 4 or outputs[1].shape[1] != num_masks):
+        protos = tuple(outputs[1].shape) if len(outputs) > 1 else "none"
+        problem = f"its prototype masks {protos} are not the {num_masks} its metadata says"
+    if problem:
+        raise ConfigError(f"{info.path}: {problem}; the metadata is not this graph's: export the .pt again")
 
 
 def run_in_chunks(run: Callable, items: Any, batch: int | None, concat: Callable, blank: Callable) -> list[Any]:
