@@ -19,6 +19,7 @@ import torch
 import train
 from tests.conftest import make_tiny_dataset
 from utils.data.synthetic import SyntheticSpec
+from utils.train.wandb_logger import wandb_target
 
 wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402
@@ -71,7 +72,7 @@ def offline_run(run_dir: Path) -> dict[str, Any]:
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 found["ids"].append(record.run.run_id)
-                found["project"] = record.run.project
+                found["project"], found["entity"] = record.run.project, record.run.entity
                 found["config"].update(_items(record.run.config.update))
             elif kind == "config":
                 found["config"].update(_items(record.config.update))
@@ -109,12 +110,14 @@ def _train(tiny_data: Path, project: Path, **extra: object):
 
 @pytest.mark.slow
 def test_an_offline_run_holds_options_every_epoch_best_pt_and_a_resume_continues_it(
-    tiny_data: Path, tmp_path: Path, offline: None
+    tiny_data: Path, tmp_path: Path, offline: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("WANDB_PROJECT", "shapes")
+    monkeypatch.setenv("WANDB_ENTITY", "team")
     first = _train(tiny_data, tmp_path / "runs" / "train", epochs=1, wandb=True)
     run_id = torch.load(first.last, weights_only=True)["callback_state"]["wandb"]["run_id"]
     logged = offline_run(first.run_dir)
-    assert logged["ids"] == [run_id] and logged["project"] == "train"
+    assert logged["ids"] == [run_id] and (logged["project"], logged["entity"]) == ("shapes", "team")
     assert logged["config"]["imgsz"] == 64 and logged["config"]["hyp"]["lr0"] == pytest.approx(0.001)
     rows = [row for row in logged["history"] if "metrics/mAP50-95" in row]
     columns = (first.run_dir / "results.csv").read_text().splitlines()[0].split(",")
@@ -124,10 +127,13 @@ def test_an_offline_run_holds_options_every_epoch_best_pt_and_a_resume_continues
     assert kinds["model"] == ["best.pt"] and {"results.csv", "opt.yaml", "hyp.yaml"} <= set(kinds["results"])
     assert logged["exit"] == [0]
 
+    monkeypatch.delenv("WANDB_PROJECT")  # resumed from another shell: the checkpoint says where the run logs
+    monkeypatch.delenv("WANDB_ENTITY")
     resumed = _train(tiny_data, tmp_path / "runs" / "train", resume=str(first.last), epochs=2, wandb=True)
     assert resumed.run_dir == first.run_dir
     logged = offline_run(first.run_dir)
     assert logged["ids"] == [run_id, run_id], "the resumed run logs to the same W&B run"
+    assert (logged["project"], logged["entity"]) == ("shapes", "team")
     assert [row["epoch"] for row in logged["history"] if "metrics/mAP50-95" in row] == [1, 2]
 
 
@@ -155,11 +161,13 @@ def test_without_the_flag_or_a_project_w_and_b_is_off(monkeypatch: pytest.Monkey
     assert wandb_wanted(False)
 
 
+@pytest.mark.parametrize("named_by", ["environment", "checkpoint"])
 def test_without_an_api_key_w_and_b_is_one_warning_not_a_login_prompt(
-    tmp_path: Path, offline: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    named_by: str, tmp_path: Path, offline: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A server that answers (as api.wandb.ai would) but no key anywhere: wandb.init would prompt on a terminal and
     # wait there, or end the run when stdin is closed. The logger asks for a key without a prompt and stays off.
+    # The server is WANDB_BASE_URL's, or, for a resumed run, the one its checkpoint recorded (nothing else answers).
     import http.server
     import threading
 
@@ -178,14 +186,38 @@ def test_without_an_api_key_w_and_b_is_one_warning_not_a_login_prompt(
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         monkeypatch.setenv("WANDB_MODE", "online")
-        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.server_address[1]}")
+        url, state = f"http://127.0.0.1:{server.server_address[1]}", {}
+        if named_by == "environment":
+            monkeypatch.setenv("WANDB_BASE_URL", url)
+        else:
+            state = {"wandb": {"run_id": "abcd1234", "project": "train", "entity": None, "base_url": url}}
         monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
         monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
         logger = WandbLogger(explicit=True)
-        event = TrainEvent(name="on_pretrain_routine_end", run_dir=tmp_path / "exp", options={}, epochs=1, state={})
+        event = TrainEvent(name="on_pretrain_routine_end", run_dir=tmp_path / "exp", options={}, epochs=1,
+                           state=dict(state))  # fmt: skip
         with caplog.at_level(logging.WARNING):
             logger.on_pretrain_routine_end(event)
     finally:
         server.shutdown()
-    assert logger.run is None and event.state == {}
+    assert logger.run is None and event.state == state
     assert "W&B: no API key (WANDB_API_KEY, or `wandb login` once); training goes on without W&B" in caplog.text
+
+
+def test_a_resumed_run_logs_where_its_checkpoint_says_unless_a_variable_names_another_place(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "train" / "exp"
+    fresh = wandb_target({}, {}, run_dir)
+    assert (fresh.project, fresh.entity, fresh.base_url, fresh.warnings) == ("train", None, None, ())
+    assert len(fresh.run_id) == 8 and fresh.run_id != wandb_target({}, {}, run_dir).run_id
+    stored = {"run_id": "abcd1234", "project": "shapes", "entity": "team", "base_url": "https://wandb.example.org"}
+    resumed = wandb_target(stored, {}, run_dir)
+    assert (resumed.run_id, resumed.project, resumed.entity, resumed.base_url) == (
+        "abcd1234", "shapes", "team", "https://wandb.example.org")  # fmt: skip
+    assert resumed.warnings == ()
+    same = {"WANDB_PROJECT": "shapes", "WANDB_BASE_URL": "https://wandb.example.org/"}
+    assert wandb_target(stored, same, run_dir).warnings == ()
+    moved = wandb_target(stored, {"WANDB_PROJECT": "other", "WANDB_ENTITY": ""}, run_dir)
+    assert (moved.run_id, moved.project, moved.entity) == ("abcd1234", "other", "team")
+    (warning,) = moved.warnings
+    assert warning.startswith("W&B: WANDB_PROJECT=other, but this run's earlier epochs were logged with project "
+                              "shapes;") and "unset WANDB_PROJECT" in warning  # fmt: skip

@@ -3,8 +3,9 @@
 On with `--wandb`, or when `WANDB_PROJECT` is set; W&B's own variables apply (`WANDB_MODE=offline`
 writes the run under the run folder for a later `wandb sync`, `WANDB_ENTITY`, `WANDB_BASE_URL`, the
 API key). The project is `WANDB_PROJECT`, else the run folder's parent (`train`, `train-seg`); the
-W&B run is named like the run folder. Its id is kept in every checkpoint (callback state), so
-`--resume` and elastic restarts continue the same W&B run. W&B never costs the training run: a missing
+W&B run is named like the run folder. Its id, project, entity and server are kept in every checkpoint
+(callback state), so `--resume` and elastic restarts continue the same W&B run, also from a shell
+without the first part's W&B variables. W&B never costs the training run: a missing
 package, an unreachable server or a failed call is one warning and logging stops.
 """
 
@@ -14,6 +15,8 @@ import logging
 import math
 import os
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +28,7 @@ if TYPE_CHECKING:
     from utils.callbacks import TrainEvent
 
 LOGGER = logging.getLogger(__name__)
-STATE_KEY = "wandb"  # its entry in the callbacks' checkpointed state: {"run_id": ..., "project": ...}
+STATE_KEY = "wandb"  # its entry in the callbacks' checkpointed state: {"run_id", "project", "entity", "base_url"}
 DEFAULT_BASE_URL = "https://api.wandb.ai"
 
 
@@ -52,18 +55,19 @@ class WandbLogger:
         if wandb is None:
             return
         mode = os.environ.get("WANDB_MODE", "online")
-        server = os.environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL
+        target = wandb_target(event.state.get(STATE_KEY) or {}, os.environ, event.run_dir)
+        server = target.base_url or DEFAULT_BASE_URL
         unreachable = ("W&B: no server at {url} ({reason}); training goes on without W&B (WANDB_MODE=offline keeps "
                        "the run locally)")  # fmt: skip
         if mode == "disabled" or (mode == "online" and not server_answers(server, "/healthz", unreachable, LOGGER)):
             return
-        if mode == "online" and not _has_credentials(wandb):
+        if mode == "online" and not _has_credentials(wandb, target.base_url):
             LOGGER.warning(
                 "W&B: no API key (WANDB_API_KEY, or `wandb login` once); training goes on without W&B "
                 "(WANDB_MODE=offline keeps the run locally)"
             )
             return
-        self._call("start", lambda: self._start(wandb, event))
+        self._call("start", lambda: self._start(wandb, event, target))
 
     def on_fit_epoch_end(self, event: TrainEvent) -> None:
         """Every numeric, finite results.csv column of the epoch, against the epoch."""
@@ -111,21 +115,27 @@ class WandbLogger:
         except Exception as error:  # noqa: BLE001 - the tracker must never cost the training run
             LOGGER.warning(f"W&B: could not finish the run: {type(error).__name__}: {_first_line(error)}")
 
-    def _start(self, wandb: Any, event: TrainEvent) -> None:
+    def _start(self, wandb: Any, event: TrainEvent, target: WandbTarget) -> None:
         """wandb.init with the checkpoint's run id when it has one (resume="allow"), else a new id."""
         stored = event.state.get(STATE_KEY) or {}
-        run_id = stored.get("run_id") or uuid.uuid4().hex[:8]  # W&B's own ids: 8 lowercase letters and digits
-        project = os.environ.get("WANDB_PROJECT") or stored.get("project") or event.run_dir.parent.name
+        for warning in target.warnings:
+            LOGGER.warning(warning)
         run = wandb.init(
-            project=project, name=event.run_dir.name, id=run_id, resume="allow", dir=str(event.run_dir),
-            config=dict(event.options), reinit="create_new", settings=wandb.Settings(silent=True),
+            project=target.project, entity=target.entity, name=event.run_dir.name, id=target.run_id, resume="allow",
+            dir=str(event.run_dir), config=dict(event.options), reinit="create_new",
+            settings=wandb.Settings(silent=True, **({"base_url": target.base_url} if target.base_url else {})),
         )  # fmt: skip
         run.define_metric("epoch")
         run.define_metric("*", step_metric="epoch")
         self.run = run
-        event.state[STATE_KEY] = {"run_id": run_id, "project": project}
+        # What W&B used: the account's default entity and `wandb login --host`'s server when none was named
+        entity = getattr(run, "entity", None) or target.entity
+        base_url = getattr(run.settings, "base_url", None) or target.base_url
+        event.state[STATE_KEY] = {"run_id": target.run_id, "project": target.project, "entity": entity,
+                                  "base_url": base_url}  # fmt: skip
         verb = "continuing" if stored.get("run_id") else "logging"
-        LOGGER.info(f"W&B: {verb} run {run_id} ({event.run_dir.name}), project {project}, mode {run.settings.mode}")
+        where = f"project {f'{entity}/' if entity else ''}{target.project}"
+        LOGGER.info(f"W&B: {verb} run {target.run_id} ({event.run_dir.name}), {where}, mode {run.settings.mode}")
 
     def _call(self, what: str, action: Any) -> None:
         """Run `action`; a failure is one warning and stops W&B logging for the rest of the run."""
@@ -142,12 +152,49 @@ class WandbLogger:
                     pass
 
 
-def _has_credentials(wandb: Any) -> bool:
-    """Whether W&B has an API key (environment, settings or .netrc), asked without a prompt: wandb.init would
-    otherwise prompt for one on a terminal, and wait there (the other ranks until --dist-timeout) or, with
+@dataclass(frozen=True)
+class WandbTarget:
+    """Where a run logs: W&B run id, project, entity and server (None: W&B's own default for the account)."""
+
+    run_id: str
+    project: str
+    entity: str | None
+    base_url: str | None
+    warnings: tuple[str, ...] = ()  # where a resumed run's environment sends it elsewhere than its first part
+
+
+# What the checkpoint keeps of each, and the environment variable that names it
+TARGET_VARIABLES = (("project", "WANDB_PROJECT"), ("entity", "WANDB_ENTITY"), ("base_url", "WANDB_BASE_URL"))
+
+
+def wandb_target(stored: Mapping[str, Any], environ: Mapping[str, str], run_dir: Path) -> WandbTarget:
+    """Where to log: W&B's variables when set, else what the checkpoint recorded, else the defaults.
+
+    A run continued with `--resume` (or an elastic restart) in a shell without the first part's
+    WANDB_PROJECT / WANDB_ENTITY / WANDB_BASE_URL goes on logging to that W&B run, not to a new one
+    on the default server and project. A variable that names another place than the recorded one
+    wins (the run id is kept there) and is one warning: the earlier epochs stay where they were.
+    """
+    chosen, warnings = {}, []
+    defaults = {"project": run_dir.parent.name, "entity": None, "base_url": None}
+    for key, variable in TARGET_VARIABLES:
+        given, recorded = environ.get(variable) or None, stored.get(key) or None
+        chosen[key] = given or recorded or defaults[key]
+        if given and recorded and given.rstrip("/") != recorded.rstrip("/"):
+            warnings.append(
+                f"W&B: {variable}={given}, but this run's earlier epochs were logged with {key} {recorded}; they "
+                f"stay there and run {stored.get('run_id')} goes on under {given} (unset {variable} to continue there)"
+            )
+    run_id = stored.get("run_id") or uuid.uuid4().hex[:8]  # W&B's own ids: 8 lowercase letters and digits
+    return WandbTarget(run_id=run_id, warnings=tuple(warnings), **chosen)
+
+
+def _has_credentials(wandb: Any, host: str | None) -> bool:
+    """Whether W&B has an API key for `host` (environment, settings or .netrc), asked without a prompt: wandb.init
+    would otherwise prompt for one on a terminal, and wait there (the other ranks until --dist-timeout) or, with
     stdin closed, end the run with a KeyboardInterrupt."""
     try:
-        return bool(wandb.login(prompt=False, verify=False))
+        return bool(wandb.login(prompt=False, verify=False, **({"host": host} if host else {})))
     except TypeError:  # a wandb without `prompt`: wandb.init decides, as before
         return True
     except Exception:  # noqa: BLE001 - a settings file it cannot read: no key to use
