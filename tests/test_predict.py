@@ -387,6 +387,12 @@ def test_classes_filter_and_nosave(tmp_path: Path, det_weights: Path) -> None:
         predict(config(det_weights, source, tmp_path / "runs", classes=(6,)), DETECT, DistContext())
 
 
+def test_a_webcam_that_does_not_open_is_one_line_and_leaves_no_run_folder(tmp_path: Path, det_weights: Path) -> None:
+    with pytest.raises(ConfigError, match="^--source 99: cannot open webcam 99$"):
+        predict(config(det_weights, "99", tmp_path / "runs"), DETECT, DistContext())
+    assert not (tmp_path / "runs").exists()
+
+
 def test_segmentation_writes_polygons_and_tinted_images(tmp_path: Path, seg_weights: Path) -> None:
     source = make_inputs(tmp_path / "in", images=2, corrupt=False, video=False)
     save = SaveOptions(save_txt=True)

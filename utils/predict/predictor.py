@@ -181,11 +181,15 @@ class PredictionLoop:
     INFO, which only rank 0 shows.
     """
 
-    def __init__(self, predictor: FramePredictor, writer: RunWriter, cfg: PredictConfig, total_inputs: int) -> None:
+    def __init__(
+        self, predictor: FramePredictor, writer: RunWriter, cfg: PredictConfig, total_inputs: int,
+        webcam: VideoReader | None = None,
+    ) -> None:  # fmt: skip
         self.predictor = predictor
         self.writer = writer
         self.cfg = cfg
         self.total_inputs = total_inputs
+        self.webcam = webcam  # the webcam input, opened before the run folder was made (open_webcam)
         self.tally = Tally()
 
     def run(self, items: Sequence[InputItem]) -> Tally:
@@ -214,7 +218,8 @@ class PredictionLoop:
 
     def _video(self, item: InputItem) -> None:
         """Predict a video's (or webcam's) frames into <stem>.mp4 at the input's fps / --vid-stride."""
-        with VideoReader(item, self.cfg.vid_stride) as reader:
+        webcam = item.kind == "webcam" and self.webcam is not None
+        with self.webcam if webcam else VideoReader(item, self.cfg.vid_stride) as reader:
             sink_fps = reader.fps / self.cfg.vid_stride  # plays at the input's speed whatever the stride
             with VideoSink(self.writer.save_dir / f"{item.stem}.mp4", sink_fps) as sink:
                 frames = self._video_frames(item, reader, sink)
@@ -294,11 +299,13 @@ def predict(cfg: PredictConfig, task: Task, ctx: DistContext) -> PredictResult:
     found = run_on_main(lambda: discover_inputs(cfg.source), ctx, "finding the --source inputs")
     items: list[InputItem] = broadcast_object(found, ctx)
     mine = shard_inputs(items, ctx)
+    webcam = open_webcam(mine, cfg.vid_stride)  # a camera that does not open leaves no empty run folder behind
     save_dir = create_run_dir(cfg.project, cfg.name, cfg.exist_ok, ctx, ("labels",) if cfg.save.save_txt else ())
     LOGGER.info(f"Predicting {len(items)} inputs from {cfg.source} on {ctx.world_size} process(es) into {save_dir}")
     if ctx.device.type == "cuda":  # the first CUDA forward pays for kernel selection; keep it out of the timings
         warm_up(model, cfg.imgsz)
-    loop = PredictionLoop(FramePredictor(model, task, cfg), RunWriter(save_dir, names, cfg.save), cfg, len(items))
+    writer = RunWriter(save_dir, names, cfg.save)
+    loop = PredictionLoop(FramePredictor(model, task, cfg), writer, cfg, len(items), webcam)
     start = time.perf_counter()
     mine_tally = loop.run(mine)
     loop_seconds = time.perf_counter() - start
@@ -309,6 +316,12 @@ def predict(cfg: PredictConfig, task: Task, ctx: DistContext) -> PredictResult:
     if ctx.is_main:
         log_summary(total, save_dir, cfg, ctx.world_size)
     return PredictResult(save_dir, total, mine_tally, loop_seconds)
+
+
+def open_webcam(items: Sequence[InputItem], vid_stride: int) -> VideoReader | None:
+    """The webcam among `items` opened (a one-line ConfigError when it cannot be), or None without one."""
+    webcams = [item for item in items if item.kind == "webcam"]
+    return VideoReader(webcams[0], vid_stride) if webcams else None
 
 
 def warm_up(model: InferenceBackend, imgsz: tuple[int, int]) -> None:
