@@ -42,9 +42,13 @@ def rank_shard(num_items: int, ctx: DistContext, seed: int) -> np.ndarray:
     return np.sort(permutation[ctx.rank :: ctx.world_size]).astype(np.int64)
 
 
-def resized_hw(height: int, width: int, img_size: int) -> tuple[int, int]:
-    """Return (h, w) after scaling so the long side equals `img_size` (aspect ratio kept, at least 1 px)."""
-    ratio = img_size / max(height, width)
+def resized_hw(height: int, width: int, img_size: int | tuple[int, int]) -> tuple[int, int]:
+    """Return (h, w) after scaling so the long side equals `img_size` (aspect ratio kept, at least 1 px).
+
+    `img_size` (h, w): scaled to fit that box instead (one side equals the box's, the other fits).
+    """
+    box_h, box_w = (img_size, img_size) if isinstance(img_size, int) else img_size
+    ratio = min(box_h / height, box_w / width)  # the same float as img_size / max(height, width) for a square
     return max(1, round(height * ratio)), max(1, round(width * ratio))
 
 
@@ -62,8 +66,8 @@ def resized_table(shapes_wh: np.ndarray, img_size: int) -> tuple[np.ndarray, np.
     return hw, offsets
 
 
-def resize_long_side(image: np.ndarray, img_size: int, augment: bool = False) -> np.ndarray:
-    """Resize an HxWx3 image so its long side equals `img_size`.
+def resize_long_side(image: np.ndarray, img_size: int | tuple[int, int], augment: bool = False) -> np.ndarray:
+    """Resize an HxWx3 image so its long side equals `img_size` (or so it fits an (h, w) box: resized_hw).
 
     Enlarging uses INTER_LINEAR. Shrinking uses INTER_AREA (no aliasing) for evaluation, and
     INTER_LINEAR when `augment`: about 10x faster (1.4 ms vs 0.14 ms for 450x400 -> 224), and

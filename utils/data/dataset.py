@@ -279,7 +279,7 @@ class LoadImagesAndLabels(Dataset):
         return (self.labels[:, 3:5] * per_label).astype(np.float32)
 
     def load_image(self, index: int) -> LoadedImage:
-        """Return (BGR image resized to long side img_size, (h0, w0) original, (h, w) resized).
+        """Return (BGR image resized to long side img_size (to fit canvas_hw when set), (h0, w0), (h, w) resized).
 
         Served from the cache when it holds the item: from the RAM or shm cache as a read-only
         view, not a copy (a mosaic reads four images and writes none of them; every path that
@@ -302,7 +302,9 @@ class LoadImagesAndLabels(Dataset):
         if image is None:
             raise FileNotFoundError(f"cannot read image {path} (deleted or corrupted since the label scan?)")
         height0, width0 = image.shape[:2]
-        image = resize_long_side(image, self.options.img_size, self.options.augment)
+        # Fitted to a fixed canvas at once: its letterbox then only pads, as detect.py's one resize does.
+        fit = self.options.canvas_hw or self.options.img_size
+        image = resize_long_side(image, fit, self.options.augment)
         return image, (height0, width0), image.shape[:2]
 
     def _instances(self, index: int, width: int, height: int) -> Instances:
