@@ -124,14 +124,19 @@ def _folder_or_glob(source: str) -> list[str]:
 
 def _listed_files(list_file: Path) -> list[str]:
     """The files a .txt list names, line by line: a folder or glob line gives its images and videos, any other
-    line its path (relative ones against the list's folder), kept whether it exists or not."""
+    line its path (relative ones against the list's folder), kept whether it exists or not.
+
+    A line naming an existing file is that file even when its name holds glob characters (`shot[1].jpg`,
+    `a?.jpg`), as `--source` reads such a name: as a pattern it would match other files, or none.
+    """
     files = []
     for line in list_lines(list_file):
         entry = line.strip()
         if not entry:
             continue
         path = os.path.normpath(os.path.join(list_file.parent, entry))
-        files.extend(_folder_or_glob(path) if os.path.isdir(path) or glob.has_magic(entry) else [path])
+        is_pattern = glob.has_magic(entry) and not (os.path.isfile(path) or os.path.islink(path))
+        files.extend(_folder_or_glob(path) if os.path.isdir(path) or is_pattern else [path])
     return files
 
 
