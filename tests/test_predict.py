@@ -173,6 +173,21 @@ def test_a_listed_file_whose_name_holds_glob_characters_is_that_file(tmp_path: P
     assert [Path(i.path).name for i in discover_inputs(str(listing))] == ["shot[1].jpg", "shot?.jpg"]
 
 
+def test_a_list_line_missing_beside_the_list_is_read_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A list written for YOLOv5, which reads its lines from the current directory.
+    for name, seed in (("shots/a.jpg", 1), ("shots/b.jpg", 2), ("lists/c.jpg", 3), ("c.jpg", 4)):
+        write_image(tmp_path / name, seed=seed)
+    listing = tmp_path / "lists" / "list.txt"
+    listing.write_text("shots/a.jpg\nshots/b*.jpg\nc.jpg\nshots/gone.jpg\n")
+    monkeypatch.chdir(tmp_path)
+    paths = [Path(i.path).resolve() for i in discover_inputs(str(listing))]
+    # c.jpg is beside the list as well: the list's folder comes first; a missing line stays there, to be skipped.
+    assert paths == [tmp_path / "shots/a.jpg", tmp_path / "shots/b.jpg", tmp_path / "lists/c.jpg",
+                     tmp_path / "lists/shots/gone.jpg"]  # fmt: skip
+
+
 @pytest.mark.parametrize("source", ["nowhere", "empty", "in/notes.json", "in/*.png"])
 def test_discover_refuses_bad_sources_in_one_line(tmp_path: Path, source: str) -> None:
     make_inputs(tmp_path / "in")
