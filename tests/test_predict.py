@@ -165,6 +165,29 @@ def test_discover_folder_glob_list_file_and_webcam(tmp_path: Path) -> None:
     assert discover_inputs(str(folder / "img0.jpg"))[0].kind == "image"
 
 
+def test_a_listed_file_whose_name_holds_glob_characters_is_that_file(tmp_path: Path) -> None:
+    for name, seed in (("shot[1].jpg", 1), ("shot?.jpg", 2), ("shot1.jpg", 3)):
+        write_image(tmp_path / name, seed=seed)
+    listing = tmp_path / "list.txt"
+    listing.write_text("shot[1].jpg\nshot?.jpg\nshot*.png\n")  # the last is a pattern: no file has that name
+    assert [Path(i.path).name for i in discover_inputs(str(listing))] == ["shot[1].jpg", "shot?.jpg"]
+
+
+def test_a_list_line_missing_beside_the_list_is_read_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A list written for YOLOv5, which reads its lines from the current directory.
+    for name, seed in (("shots/a.jpg", 1), ("shots/b.jpg", 2), ("lists/c.jpg", 3), ("c.jpg", 4)):
+        write_image(tmp_path / name, seed=seed)
+    listing = tmp_path / "lists" / "list.txt"
+    listing.write_text("shots/a.jpg\nshots/b*.jpg\nc.jpg\nshots/gone.jpg\n")
+    monkeypatch.chdir(tmp_path)
+    paths = [Path(i.path).resolve() for i in discover_inputs(str(listing))]
+    # c.jpg is beside the list as well: the list's folder comes first; a missing line stays there, to be skipped.
+    assert paths == [tmp_path / "shots/a.jpg", tmp_path / "shots/b.jpg", tmp_path / "lists/c.jpg",
+                     tmp_path / "lists/shots/gone.jpg"]  # fmt: skip
+
+
 @pytest.mark.parametrize("source", ["nowhere", "empty", "in/notes.json", "in/*.png"])
 def test_discover_refuses_bad_sources_in_one_line(tmp_path: Path, source: str) -> None:
     make_inputs(tmp_path / "in")

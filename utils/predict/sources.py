@@ -57,9 +57,10 @@ def discover_inputs(source: str) -> list[InputItem]:
     A digit string is a webcam index. A folder gives its images and videos (not recursive, as
     YOLOv5), a glob pattern ('dir/*.jpg', '**' recursive) its matching images and videos, both
     sorted; other files there are ignored. A .txt file lists one file, folder or glob per line
-    (relative paths resolve against the .txt file's folder; names as utils/data/image_files.list_lines
-    reads them); its file entries are kept whatever they are, so a missing or unreadable one is later
-    skipped with a warning and counted rather than dropped silently.
+    (relative paths resolve against the .txt file's folder, else the current directory: `_listed_path`;
+    names as utils/data/image_files.list_lines reads them); its file entries are kept whatever they
+    are, so a missing or unreadable one is later skipped with a warning and counted rather than
+    dropped silently.
     Raises a one-line ConfigError for a source that does not exist or holds no image or video.
     """
     if source.strip().isdigit():
@@ -124,15 +125,38 @@ def _folder_or_glob(source: str) -> list[str]:
 
 def _listed_files(list_file: Path) -> list[str]:
     """The files a .txt list names, line by line: a folder or glob line gives its images and videos, any other
-    line its path (relative ones against the list's folder), kept whether it exists or not."""
+    line its path (`_listed_path`), kept whether it exists or not.
+
+    A line naming an existing file is that file even when its name holds glob characters (`shot[1].jpg`,
+    `a?.jpg`), as `--source` reads such a name: as a pattern it would match other files, or none.
+    """
     files = []
     for line in list_lines(list_file):
         entry = line.strip()
         if not entry:
             continue
-        path = os.path.normpath(os.path.join(list_file.parent, entry))
-        files.extend(_folder_or_glob(path) if os.path.isdir(path) or glob.has_magic(entry) else [path])
+        path = _listed_path(list_file.parent, entry)
+        is_pattern = glob.has_magic(entry) and not (os.path.isfile(path) or os.path.islink(path))
+        files.extend(_folder_or_glob(path) if os.path.isdir(path) or is_pattern else [path])
     return files
+
+
+def _listed_path(list_folder: Path, entry: str) -> str:
+    """Where a relative list line points: into the list's folder, or, when nothing is there, the current directory.
+
+    YOLOv5 reads a --source list's lines from the current directory (Ultralytics tries it first, then the
+    list's folder), so a list written for it names files from where it was run; read only against the
+    list's folder, each of its lines would be skipped as missing.
+    """
+    beside_list = os.path.normpath(os.path.join(list_folder, entry))
+    if os.path.isabs(entry) or _names_something(beside_list) or not _names_something(entry):
+        return beside_list
+    return os.path.normpath(entry)
+
+
+def _names_something(path: str) -> bool:
+    """Whether `path` is an existing file, folder or link, or a glob that matches one."""
+    return os.path.lexists(path) or (glob.has_magic(path) and bool(glob.glob(path, recursive=True)))
 
 
 def _suffixes(suffixes: frozenset[str]) -> str:
