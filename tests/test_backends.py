@@ -566,7 +566,7 @@ def test_a_checkpoint_backend_reports_the_dataset_it_was_trained_on(tmp_path: Pa
 
 @pytest.mark.slow
 def test_val_scores_a_file_exported_at_a_non_square_size_on_that_canvas(
-    files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path
+    files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from utils.data.augment import letterbox
     from utils.data.cache import resized_hw
@@ -577,7 +577,9 @@ def test_val_scores_a_file_exported_at_a_non_square_size_on_that_canvas(
 
     weights = Path(shutil.copy(files["yolov8n"]["pt"], tmp_path / "best.pt"))
     (static,) = export_checkpoint(ExportConfig(weights, ("onnx",), imgsz=(64, 96)), TASKS, DistContext())
-    got = _val(val, static.path, tiny_data, tmp_path / "onnx")
+    with caplog.at_level(logging.INFO):
+        got = _val(val, static.path, tiny_data, tmp_path / "onnx")
+    assert "ms NMS at batch 4 per rank, size 64x96" in caplog.text  # the size that ran, not its long side
     # The checkpoint on the same canvas (every image letterboxed to 64x96): what the file must have computed.
     ctx = DistContext()
     options = DatasetOptions.for_evaluation(

@@ -48,6 +48,12 @@ class ValSetup:
     coco_target: CocoTarget | None  # rank 0 only, when --save-json and the YAML names annotations
     imgsz: int  # --imgsz, else the size the checkpoint was trained at or the file exported at
 
+    @property
+    def size_text(self) -> str:
+        """The size images ran at, as the report names it: `640`, or `384x640` for a non-square fixed-size file."""
+        height, width = self.model.info.imgsz
+        return f"{height}x{width}" if self.model.info.fixed_shape and height != width else str(self.imgsz)
+
 
 def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalResult:
     """Evaluate checkpoint `cfg.weights` on split `cfg.split` of `cfg.data`; every rank calls it.
@@ -86,7 +92,7 @@ def validate_checkpoint(cfg: ValConfig, task: Task, ctx: DistContext) -> EvalRes
             result, setup.data, cfg.split, setup.save_dir, ctx,
             single_cls=cfg.single_cls, target=setup.coco_target, stems=stems,
         )  # fmt: skip
-    report(result, setup.names, cfg, ctx, annotations, agnostic=eval_options.class_agnostic)
+    report(result, setup.names, cfg, ctx, annotations, agnostic=eval_options.class_agnostic, size=setup.size_text)
     if cfg.save_txt and setup.save_dir is not None:
         save_txt(result, setup.save_dir / "labels", stems, cfg.save_conf)
     if cfg.plots and setup.save_dir is not None and ctx.is_main:
@@ -207,11 +213,13 @@ def report(
     annotations: Path | None = None,
     *,
     agnostic: bool = False,
+    size: str = "",
 ) -> None:
     """Log the metrics table (per class with --verbose), per-image stage times and the metric source on rank 0.
 
     `annotations` is the split's COCO file from the dataset YAML, if any; `agnostic`: the NMS ignored
-    classes (a multi-class model scored --single-cls). `--task speed` logs the times only.
+    classes (a multi-class model scored --single-cls); `size`: the size images ran at (ValSetup.size_text, else
+    --imgsz). `--task speed` logs the times only.
     """
     mean = result.speed_ms  # per image over every rank's images
     if not ctx.is_main:
@@ -220,7 +228,7 @@ def report(
         LOGGER.info(format_results(result, names, cfg.verbose))
     LOGGER.info(
         f"Speed per image: {mean['preprocess']:.1f} ms pre-process, {mean['inference']:.1f} ms inference, "
-        f"{mean['nms']:.1f} ms NMS at batch {per_rank_batch(cfg.batch_size, ctx)} per rank, size {cfg.imgsz}"
+        f"{mean['nms']:.1f} ms NMS at batch {per_rank_batch(cfg.batch_size, ctx)} per rank, size {size or cfg.imgsz}"
     )
     if not cfg.speed_only:
         if agnostic:  # one box per object whatever its class: multi-label would only repeat it
