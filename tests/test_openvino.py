@@ -262,6 +262,10 @@ def test_export_flags_are_refused_in_one_line(argv: list[str], message: str) -> 
         _flags(*argv)
 
 
+def test_int8_takes_two_sides_that_round_to_a_square() -> None:
+    assert _flags("--include", "openvino", "--int8", "--data", "d.yaml", "--imgsz", "60", "64").imgsz == (64, 64)
+
+
 def test_missing_runtimes_and_devices_are_one_line_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = DistContext(), DistContext(device=torch.device("cuda", 0))  # no CUDA is touched by the checks
     check_export_dependencies(_flags("--include", "openvino", "--half"), cpu)  # FP16 IR needs no GPU

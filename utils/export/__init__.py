@@ -182,7 +182,7 @@ def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
         raise ConfigError(f"--opset {args.opset} must be within {OPSET_RANGE[0]}..{OPSET_RANGE[1]}")
     if args.half and args.dynamic:  # YOLOv5 refuses the pair too (it traces dynamic graphs on CPU, which lacks fp16)
         raise ConfigError("--half and --dynamic cannot be combined; use one of them")
-    check_int8_flags(args, include)
+    check_int8_flags(args, include, imgsz)
     if "engine" in include and args.dynamic:
         raise ConfigError("--dynamic is not supported for engine: TensorRT builds for one --imgsz and --batch-size")
     return ExportConfig(
@@ -202,8 +202,11 @@ def export_config_from_args(args: argparse.Namespace) -> ExportConfig:
     )
 
 
-def check_int8_flags(args: argparse.Namespace, include: tuple[str, ...]) -> None:
-    """Refuse, in one line naming the flag, an --int8 export that cannot be calibrated or has no INT8 form."""
+def check_int8_flags(args: argparse.Namespace, include: tuple[str, ...], imgsz: tuple[int, ...] | None) -> None:
+    """Refuse, in one line naming the flag, an --int8 export that cannot be calibrated or has no INT8 form.
+
+    `imgsz`: --imgsz rounded to stride multiples (`60 64` is the square 64 64).
+    """
     if not args.int8:
         return
     others = [name for name in include if name not in INT8_FORMATS]
@@ -215,7 +218,7 @@ def check_int8_flags(args: argparse.Namespace, include: tuple[str, ...]) -> None
         raise ConfigError("--int8 needs --data, a dataset YAML whose train images calibrate the quantization")
     if args.calib_images < 1:
         raise ConfigError(f"--calib-images {args.calib_images} must be at least 1")
-    if args.imgsz is not None and args.imgsz[0] != args.imgsz[-1]:
+    if imgsz is not None and imgsz[0] != imgsz[-1]:
         raise ConfigError("--int8 calibrates on square images, as val letterboxes them; give one --imgsz side")
 
 
