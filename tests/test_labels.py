@@ -540,6 +540,7 @@ def test_jpeg_missing_only_its_end_marker_is_kept_and_a_truncated_one_is_not(tmp
     kept = verify_image_label(str(images / "no_eoi.jpg"), str(tmp_path / "labels" / "no_eoi.txt"))
     assert kept.status == "missing" and kept.shape_wh == (64, 48)
     assert "without end-of-image marker" in kept.message and "kept" in kept.message
+    assert read_image(str(images / "no_eoi.jpg")).shape == (48, 64, 3)  # and training decodes it (OpenCV 5 too)
     cut = verify_image_label(str(images / "cut.jpg"), str(tmp_path / "labels" / "cut.txt"))
     assert cut.status == "corrupt" and "truncated JPEG" in cut.message
 
