@@ -93,6 +93,9 @@ def test_list_image_files_sources(tmp_path: Path) -> None:
     assert list_image_files([str(tmp_path / "a"), listing]) == sorted([str(a), str(b), str(c)])
     with pytest.raises(FileNotFoundError, match="nowhere"):
         list_image_files(tmp_path / "nowhere")
+    (tmp_path / "train.json").write_text("{}")  # there, but not a source of images: not 'does not exist'
+    with pytest.raises(ConfigError, match="train.json is not a folder, a .txt image list or an image"):
+        list_image_files(tmp_path / "train.json")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no images"):  # a user error: one line, no traceback
         list_image_files(tmp_path / "empty")
