@@ -93,6 +93,9 @@ def test_list_image_files_sources(tmp_path: Path) -> None:
     assert list_image_files([str(tmp_path / "a"), listing]) == sorted([str(a), str(b), str(c)])
     with pytest.raises(FileNotFoundError, match="nowhere"):
         list_image_files(tmp_path / "nowhere")
+    (tmp_path / "train.json").write_text("{}")  # there, but not a source of images: not 'does not exist'
+    with pytest.raises(ConfigError, match="train.json is not a folder, a .txt image list or an image"):
+        list_image_files(tmp_path / "train.json")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no images"):  # a user error: one line, no traceback
         list_image_files(tmp_path / "empty")
@@ -540,6 +543,7 @@ def test_jpeg_missing_only_its_end_marker_is_kept_and_a_truncated_one_is_not(tmp
     kept = verify_image_label(str(images / "no_eoi.jpg"), str(tmp_path / "labels" / "no_eoi.txt"))
     assert kept.status == "missing" and kept.shape_wh == (64, 48)
     assert "without end-of-image marker" in kept.message and "kept" in kept.message
+    assert read_image(str(images / "no_eoi.jpg")).shape == (48, 64, 3)  # and training decodes it (OpenCV 5 too)
     cut = verify_image_label(str(images / "cut.jpg"), str(tmp_path / "labels" / "cut.txt"))
     assert cut.status == "corrupt" and "truncated JPEG" in cut.message
 

@@ -17,6 +17,7 @@ import cv2
 import numpy as np
 from tqdm import tqdm
 
+from utils.data.image_check import decodes_without_end_marker
 from utils.distributed import DistContext
 from utils.logs import tqdm_disabled
 from utils.memory import memory_headroom
@@ -27,6 +28,7 @@ CACHE_MODES = ("auto", "none", "ram", "shm", "disk")
 MEMORY_SAFETY_MARGIN = 0.1  # keep this fraction of available memory free for the rest of training
 AUTO_CACHE_FRACTION = 0.1  # "auto" caches in RAM only when the node's shards need at most this much of it
 GB = 1 << 30
+JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"  # start- and end-of-image markers
 
 
 def rank_shard(num_items: int, ctx: DistContext, seed: int) -> np.ndarray:
@@ -99,11 +101,16 @@ def read_image(path: str) -> np.ndarray | None:
 
     Python reads the bytes and cv2.imdecode decodes them: cv2.imread passes the name to C++ as
     UTF-8, and a file name that is not valid UTF-8 (Python holds it with surrogate escapes)
-    crashes the process there instead of failing.
+    crashes the process there instead of failing. A JPEG without its end-of-image marker whose
+    image data is complete, which the label scan keeps, is decoded with the marker appended:
+    OpenCV 5 returns None for it where 4.x only warned. A truncated one stays None.
     """
     try:
         data = np.fromfile(path, dtype=np.uint8)
-        return cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
+        image = cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
+        if image is None and data[:2].tobytes() == JPEG_START and decodes_without_end_marker(path):
+            image = cv2.imdecode(np.concatenate([data, np.frombuffer(JPEG_END, np.uint8)]), cv2.IMREAD_COLOR)
+        return image
     except (OSError, ValueError, cv2.error):  # some truncated files make the decoder raise instead of return None
         return None
 

@@ -50,7 +50,7 @@ def _trailing_png_exif(path: str) -> bytes | None:
     return None
 
 
-def _decodes_without_end_marker(path: str) -> bool:
+def decodes_without_end_marker(path: str) -> bool:
     """Whether a JPEG that lacks its end-of-image marker still holds all of its scan data.
 
     The file is decoded three times with an end marker appended: right after its bytes, and
@@ -99,7 +99,7 @@ def check_image(path: str) -> tuple[tuple[int, int], str]:
         with open(path, "rb") as file:
             file.seek(max(0, size - 64))
             has_end_marker = b"\xff\xd9" in file.read()  # 0xFFD9 cannot occur inside entropy-coded data
-        if not has_end_marker and not _decodes_without_end_marker(path):
+        if not has_end_marker and not decodes_without_end_marker(path):
             raise BadInputError("truncated JPEG (no end-of-image marker, and image data is missing)")
         if not has_end_marker:
             note = "JPEG without end-of-image marker, but its image data is complete; kept"

@@ -87,7 +87,8 @@ def list_image_files(sources: str | Path | Sequence[str | Path]) -> ImageFiles:
     twice, a list and a folder holding it) is kept once, and each extra entry is one line of
     `skipped`: an epoch samples every image once, so repeating a path cannot oversample it, and
     dropping the repeats silently would hide that. Images whose label path is the same file (x.jpg
-    and x.png) are kept and noted: both train with that file's labels.
+    and x.png) are kept and noted: both train with that file's labels. A source that is there but is
+    none of those (a .zip, a COCO .json) is a one-line ConfigError, not "does not exist".
     """
     source_list = [sources] if isinstance(sources, str | Path) else list(sources)
     files: list[str] = []
@@ -103,6 +104,8 @@ def list_image_files(sources: str | Path | Sequence[str | Path]) -> ImageFiles:
             skipped += left_out
         elif source.is_file() and source.suffix.lower() in IMAGE_SUFFIXES:
             files.append(str(source))
+        elif source.exists():
+            raise ConfigError(f"image source {source} is not a folder, a .txt image list or an image")
         else:
             raise FileNotFoundError(f"image source {source} does not exist (expected a folder, .txt list or image)")
     if not files:
