@@ -53,6 +53,7 @@ def test_names_keys_written_as_strings_are_the_indices(tmp_path: Path) -> None:
     ("content", "needle"),
     [
         ("path: ds\nval: images/val\nnames: [a]\n", "missing key 'train'"),
+        ("path: ds\ntrain: images/train\nval:\nnames: [a]\n", "'val' is empty; give its image folder"),
         ("path: ds\ntrain: images/train\nval: images/nope\nnames: [a]\n", "'val' path .* does not exist"),
         ("path: ds\ntrain: images/train\nval: images/val\n", "missing 'names'"),
         ("path: ds\ntrain: images/train\nval: images/val\nnames: [a]\nnc: 2\n", "nc=2 but 'names' has 1"),

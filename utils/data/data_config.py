@@ -207,6 +207,8 @@ def load_data_config(yaml_file: Path, ctx: DistContext) -> DataConfig:
     for key in ("train", "val"):
         if key not in raw:
             raise ConfigError(f"{yaml_file}: missing key '{key}'")
+        if raw[key] in (None, "", []):  # `val:` with nothing after it: found before the train split is scanned
+            raise ConfigError(f"{yaml_file}: '{key}' is empty; give its image folder, .txt list or image")
     path = raw.get("path")  # left empty (None): the YAML's folder, as without the key
     if path is not None and not isinstance(path, str):
         raise ConfigError(f"{yaml_file}: 'path' must be one folder, got {path!r}")
