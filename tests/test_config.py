@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from utils.config import DEFAULT_HYP, stride_multiples
+from utils.config import DEFAULT_HYP, ROOT, stride_multiples
 from utils.distributed import DistContext, per_rank_batch
 from utils.errors import ConfigError
 from utils.eval.config import build_val_parser, val_config_from_args
@@ -225,3 +225,19 @@ def test_per_rank_batch_is_the_one_divisibility_check() -> None:
     for batch, world in ((30, 4), (0, 1)):
         with pytest.raises(ConfigError, match=f"--batch-size {batch}"):
             per_rank_batch(batch, DistContext(world_size=world))
+
+
+def test_bare_names_of_shipped_yamls_find_them_as_in_yolov5_and_local_files_come_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    parser = build_train_parser()
+    cfg = config_from_args(parser.parse_args(["--hyp", "hyp.scratch-low.yaml", "--data", "synthetic.yaml"]))
+    assert (cfg.hyp_path, cfg.data) == (ROOT / "data/hyps/hyp.scratch-low.yaml", ROOT / "data/synthetic.yaml")
+    assert cfg.hyp == load_hyp(ROOT / "data/hyps/hyp.scratch-low.yaml")
+    (tmp_path / "synthetic.yaml").write_text("train: a\n")  # a file of that name here is the one meant
+    assert config_from_args(parser.parse_args(["--data", "synthetic.yaml"])).data == Path("synthetic.yaml")
+    val_args = build_val_parser().parse_args(["--weights", "w.pt", "--data", "other/synthetic.yaml"])
+    assert val_args.data == Path("other/synthetic.yaml")  # a path with a folder is never looked up elsewhere
+    with pytest.raises(ConfigError, match="^nothere.yaml: file not found$"):
+        config_from_args(parser.parse_args(["--hyp", "nothere.yaml"]))

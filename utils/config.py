@@ -51,11 +51,23 @@ AUTOBATCH = -1  # --batch-size -1: measure the largest batch that fits (utils/tr
 QUICKSTART_CLOSE_MOSAIC = 0  # last epochs trained on plain letterboxed images (0: mosaic throughout, YOLOv5)
 
 
+def shipped_file(value: str | Path) -> Path:
+    """A --data / --hyp value as a path; a bare file name that is not in the working directory names the file of
+    that name this project ships under data/ (`--hyp hyp.scratch-low.yaml`, `--data synthetic.yaml`), as YOLOv5
+    looks bare names up in its own folders. Anything else, or a name shipped twice or not at all, stays as given
+    (a missing file is then the caller's one-line error)."""
+    path = Path(value).expanduser()
+    if path.exists() or len(path.parts) != 1:
+        return path
+    found = sorted((ROOT / "data").rglob(path.name))
+    return found[0] if len(found) == 1 and found[0].is_file() else path
+
+
 def add_common_flags(
     parser: argparse.ArgumentParser, data_default: Path | None = DEFAULT_DATA, data_help: str = "dataset YAML"
 ) -> None:
     """Flags shared by training and validation entry points (--imgsz differs: see each parser)."""
-    parser.add_argument("--data", type=Path, default=data_default, help=data_help)
+    parser.add_argument("--data", type=shipped_file, default=data_default, help=data_help)
     parser.add_argument("--device", default="", help="cuda device, e.g. 0 or 0,1, or cpu (default: GPU if present)")
     parser.add_argument("--workers", type=int, default=4, help="max dataloader workers per rank")
     parser.add_argument(

@@ -30,7 +30,7 @@ from utils.backends.metadata import (
 )
 from utils.boxes import best_detections
 from utils.checkpoint import trained_imgsz
-from utils.config import IMGSZ_FROM_CHECKPOINT_HELP, stride_multiples
+from utils.config import IMGSZ_FROM_CHECKPOINT_HELP, shipped_file, stride_multiples
 from utils.convert import load_weights
 from utils.distributed import DistContext
 from utils.errors import ConfigError
@@ -154,7 +154,7 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", help="cpu or a cuda device, e.g. 0")
     parser.add_argument("--half", action="store_true", help="FP16 export (CUDA but for openvino; no --dynamic)")
     parser.add_argument("--int8", action="store_true", help="openvino / engine: INT8 quantization (needs --data)")
-    parser.add_argument("--data", type=Path, help="dataset YAML whose train images calibrate --int8")
+    parser.add_argument("--data", type=shipped_file, help="dataset YAML whose train images calibrate --int8")
     parser.add_argument(
         "--calib-images", type=int, default=DEFAULT_CALIB_IMAGES, help="--int8: number of calibration images"
     )

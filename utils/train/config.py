@@ -26,6 +26,7 @@ from utils.config import (
     ROOT,
     add_common_flags,
     check_dist_timeout,
+    shipped_file,
     stride_multiples,
 )
 from utils.data.cache import CACHE_MODES
@@ -344,7 +345,7 @@ def config_from_args(args: argparse.Namespace, task: str = "detect") -> TrainCon
     names = {f.name for f in fields(TrainConfig)}
     values: dict[str, Any] = {key: value for key, value in vars(args).items() if key in names}
     # --hyp auto is loaded once fit() knows the train set's size (utils/train/recipe.py); a file is loaded now.
-    hyp_path = None if str(args.hyp) == AUTO else Path(args.hyp)
+    hyp_path = None if str(args.hyp) == AUTO else shipped_file(args.hyp)
     values.update(
         hyp=None if hyp_path is None else load_hyp(hyp_path, hyp_overrides(args.label_smoothing)),
         hyp_path=hyp_path,
