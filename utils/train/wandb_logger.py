@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 LOGGER = logging.getLogger(__name__)
 STATE_KEY = "wandb"  # its entry in the callbacks' checkpointed state: {"run_id", "project", "entity", "base_url"}
-DEFAULT_BASE_URL = "https://api.wandb.ai"
+DEFAULT_BASE_URL = "https://api.wandb.ai"  # when the installed wandb does not say (_default_server)
 
 
 def wandb_wanted(flag: bool) -> bool:
@@ -56,7 +56,7 @@ class WandbLogger:
             return
         mode = os.environ.get("WANDB_MODE", "online")
         target = wandb_target(event.state.get(STATE_KEY) or {}, os.environ, event.run_dir)
-        server = target.base_url or DEFAULT_BASE_URL
+        server = target.base_url or _default_server(wandb)
         unreachable = ("W&B: no server at {url} ({reason}); training goes on without W&B (WANDB_MODE=offline keeps "
                        "the run locally)")  # fmt: skip
         if mode == "disabled" or (mode == "online" and not server_answers(server, "/healthz", unreachable, LOGGER)):
@@ -187,6 +187,15 @@ def wandb_target(stored: Mapping[str, Any], environ: Mapping[str, str], run_dir:
             )
     run_id = stored.get("run_id") or uuid.uuid4().hex[:8]  # W&B's own ids: 8 lowercase letters and digits
     return WandbTarget(run_id=run_id, warnings=tuple(warnings), **chosen)
+
+
+def _default_server(wandb: Any) -> str:
+    """The server the installed wandb logs to when nothing names one: its Settings' default (wandb 0.31's is
+    https://api.forge.coreweave.com, not api.wandb.ai), so the probe asks the server wandb.init would use."""
+    try:
+        return str(wandb.Settings().base_url)
+    except Exception:  # noqa: BLE001 - a wandb without Settings or that field: the long-standing default
+        return DEFAULT_BASE_URL
 
 
 def _has_credentials(wandb: Any, host: str | None) -> bool:
