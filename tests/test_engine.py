@@ -81,6 +81,8 @@ def test_start_up_line_says_where_a_resumed_epoch_goes_on() -> None:
         "3 batches/epoch (resumed epoch 16 has no batch left: it is validated and saved, then epoch 17 starts)"
     )
     assert epoch_batches_line(loader, epochs=16).endswith("it is validated and saved, which ends the run)")
+    assert epoch_batches_line(loader, epochs=20, noval=True).endswith("it is saved, then epoch 17 starts)")
+    assert epoch_batches_line(loader, epochs=16, noval=True).endswith("validated and saved, which ends the run)")
     loader.close()
 
 

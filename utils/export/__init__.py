@@ -266,7 +266,8 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
     if not ctx.is_main:
         return []
     if ctx.is_distributed:
-        LOGGER.info(f"Exporting on rank 0 only; ranks 1-{ctx.world_size - 1} do nothing")
+        others = "rank 1 does" if ctx.world_size == 2 else f"ranks 1-{ctx.world_size - 1} do"
+        LOGGER.info(f"Exporting on rank 0 only; {others} nothing")
     check_export_dependencies(cfg, ctx)
     checkpoint = load_weights(cfg.weights)  # read once; a YOLOv5 file is converted, its task included
     task = tasks[checkpoint["task"]]

@@ -206,17 +206,17 @@ def log_startup(cfg: TrainConfig, bundle: ModelBundle, datasets: Datasets, accum
         f"world size {ctx.world_size} | global batch {cfg.batch_size} | per-rank batch {datasets.per_rank_batch} | "
         f"accumulate {accumulate} (nominal batch {int(cfg.hyp.nbs)}) | train images {len(datasets.train)} "
         f"(this rank's shard {len(datasets.train.shard)}, cached {cached}) | val images {len(datasets.val)} | "
-        f"{epoch_batches_line(datasets.train_loader, cfg.epochs)} | device {ctx.device}"
+        f"{epoch_batches_line(datasets.train_loader, cfg.epochs, cfg.noval)} | device {ctx.device}"
     )
 
 
-def epoch_batches_line(loader: TrainLoader, epochs: int) -> str:
+def epoch_batches_line(loader: TrainLoader, epochs: int, noval: bool = False) -> str:
     """'N batches/epoch', and for a run resumed mid-epoch where in its epoch it goes on, for the start-up line.
 
     After a mid-epoch resume `len(loader)` counts only the batches left in that epoch, and a stop at
     an epoch's last step leaves none: the run then validates and saves that epoch before the next
     one. Stating that here keeps "0 batches/epoch" and the epoch's "train: 0 images" line from
-    reading like an empty dataset.
+    reading like an empty dataset. `noval`: only the run's last epoch is validated.
     """
     total = loader.batches_per_epoch
     left, epoch = len(loader), loader.sampler.epoch + 1  # the epoch `start` selected, 1-based
@@ -228,4 +228,5 @@ def epoch_batches_line(loader: TrainLoader, epochs: int) -> str:
     if left > 0:
         return f"{line} (resumed epoch {epoch} goes on at batch {total - left + 1}, {left} left)"
     after = f"then epoch {epoch + 1} starts" if epoch < epochs else "which ends the run"
-    return f"{line} (resumed epoch {epoch} has no batch left: it is validated and saved, {after})"
+    done = "saved" if noval and epoch < epochs else "validated and saved"
+    return f"{line} (resumed epoch {epoch} has no batch left: it is {done}, {after})"
