@@ -72,3 +72,23 @@ def test_wrong_task_checkpoints_are_still_refused_for_resume_and_the_other_direc
     segmentation = _checkpoint(tmp_path / "seg.pt", SEGMENT, "yolov8n-seg")
     with pytest.raises(ConfigError, match=r"is a segment checkpoint, not a detect one; use segment/train.py$"):
         plan_model(_cfg(weights=str(segmentation)), DETECT, NAMES, resume=None)
+
+
+def test_resuming_another_tasks_checkpoint_is_refused_before_the_resuming_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from utils.train.plan import resolve_resume
+
+    caplog.set_level(logging.INFO)
+    spec = SEGMENT.spec_from_cfg("yolov8n-seg", len(NAMES))
+    model = build_model(spec)
+    run = RunInfo(task="segment", model_spec=spec.to_dict(), names=list(NAMES), train_config={}, hyp={},
+                  model_family=spec.family)  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)  # a last.pt: resumable
+    state = build_checkpoint(run=run, model=model, ema=None, optimizer=optimizer, scaler=None, epoch=0,
+                             best_fitness=0)  # fmt: skip
+    last = tmp_path / "run" / "weights" / "last.pt"
+    save_checkpoint(state, last, DistContext())
+    with pytest.raises(ConfigError, match=r"is a segment checkpoint, not a detect one; use segment/train.py$"):
+        resolve_resume(_cfg(resume=str(last), task="detect"), DistContext(), restart=0)
+    assert "Resuming" not in caplog.text

@@ -265,6 +265,7 @@ def _load_resumed(
     """
     read = run_on_main(lambda: ckpt_io.load_checkpoint(path, for_resume=True), ctx, f"loading {path}")
     checkpoint = broadcast_object(read, ctx)
+    ckpt_io.check_checkpoint_task(checkpoint, cfg.task, path, "train")  # before the "Resuming" line
     stored = config_from_dict(checkpoint["train_config"])
     if not is_restart:  # a torchrun restart repeats the first command line, which set up this run
         _refuse_changed_options(cfg, stored)
