@@ -18,7 +18,7 @@ from utils.families import build_model, spec_from_cfg
 from utils.hyp import load_hyp
 from utils.tasks import DETECT, Task
 from utils.train.config import TrainConfig
-from utils.train.plan import RunPlan, plan_model
+from utils.train.plan import RunPlan, plan_model, resolve_resume
 from utils.train.records import family_training
 from utils.train.setup import build_model_bundle
 
@@ -27,14 +27,16 @@ NAMES = ("a", "b", "c")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _checkpoint(path: Path, task: Task, cfg: str) -> Path:
-    """Save a randomly initialised `cfg` model of `task` with NAMES as its classes."""
+def _checkpoint(path: Path, task: Task, cfg: str, resumable: bool = False) -> Path:
+    """Save a randomly initialised `cfg` model of `task` with NAMES as its classes (with optimizer state: a last.pt)."""
     torch.manual_seed(1)
     spec = task.spec_from_cfg(cfg, len(NAMES))
     model = build_model(spec)
     run = RunInfo(task=task.name, model_spec=spec.to_dict(), names=list(NAMES), train_config={}, hyp={},
                   model_family=spec.family)  # fmt: skip
-    state = build_checkpoint(run=run, model=model, ema=None, optimizer=None, scaler=None, epoch=0, best_fitness=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01) if resumable else None
+    state = build_checkpoint(run=run, model=model, ema=None, optimizer=optimizer, scaler=None, epoch=0,
+                             best_fitness=0)  # fmt: skip
     save_checkpoint(state, path, DistContext())
     return path
 
@@ -63,12 +65,12 @@ def test_a_segmenter_fine_tunes_from_detection_weights(tmp_path: Path, caplog: p
 
 
 def test_wrong_task_checkpoints_are_still_refused_for_resume_and_the_other_direction(tmp_path: Path) -> None:
-    detection = load_checkpoint(_checkpoint(tmp_path / "det.pt", DETECT, "yolov8n"))
+    detection = _checkpoint(tmp_path / "run" / "weights" / "last.pt", DETECT, "yolov8n", resumable=True)
     with pytest.raises(ConfigError, match=r"is a detect checkpoint, not a segment one; use train.py$"):
-        plan_model(_cfg(resume=str(tmp_path / "det.pt")), SEGMENT, NAMES, resume=detection)
+        resolve_resume(_cfg(resume=str(detection), task="segment"), DistContext(), restart=0)
     request = BackendRequest(task="segment", script="val", device=torch.device("cpu"))  # what segment/val.py asks
     with pytest.raises(ConfigError, match=r"is a detect checkpoint, not a segment one; use val.py$"):
-        load_backend(tmp_path / "det.pt", request)
+        load_backend(detection, request)
     segmentation = _checkpoint(tmp_path / "seg.pt", SEGMENT, "yolov8n-seg")
     with pytest.raises(ConfigError, match=r"is a segment checkpoint, not a detect one; use segment/train.py$"):
         plan_model(_cfg(weights=str(segmentation)), DETECT, NAMES, resume=None)
@@ -77,18 +79,8 @@ def test_wrong_task_checkpoints_are_still_refused_for_resume_and_the_other_direc
 def test_resuming_another_tasks_checkpoint_is_refused_before_the_resuming_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from utils.train.plan import resolve_resume
-
     caplog.set_level(logging.INFO)
-    spec = SEGMENT.spec_from_cfg("yolov8n-seg", len(NAMES))
-    model = build_model(spec)
-    run = RunInfo(task="segment", model_spec=spec.to_dict(), names=list(NAMES), train_config={}, hyp={},
-                  model_family=spec.family)  # fmt: skip
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)  # a last.pt: resumable
-    state = build_checkpoint(run=run, model=model, ema=None, optimizer=optimizer, scaler=None, epoch=0,
-                             best_fitness=0)  # fmt: skip
-    last = tmp_path / "run" / "weights" / "last.pt"
-    save_checkpoint(state, last, DistContext())
+    last = _checkpoint(tmp_path / "run" / "weights" / "last.pt", SEGMENT, "yolov8n-seg", resumable=True)
     with pytest.raises(ConfigError, match=r"is a segment checkpoint, not a detect one; use segment/train.py$"):
         resolve_resume(_cfg(resume=str(last), task="detect"), DistContext(), restart=0)
     assert "Resuming" not in caplog.text

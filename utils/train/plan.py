@@ -68,8 +68,7 @@ def plan_model(
     A resumed run rebuilds its checkpoint's model; --weights gives the checkpoint's network with the
     data's class count (a --cfg of another family beside it is a one-line error); else --cfg.
     """
-    if resume is not None:
-        ckpt_io.check_checkpoint_task(resume, task.name, cfg.resume, "train")
+    if resume is not None:  # of this task: checked when it was loaded (_load_resumed)
         return spec_from_checkpoint(resume, cfg.resume), None
     if cfg.weights:
         weights = load_weights(cfg.weights)  # ours, or YOLOv5 / Ultralytics converted in memory
@@ -265,7 +264,7 @@ def _load_resumed(
     """
     read = run_on_main(lambda: ckpt_io.load_checkpoint(path, for_resume=True), ctx, f"loading {path}")
     checkpoint = broadcast_object(read, ctx)
-    ckpt_io.check_checkpoint_task(checkpoint, cfg.task, path, "train")  # before the "Resuming" line
+    ckpt_io.check_checkpoint_task(checkpoint, cfg.task, path, "train")  # every resume path: before "Resuming"
     stored = config_from_dict(checkpoint["train_config"])
     if not is_restart:  # a torchrun restart repeats the first command line, which set up this run
         _refuse_changed_options(cfg, stored)
