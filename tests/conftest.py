@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -56,6 +57,20 @@ def no_cgroup_cpu_quota(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytes
     tests/test_cpus.py passes its own cgroup files. Spawned processes read the real cgroup.
     """
     monkeypatch.setattr(utils.cpus, "PROC", tmp_path_factory.getbasetemp() / "no-such-proc")
+
+
+@pytest.fixture(autouse=True)
+def stop_signal_handlers_restored() -> Iterator[None]:
+    """Each test ends with the SIGTERM / SIGINT handlers it started with.
+
+    A run that fails under torchrun (TORCHELASTIC_RUN_ID set) deliberately leaves handlers that let its exit
+    finish, since its process ends next; in pytest's process they would reach whichever test runs after it.
+    """
+    saved = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for number, handler in saved.items():
+        if signal.getsignal(number) is not handler:
+            signal.signal(number, handler)
 
 
 @pytest.fixture(scope="module")

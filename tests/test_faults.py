@@ -124,6 +124,7 @@ def test_a_stop_signal_mid_epoch_then_resume_is_bit_identical(
                 os.kill(child.pid, getattr(signal, signal_name))
             os.kill(os.getpid(), getattr(signal, signal_name))
 
+    handler_before = signal.getsignal(signal.SIGTERM)
     monkeypatch.setattr(step_module, "_optimizer_step", step_then_signal)
     with pytest.raises(Preempted) as stopped:
         train.main(_args(tiny_data, tmp_path, "cut", workers, batch))
@@ -132,7 +133,7 @@ def test_a_stop_signal_mid_epoch_then_resume_is_bit_identical(
     assert multiprocessing.active_children() == []
     checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["batches_done"]) == (-1, batches_done)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the run
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # the run's handler is gone after it
     caplog.set_level(logging.INFO, logger="utils.train")
     caplog.clear()
     resumed = train.main(["--resume", str(stopped.value.checkpoint), "--device", "cpu", "--workers", str(workers)])

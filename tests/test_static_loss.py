@@ -137,6 +137,7 @@ def test_compiled_static_loss_compiles_twice_over_label_counts_and_epochs() -> N
     model, loss_fn, images, _ = _loss_and_step("yolo26n", static=True)
     cfg = TrainConfig(compile_mode="default", static_loss_shapes=True)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps them: graphs of earlier tests in this process
     with compile_without_codegen() as modes:
         compiled = compiled_loss(loss_fn, cfg)
     generator = torch.Generator().manual_seed(3)
