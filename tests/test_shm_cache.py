@@ -229,7 +229,11 @@ def _open_on_rank(ctx: DistContext, paths: list[str], shapes: np.ndarray, shm_di
 @pytest.mark.distributed
 def test_two_gloo_ranks_fill_one_segment_together_and_read_the_same_pixels(tmp_path: Path, shm_dir: Path) -> None:
     paths, shapes = _images(tmp_path / "images")
-    rank0, rank1 = run_distributed(_open_on_rank, 2, tmp_path / "dist", paths, shapes, str(shm_dir))
+    # Spawned, as torchrun starts ranks: the owner's segment goes at its interpreter's exit (atexit), which a
+    # forked child skips (it ends with os._exit).
+    rank0, rank1 = run_distributed(
+        _open_on_rank, 2, tmp_path / "dist", paths, shapes, str(shm_dir), start_method="spawn"
+    )
     expected_name = segment_path(paths, 32, True, shm_dir).name
     assert rank0["segments"] == rank1["segments"] == [expected_name]  # one segment for the node
     assert rank0["owner"] and not rank1["owner"] and rank0["mapped"] and rank1["mapped"]
