@@ -85,6 +85,14 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """tests/exports.py's Exports: random checkpoints of the named models exported once per session (read-only)."""
+    from tests.exports import Exports  # imported here: most modules export nothing
+
+    return Exports(tmp_path_factory)
+
+
 def tiny_val_argv(weights: Path, data: Path, project: Path, *extra: str) -> list[str]:
     """val.py / segment/val.py flags that validate `weights` on a tiny dataset as its training run did.
 

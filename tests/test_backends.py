@@ -7,6 +7,7 @@ import logging
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import cv2
@@ -22,20 +23,20 @@ from segment import predict as segment_predict
 from segment import val as segment_val
 from segment.task import SEGMENT
 from tests.conftest import make_tiny_dataset
+from tests.exports import DYNAMIC, Exports, cpu_formats
+from tests.exports import save_random_checkpoint as _save_random_checkpoint
 from utils.backends import AugmentedBackend, BackendRequest, leave_cores_to_runtime, load_backend, resolve_imgsz
 from utils.backends.exported import rows_from_detections, run_in_chunks
 from utils.backends.metadata import read_metadata
 from utils.boxes import best_detections, top_detections
-from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext
 from utils.errors import ConfigError
 from utils.eval.checkpoint_val import val_imgsz
 from utils.export import ExportConfig, export_checkpoint
-from utils.families import build_model, spec_from_cfg
 from utils.predict.config import PredictConfig
 from utils.predict.predictor import FramePredictor
-from utils.tasks import DETECT, Task
+from utils.tasks import DETECT
 
 TASKS = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
 IMGSZ = 64
@@ -53,40 +54,40 @@ pytestmark = [
 ]
 
 
-def _save_random_checkpoint(name: str, task: Task, path: Path) -> Path:
-    """A random-init `name` model for the six shape classes, saved as training saves it (trained at 64 px).
+class _Files(Mapping[str, dict[str, Path]]):
+    """Per model, on first use: best.pt, and best.torchscript and best.onnx of one --dynamic export of it.
 
-    The head's weights get noise: a fresh head starts at one prior for all classes, and scores tied
-    across classes would be ranked in whatever order each runtime likes.
+    yolov5n, yolov8n and yolov8n-seg are the exports tests/test_export_matrix.py checks and tests/test_openvino.py
+    runs (all CPU formats, tests/exports.py): made once per session. Lazy: a test (or xdist worker) that reads one
+    model's files exports that model only.
     """
-    torch.manual_seed(0)
-    spec = spec_from_cfg(name, len(SHAPE_NAMES))
-    model = build_model(spec)
-    with torch.no_grad():
-        for parameter in model.head.parameters():
-            parameter.add_(0.05 * torch.randn_like(parameter))
-    run = RunInfo(
-        task=task.name, model_spec=spec.to_dict(), names=list(SHAPE_NAMES), train_config={"imgsz": IMGSZ}, hyp={},
-        model_family=spec.family,
-    )  # fmt: skip
-    state = build_checkpoint(run=run, model=model, ema=None, optimizer=None, scaler=None, epoch=0,
-                             best_fitness=0.0)  # fmt: skip
-    save_checkpoint(state, path, DistContext())
-    return path
+
+    def __init__(self, exports: Exports) -> None:
+        self._exports = exports
+
+    def __getitem__(self, name: str) -> dict[str, Path]:
+        formats = cpu_formats() if name in DYNAMIC else ("torchscript", "onnx")
+        found = self._exports.get(name, formats, dynamic=True).files
+        return {kind: found[kind] for kind in ("pt", "torchscript", "onnx")}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(MODELS)
+
+    def __len__(self) -> int:
+        return len(MODELS)
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
-    """Per model: best.pt, best.torchscript (traced at batch 1, 64 px) and a dynamic best.onnx, written once."""
+def files(exports: Exports) -> Mapping[str, dict[str, Path]]:
     pytest.importorskip("onnxruntime")
-    found = {}
-    for name, task in MODELS.items():
-        folder = tmp_path_factory.mktemp(name)
-        weights = _save_random_checkpoint(name, task, folder / "best.pt")
-        (torchscript,) = export_checkpoint(ExportConfig(weights, ("torchscript",)), TASKS, DistContext())
-        (onnx,) = export_checkpoint(ExportConfig(weights, ("onnx",), dynamic=True), TASKS, DistContext())
-        found[name] = {"pt": weights, "torchscript": torchscript.path, "onnx": onnx.path}
-    return found
+    return _Files(exports)
+
+
+@pytest.fixture(scope="module")
+def static_yolov5n_onnx(exports: Exports) -> dict[str, Path]:
+    """yolov5n's best.pt and a static (batch 1, 64 px) best.onnx: three anchors per grid point, one shape."""
+    pytest.importorskip("onnxruntime")
+    return exports.get("yolov5n", ("onnx",)).files
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +106,11 @@ def test_metadata_read_back_is_what_export_wrote_and_what_the_backend_reports(
     task = MODELS[name]
     checkpoint = load_backend(files[name]["pt"], _request(task.name)).info
     layout = {"yolov5n": "rows", "yolov8n": "channels_first", "yolo26n": "end2end"}.get(name, "channels_first")
-    for file_format, dynamic in (("torchscript", False), ("onnx", True)):
+    for file_format in ("torchscript", "onnx"):  # one --dynamic export (a static one: tests/test_export.py)
         path = files[name][file_format]
         metadata = read_metadata(path)
         assert {key: metadata[key] for key in ("task", "imgsz", "batch", "dynamic", "half", "family", "layout")} == {
-            "task": task.name, "imgsz": [IMGSZ, IMGSZ], "batch": 1, "dynamic": dynamic, "half": False,
+            "task": task.name, "imgsz": [IMGSZ, IMGSZ], "batch": 1, "dynamic": True, "half": False,
             "family": checkpoint.family, "layout": layout,
         }  # fmt: skip
         assert metadata["names"] == dict(enumerate(SHAPE_NAMES)) and metadata["num_masks"] == checkpoint.num_masks
@@ -386,11 +387,10 @@ def test_torch_steps_back_to_one_thread_only_beside_a_runtime_with_its_own(files
 
 @pytest.mark.slow
 def test_val_refuses_another_size_for_a_static_file_in_one_line(
-    files: dict[str, dict[str, Path]], tiny_data: Path, tmp_path: Path
+    static_yolov5n_onnx: dict[str, Path], tiny_data: Path, tmp_path: Path
 ) -> None:
-    weights = Path(shutil.copy(files["yolov5n"]["pt"], tmp_path / "best.pt"))
-    (exported,) = export_checkpoint(ExportConfig(weights, ("onnx",)), TASKS, DistContext())
-    argv = ["--weights", str(exported.path), "--data", str(tiny_data), "--workers", "0", "--device", "cpu"]
+    exported = static_yolov5n_onnx["onnx"]
+    argv = ["--weights", str(exported), "--data", str(tiny_data), "--workers", "0", "--device", "cpu"]
     result = val.main([*argv, "--project", str(tmp_path / "runs")])  # no --imgsz: the file's 64, square batches
     assert result.num_images == TINY.num_val
     done = subprocess.run(
@@ -398,7 +398,7 @@ def test_val_refuses_another_size_for_a_static_file_in_one_line(
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"error: {exported.path}: exported at a fixed 64x64, cannot run --imgsz 96x96; omit --imgsz, "
+        f"error: {exported}: exported at a fixed 64x64, cannot run --imgsz 96x96; omit --imgsz, "
         "or export again with --imgsz 96 96 or --dynamic"
     ]
 
@@ -438,10 +438,11 @@ def test_two_end_to_end_points_with_one_box_stay_two_detections_with_their_own_s
     assert rows_from_detections(detections[:, :0], 3, 0).shape == (1, 0, 7)
 
 
-def test_augment_runs_a_fixed_shape_file_as_its_checkpoint(files: dict[str, dict[str, Path]], tmp_path: Path) -> None:
-    weights = Path(shutil.copy(files["yolov5n"]["pt"], tmp_path / "best.pt"))  # three anchors per grid point
-    (exported,) = export_checkpoint(ExportConfig(weights, ("onnx",)), TASKS, DistContext())
-    static = load_backend(exported.path, _request(augment=True))
+def test_augment_runs_a_fixed_shape_file_as_its_checkpoint(
+    files: Mapping[str, dict[str, Path]], static_yolov5n_onnx: dict[str, Path]
+) -> None:
+    weights = static_yolov5n_onnx["pt"]  # three anchors per grid point
+    static = load_backend(static_yolov5n_onnx["onnx"], _request(augment=True))
     checkpoint = load_backend(weights, _request(augment=True))
     assert static.info.fixed_shape and not checkpoint.info.fixed_shape
     images = torch.rand(2, 3, IMGSZ, IMGSZ, generator=torch.Generator().manual_seed(3))

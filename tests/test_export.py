@@ -72,11 +72,20 @@ def _config(weights: Path, *include: str, **options: object) -> ExportConfig:
     return ExportConfig(weights=weights, include=include, imgsz=(IMGSZ, IMGSZ), **options)
 
 
-def _pytorch_outputs(weights: Path, task: Task, images: torch.Tensor) -> list[np.ndarray]:
-    """What the eval model gives for `images`, reduced to the exported outputs."""
-    model, _ = load_inference_model(weights, (task).name, torch.device("cpu"), channels_last=False)
+@pytest.fixture(scope="module")
+def references(checkpoints: dict[str, Path]) -> dict[str, ExportWrapper]:
+    """Per task: the checkpoint's eval model reduced to the exported outputs, loaded once for every test's images."""
+    found = {}
+    for name, weights in checkpoints.items():
+        model, _ = load_inference_model(weights, name, torch.device("cpu"), channels_last=False)
+        found[name] = ExportWrapper(model).eval()
+    return found
+
+
+def _pytorch_outputs(references: dict[str, ExportWrapper], task: Task, images: torch.Tensor) -> list[np.ndarray]:
+    """What the eval model of the task's checkpoint (the file each test exports a copy of) gives for `images`."""
     with torch.no_grad():
-        outputs = ExportWrapper(model).eval()(images)
+        outputs = references[task.name](images)
     return [t.numpy() for t in (outputs if isinstance(outputs, tuple) else (outputs,))]
 
 
@@ -94,7 +103,7 @@ def _check_outputs(got: list[np.ndarray], want: list[np.ndarray], task: Task, im
 
 @pytest.mark.parametrize("task", [DETECT, SEGMENT], ids=lambda task: task.name)
 def test_torchscript_matches_pytorch_at_any_batch_and_size(
-    checkpoints: dict[str, Path], task: Task, tmp_path: Path
+    checkpoints: dict[str, Path], references: dict[str, ExportWrapper], task: Task, tmp_path: Path
 ) -> None:
     weights = _copy(checkpoints, task, tmp_path)
     (result,) = export_checkpoint(_config(weights, "torchscript"), TASKS, DistContext())
@@ -107,7 +116,7 @@ def test_torchscript_matches_pytorch_at_any_batch_and_size(
         with torch.no_grad():
             outputs = loaded(images)
         got = [t.numpy() for t in (outputs if isinstance(outputs, tuple) else (outputs,))]
-        _check_outputs(got, _pytorch_outputs(weights, task, images), task, images)
+        _check_outputs(got, _pytorch_outputs(references, task, images), task, images)
     metadata = read_metadata(result.path)
     assert metadata.pop("date").startswith("20") and "exported from best.pt" in metadata.pop("description")
     assert metadata == {
@@ -139,7 +148,7 @@ def test_export_traces_at_the_size_the_checkpoint_was_trained_at(checkpoints: di
 
 @pytest.mark.parametrize("task", [DETECT, SEGMENT], ids=lambda task: task.name)
 def test_dynamic_onnx_matches_pytorch_at_batch_1_and_3(
-    checkpoints: dict[str, Path], task: Task, tmp_path: Path
+    checkpoints: dict[str, Path], references: dict[str, ExportWrapper], task: Task, tmp_path: Path
 ) -> None:
     pytest.importorskip("onnx")
     onnxruntime = pytest.importorskip("onnxruntime")
@@ -151,7 +160,7 @@ def test_dynamic_onnx_matches_pytorch_at_batch_1_and_3(
     assert [out.name for out in session.get_outputs()] == (["output0", "output1"] if task.with_masks else ["output0"])
     for images in (torch.rand(1, 3, IMGSZ, IMGSZ), torch.rand(3, 3, IMGSZ, IMGSZ), torch.rand(2, 3, 96, IMGSZ)):
         got = session.run(None, {"images": images.numpy()})
-        _check_outputs(got, _pytorch_outputs(weights, task, images), task, images)
+        _check_outputs(got, _pytorch_outputs(references, task, images), task, images)
     # The axes that do not change are stated as numbers (readers take the class count from them), not names.
     declared = [output.shape for output in session.get_outputs()]
     assert declared[0] == ["batch", "anchors", got[0].shape[2]]

@@ -7,27 +7,16 @@ fails here. TensorRT needs CUDA and is covered by its refusals (tests/test_openv
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-import utils.export as export
 from models import anchor_free
-from segment.task import SEGMENT
-from tests.test_backends import _save_random_checkpoint
+from tests.exports import DYNAMIC, IMGSZ, Exports, cpu_formats, task_of
 from utils.backends import BackendRequest, load_backend
 from utils.backends.metadata import CHANNELS_FIRST, END_TO_END, ROWS, read_metadata
-from utils.distributed import DistContext
-from utils.export import ExportConfig, export_checkpoint
-from utils.export.torch_formats import trace_export_graph
 from utils.families import FAMILIES, spec_from_cfg
-from utils.tasks import DETECT
 
-TASKS = {DETECT.name: DETECT, SEGMENT.name: SEGMENT}
-IMGSZ = 64
 BOX_ATOL_PX = 2e-3  # as tests/test_backends.py: runtimes reorder sums (boxes move ~1e-4 px at 64 px)
 CPU = torch.device("cpu")
 # One size per layout of each family; yolo26 also exports its one-to-many head for NMS (--nms).
@@ -40,17 +29,10 @@ MATRIX = {
     for suffix in ("", "-seg")
     for nms in ((False, True) if layout == END_TO_END else (False,))
 }
-
-
-def _formats() -> tuple[str, ...]:
-    formats = ["torchscript"]
-    for package, file_format in (("onnxruntime", "onnx"), ("openvino", "openvino")):
-        try:
-            __import__(package)
-        except ImportError:
-            continue
-        formats.append(file_format)
-    return tuple(formats)
+# Rows of DYNAMIC are exported with --dynamic: the files tests/test_backends.py, tests/test_openvino.py and
+# tests/test_export_anchor_free.py run at other batches and sizes, shared with them (tests/exports.py) instead of
+# exported again. The other rows keep the default static export, so it still runs in every layout (ROWS: yolov5n-seg;
+# CHANNELS_FIRST: yolo11n and the --nms rows; END_TO_END: yolo26n and yolo26n-seg).
 
 
 pytestmark = [
@@ -72,22 +54,20 @@ def test_the_matrix_holds_every_family_layout_and_task() -> None:
 
 @pytest.mark.parametrize(("name", "nms"), list(MATRIX), ids=lambda value: {True: "nms", False: ""}.get(value, value))
 def test_every_format_exports_within_tolerance_and_selects_the_checkpoints_detections(
-    name: str, nms: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    name: str, nms: bool, exports: Exports
 ) -> None:
-    task = SEGMENT if name.endswith("-seg") else DETECT
-    weights = _save_random_checkpoint(name, task, tmp_path / "best.pt")
+    task = task_of(name)
     spec = spec_from_cfg(name, 6)
     family, num_masks = spec.family, spec.num_masks
-    formats = _formats()
-    traced = []
-    monkeypatch.setattr(export, "trace_export_graph", lambda *args: traced.append(1) or trace_export_graph(*args))
-    with caplog.at_level(logging.INFO, logger="utils.export"):
-        exported = export_checkpoint(ExportConfig(weights, formats, nms=nms), TASKS, DistContext())
+    formats = cpu_formats()
+    # The one export_checkpoint call of all formats, with what it logged and traced (the first test to ask made it).
+    done = exports.get(name, formats, dynamic=name in DYNAMIC, nms=nms)
+    weights, exported = done.weights, done.exported
     assert [item.file_format for item in exported] == list(formats)
-    assert len(traced) == 1, "TorchScript and OpenVINO export one trace of the same CPU graph"
+    assert done.traces == 1, "TorchScript and OpenVINO export one trace of the same CPU graph"
     for item in exported:  # the parity check ran, passed, and its line was printed
         assert item.max_abs_diff is not None and item.tolerance_share <= 1, item
-        assert any(f"{item.file_format}: {item.path}" in line and "matches PyTorch" in line for line in caplog.messages)
+        assert any(f"{item.file_format}: {item.path}" in line and "matches PyTorch" in line for line in done.messages)
     # A traced graph that names a device (torch.arange(device=...) in a trace) builds its grids there whatever
     # device it runs on: a file traced on the CPU would then fail on CUDA. The grids follow the input instead.
     graph = str(torch.jit.load(str(exported[0].path)).inlined_graph)

@@ -7,6 +7,7 @@ import logging
 import math
 import shutil
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,8 @@ import val
 from segment import val as segment_val
 from segment.task import SEGMENT
 from tests.conftest import make_tiny_dataset
-from tests.test_backends import _one_line, _request, _save_random_checkpoint
+from tests.exports import DYNAMIC, Exports, cpu_formats, save_random_checkpoint
+from tests.test_backends import _one_line, _request
 from utils.backends import BackendRequest, load_backend
 from utils.backends.metadata import read_metadata, write_engine_file
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
@@ -50,15 +52,31 @@ CPU = torch.device("cpu")
 pytestmark = [pytest.mark.usefixtures("one_torch_thread")]
 
 
+class _Folders(Mapping[str, dict[str, Path]]):
+    """Per model, on first use: best.pt and the dynamic FP32 best_openvino_model/ of its --dynamic export.
+
+    The export of every CPU format that tests/test_export_matrix.py checks and tests/test_backends.py runs
+    (tests/exports.py): made once per session, and only for the models a test (or xdist worker) reads.
+    """
+
+    def __init__(self, exports: Exports) -> None:
+        self._exports = exports
+
+    def __getitem__(self, name: str) -> dict[str, Path]:
+        assert name in MODELS and name in DYNAMIC, name
+        found = self._exports.get(name, cpu_formats(), dynamic=True).files
+        return {kind: found[kind] for kind in ("pt", "openvino")}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(MODELS)
+
+    def __len__(self) -> int:
+        return len(MODELS)
+
+
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
-    """Per model: best.pt and a dynamic FP32 best_openvino_model/, written once."""
-    found = {}
-    for name, task in MODELS.items():
-        weights = _save_random_checkpoint(name, task, tmp_path_factory.mktemp(name) / "best.pt")
-        (exported,) = export_checkpoint(ExportConfig(weights, ("openvino",), dynamic=True), TASKS, DistContext())
-        found[name] = {"pt": weights, "openvino": exported.path}
-    return found
+def folders(exports: Exports) -> Mapping[str, dict[str, Path]]:
+    return _Folders(exports)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +187,7 @@ def test_int8_export_calibrates_on_train_images_keeps_attention_in_float_and_val
     pytest.importorskip("nncf")
     import openvino as ov
 
-    weights = _save_random_checkpoint("yolo11n", DETECT, tmp_path / "best.pt")
+    weights = save_random_checkpoint("yolo11n", DETECT, tmp_path / "best.pt")
     cfg = ExportConfig(weights, ("openvino",), int8=True, data=tiny_data, calib_images=3)
     with caplog.at_level(logging.INFO):
         (exported,) = export_checkpoint(cfg, TASKS, DistContext())
