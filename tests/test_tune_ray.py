@@ -37,14 +37,15 @@ def _run_tune(data: Path, project: Path, *extra: str, env: dict[str, str]) -> st
 
 
 @pytest.mark.distributed  # tune.py --ray local as a process
-def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
+def test_a_ray_study_records_its_trials_resumes_and_stops_on_sigterm_as_on_ctrl_c(
     tiny_data: Path,  # noqa: F811
     tmp_path: Path,
 ) -> None:
     # Six epochs: ASHA's first rung is at epoch 3 (a third, plus one); epochs slow enough for Ray to stop a trial.
     # Four trials, each costing a Ray worker's start (seconds): the base recipe, a sampled one, the crash, and
     # trial 3, whose sampled lr0 (seed 3) scores below both complete trials at the rung, so ASHA stops it.
-    env = {"FAKE_EPOCH_S": "0.2", "FAKE_TRAINER": json.dumps({"trial_0002": "crash"})}  # Ray's workers inherit it
+    # Trial 5 (in the second run) hangs: that run is stopped by SIGTERM.
+    env = {"FAKE_EPOCH_S": "0.2", "FAKE_TRAINER": json.dumps({"trial_0002": "crash", "trial_0005": "hang"})}
     study_flags = ("--epochs", "6", "--pruner", "halving")
     output = _run_tune(tiny_data, tmp_path, *study_flags, "--trials", "4", env=env)
     study = _study(tmp_path)
@@ -71,27 +72,24 @@ def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
     assert load_hyp(tmp_path / "exp" / "best_hyp.yaml").lr0 == pytest.approx(best.params["lr0"])
     assert len((tmp_path / "exp" / "trials.csv").read_text().splitlines()) == 5
 
-    # The same command with more trials continues the numbering and trains no point twice.
-    _run_tune(tiny_data, tmp_path, *study_flags, "--trials", "6", env=env)
-    trials = _study(tmp_path).get_trials()
-    assert [t.number for t in trials] == list(range(6))
-    assert len({t.params["lr0"] for t in trials}) == 6
-
-
-@pytest.mark.distributed  # tune.py --ray local as a process
-def test_sigterm_stops_a_ray_study_as_ctrl_c_does(tiny_data: Path, tmp_path: Path) -> None:  # noqa: F811
-    # How a job scheduler stops a job: the running trial is interrupted, the results written, exit 75 to requeue.
-    env = {"FAKE_TRAINER": json.dumps({"trial_0001": "hang"}), "FAKE_EPOCH_S": "0.3"}
-    process = _tune_process(tiny_data, tmp_path, "--ray", "local", "--trials", "3", env=env)
-    _wait_for(tmp_path / "exp" / "trials" / "trial_0001" / "argv.json", process)
+    # The same command with more trials continues the numbering and trains no point twice. It is also how a job
+    # scheduler stops a job (one Ray cluster's start for both checks): SIGTERM while trial 5 trains interrupts it,
+    # the results are written, and the exit status is 75, to requeue the job.
+    process = _tune_process(tiny_data, tmp_path, "--ray", "local", *study_flags, "--trials", "6", env=env)
+    _wait_for(tmp_path / "exp" / "trials" / "trial_0005" / "argv.json", process, timeout=300)
     time.sleep(1.0)  # its trainer is running
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=180)
     assert process.returncode == 75, output[-3000:]
     assert "stopped: study 'exp' stopped; run the same command to resume it" in output
     trials = _study(tmp_path).get_trials()
-    assert trials[0].state == COMPLETE and trials[1].user_attrs["reason"].startswith("interrupted")
-    assert (tmp_path / "exp" / "trials.csv").read_text().splitlines()[1].startswith("0,complete,")
+    assert [t.number for t in trials[:6]] == list(range(6)) and len({t.params["lr0"] for t in trials[:6]}) == 6
+    assert trials[0].state == COMPLETE and trials[4].state in (COMPLETE, PRUNED), "trial 4 ended before the signal"
+    assert trials[5].state == FAIL and trials[5].user_attrs["reason"].startswith("interrupted")
+    assert [t.state.name for t in trials[6:]] == ["WAITING"], "its point is queued again"
+    assert trials[6].system_attrs["fixed_params"] == trials[5].params
+    rows = (tmp_path / "exp" / "trials.csv").read_text().splitlines()
+    assert rows[1].startswith("0,complete,") and rows[6].startswith("5,interrupted,") and len(rows) == 7
 
 
 def test_a_trials_last_epoch_reaches_ray_only_in_its_final_report(
