@@ -370,9 +370,9 @@ def test_a_pruned_trial_stops_early_with_its_last_score(tiny_data: Path, tmp_pat
 
 def test_a_trial_is_not_pruned_while_its_final_validation_runs(tiny_data: Path, tmp_path: Path, fake_trainer: None,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    # Trial 1's last row (epoch 2) is where the pruner would stop it, while it validates best.pt for 2 s.
+    # Trial 1's last row (epoch 2) is where the pruner would stop it, while it validates best.pt for 1 s (20 polls).
     monkeypatch.setattr(study_module, "make_pruner", lambda cfg: PruneFromTrialOne())
-    monkeypatch.setenv("FAKE_EPOCH_S", "0.2")
+    monkeypatch.setenv("FAKE_EPOCH_S", "0.1")
     monkeypatch.setenv("FAKE_TRAINER", json.dumps({"trial_0001": "slow_final"}))
     summary = tune.run(**_flags(tiny_data, tmp_path, trials=2, epochs=2))
     trial = _study(tmp_path).get_trials()[1]
@@ -550,7 +550,7 @@ def test_scores_are_read_only_from_whole_rows(tmp_path: Path) -> None:
     run_dir.mkdir()
     code = (
         "import sys, time; f = open(sys.argv[1], 'w'); f.write('epoch,metrics/mAP50-95\\n1,0.1\\n2,0.'); f.flush();"
-        "time.sleep(1.0); f.write('2\\n3,0.3\\n'); f.close(); time.sleep(1.0)"
+        "time.sleep(0.5); f.write('2\\n3,0.3\\n'); f.close(); time.sleep(0.3)"  # 10 polls see the half row
     )
     seen: list[tuple[int, float]] = []
 
