@@ -2,10 +2,10 @@
 
 Reads the flags the tuner passes (--hyp, --project, --name, --epochs). Its per-epoch score and
 fitness are a smooth function of lr0 (best at 0.002), so samplers have something to find. Behaviour
-per trial name comes from FAKE_TRAINER (JSON {name: crash | oom | nan | hang | slow | slow_final | quick}:
+per trial name comes from FAKE_TRAINER (JSON {name: crash | oom | nan | hang | slow | slow_final | quick | poor}:
 slow_final spends ten epochs' time between its last row and trial.json, as train.py's final validation does;
-quick epochs take a tenth of the time); FAKE_EPOCH_S sets the seconds per epoch. It never imports torch, so a
-trial costs about one Python start.
+quick epochs take a tenth of the time; poor scores half what its lr0 would, below any other trial);
+FAKE_EPOCH_S sets the seconds per epoch. It never imports torch, so a trial costs about one Python start.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> int:
     if mode == "oom":
         print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", file=sys.stderr)
         return 1
-    peak = 0.5 - 0.1 * abs(math.log10(hyp["lr0"] / 0.002))
+    peak = (0.5 - 0.1 * abs(math.log10(hyp["lr0"] / 0.002))) * (0.5 if mode == "poor" else 1)
     with (run_dir / "results.csv").open("w") as file:
         file.write("epoch,metrics/mAP50-95,metrics/mask_mAP50-95\n")  # a segmentation run's mask column too
         for epoch in range(1, epochs + 1):

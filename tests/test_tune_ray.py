@@ -37,24 +37,25 @@ def _run_tune(data: Path, project: Path, *extra: str, env: dict[str, str]) -> st
 
 
 @pytest.mark.distributed  # tune.py --ray local as a process
-def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
+def test_a_ray_study_records_its_trials_resumes_and_stops_on_sigterm_as_on_ctrl_c(
     tiny_data: Path,  # noqa: F811
     tmp_path: Path,
 ) -> None:
     # Six epochs: ASHA's first rung is at epoch 3 (a third, plus one); epochs slow enough for Ray to stop a trial.
-    # Four trials, each costing a Ray worker's start (seconds): the base recipe, a sampled one, the crash, and
-    # trial 3, whose sampled lr0 (seed 3) scores below both complete trials at the rung, so ASHA stops it.
-    env = {"FAKE_EPOCH_S": "0.2", "FAKE_TRAINER": json.dumps({"trial_0002": "crash"})}  # Ray's workers inherit it
+    # Three trials, each costing a Ray worker's start (seconds): the base recipe, a sampled one (seed 3: it scores
+    # above the base), and a poor one, which scores below both at the rung, so ASHA stops it. The second run's
+    # trial 3 crashes and its trial 4 hangs: that run is stopped by SIGTERM.
+    modes = {"trial_0002": "poor", "trial_0003": "crash", "trial_0004": "hang"}
+    env = {"FAKE_EPOCH_S": "0.2", "FAKE_TRAINER": json.dumps(modes)}  # Ray's workers inherit it
     study_flags = ("--epochs", "6", "--pruner", "halving")
-    output = _run_tune(tiny_data, tmp_path, *study_flags, "--trials", "4", env=env)
+    output = _run_tune(tiny_data, tmp_path, *study_flags, "--trials", "3", env=env)
     study = _study(tmp_path)
     trials = study.get_trials()
     states = [t.state for t in trials]
-    assert len(trials) == 4 and states[0] == COMPLETE and trials[0].user_attrs["baseline"]
-    assert states[2] == FAIL and trials[2].user_attrs["reason"] == "RuntimeError: the fake trainer crashed"
-    assert PRUNED in states, "ASHA stopped no trial"
+    assert len(trials) == 3 and states[0] == COMPLETE and trials[0].user_attrs["baseline"]
+    assert states[2] == PRUNED, "ASHA stopped no trial"
     for trial in trials:
-        rows = (Path(trial.user_attrs["run_dir"]) / "results.csv").read_text().splitlines() if trial.number != 2 else []
+        rows = (Path(trial.user_attrs["run_dir"]) / "results.csv").read_text().splitlines()
         if trial.state == PRUNED:  # Ray stopped it at a rung, and its training process stopped with it
             epochs = trial.user_attrs["epochs"]
             assert trial.user_attrs["reason"] == f"pruned after epoch {epochs}" and epochs < 6
@@ -69,29 +70,30 @@ def test_a_ray_study_records_complete_pruned_and_failed_trials_and_resumes(
     best = max((t for t in trials if t.state == COMPLETE), key=lambda t: t.value)
     assert f"; best trial {best.number}: " in output
     assert load_hyp(tmp_path / "exp" / "best_hyp.yaml").lr0 == pytest.approx(best.params["lr0"])
-    assert len((tmp_path / "exp" / "trials.csv").read_text().splitlines()) == 5
+    assert len((tmp_path / "exp" / "trials.csv").read_text().splitlines()) == 4
 
-    # The same command with more trials continues the numbering and trains no point twice.
-    _run_tune(tiny_data, tmp_path, *study_flags, "--trials", "6", env=env)
-    trials = _study(tmp_path).get_trials()
-    assert [t.number for t in trials] == list(range(6))
-    assert len({t.params["lr0"] for t in trials}) == 6
-
-
-@pytest.mark.distributed  # tune.py --ray local as a process
-def test_sigterm_stops_a_ray_study_as_ctrl_c_does(tiny_data: Path, tmp_path: Path) -> None:  # noqa: F811
-    # How a job scheduler stops a job: the running trial is interrupted, the results written, exit 75 to requeue.
-    env = {"FAKE_TRAINER": json.dumps({"trial_0001": "hang"}), "FAKE_EPOCH_S": "0.3"}
-    process = _tune_process(tiny_data, tmp_path, "--ray", "local", "--trials", "3", env=env)
-    _wait_for(tmp_path / "exp" / "trials" / "trial_0001" / "argv.json", process)
+    # The same command with more trials continues the numbering and trains no point twice. It is also how a job
+    # scheduler stops a job (one Ray cluster's start for both checks): SIGTERM while trial 4 trains interrupts it,
+    # the results are written, and the exit status is 75, to requeue the job.
+    process = _tune_process(tiny_data, tmp_path, "--ray", "local", *study_flags, "--trials", "5", env=env)
+    _wait_for(tmp_path / "exp" / "trials" / "trial_0004" / "argv.json", process, timeout=300)
     time.sleep(1.0)  # its trainer is running
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=180)
     assert process.returncode == 75, output[-3000:]
     assert "stopped: study 'exp' stopped; run the same command to resume it" in output
     trials = _study(tmp_path).get_trials()
-    assert trials[0].state == COMPLETE and trials[1].user_attrs["reason"].startswith("interrupted")
-    assert (tmp_path / "exp" / "trials.csv").read_text().splitlines()[1].startswith("0,complete,")
+    assert [t.number for t in trials[:5]] == list(range(5)) and len({t.params["lr0"] for t in trials[:5]}) == 5
+    # The crash: a trial that ended before the signal keeps how it ended.
+    assert trials[0].state == COMPLETE and trials[3].state == FAIL
+    assert trials[3].user_attrs["reason"] == "RuntimeError: the fake trainer crashed"
+    assert trials[4].state == FAIL and trials[4].user_attrs["reason"].startswith("interrupted")
+    assert [t.state.name for t in trials[5:]] == ["WAITING"], "its point is queued again"
+    assert trials[5].system_attrs["fixed_params"] == trials[4].params
+    rows = (tmp_path / "exp" / "trials.csv").read_text().splitlines()
+    assert rows[1].startswith("0,complete,") and [row.split(",")[1] for row in rows[1:]] == [
+        "complete", "complete", "pruned", "failed", "interrupted"
+    ]  # fmt: skip
 
 
 def test_a_trials_last_epoch_reaches_ray_only_in_its_final_report(
