@@ -11,6 +11,7 @@ import torch
 from benchmarks import gpu, gpu_runner, gpu_train
 from benchmarks.gpu_bench import Bench, Checkout, Report
 from benchmarks.gpu_trace import run_figures, train_epochs
+from utils.config import ROOT
 
 TRAIN, VAL = 1, 2  # dataset ids in a trace
 
@@ -113,32 +114,54 @@ def test_a_variant_sets_the_runners_environment_and_off_pins_cudnn_autotuning(mo
         gpu_runner.apply_cudnn_setting("fast")
 
 
+def test_a_variant_trains_with_its_flags_and_runner_environment_in_a_row_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a --train-variant changes in the trainer's command; the quick run below trains the plain one for real.
+    variant = "GPU_RUNNER_CUDNN=off --static-loss-shapes"
+    args = gpu.parse_args(["--quick", "--out", str(tmp_path / "out"), f"--train-variant={variant}"])
+    (tmp_path / "out" / "logs").mkdir(parents=True)
+    bench = Bench(args, [Checkout(".", ROOT)], Report(tmp_path / "out"), tmp_path / "work", time.time())
+    bench.datasets[16] = tmp_path / "data" / "shapes"
+    (tmp_path / "data" / "shapes").mkdir(parents=True)
+    launched: list[tuple[list[str], dict[str, str]]] = []
+
+    def run_logged(command: list[str], cwd: Path, log: Path, bench: Bench, extra_env: dict | None = None):
+        launched.append((command, extra_env or {}))
+        return 0, 1.0
+
+    monkeypatch.setattr(gpu_train, "run_logged", run_logged)
+    gpu_train.train_ours(bench, bench.checkouts[0], 16, 2)
+    gpu_train.train_ours(bench, bench.checkouts[0], 16, 2, variant)
+    (plain, plain_env), (varied, varied_env) = launched
+    assert plain_env == {} and varied_env == {"GPU_RUNNER_CUDNN": "off"}
+    # The same command with the variant's flags after train.py's, in a run folder (and trace) of its own.
+    assert " ".join(varied) == " ".join(plain).replace("n16-c0-main", "n16-c0-main-v0") + " --static-loss-shapes"
+    assert "--static-loss-shapes" not in plain and "n16-c0-main-v0" not in " ".join(plain)
+    rows = bench.report.markdown().splitlines()
+    assert any(f"| ours | . {variant} |" in row for row in rows), rows
+
+
 @pytest.mark.slow  # train.py, val.py and train_step.py end to end
 @pytest.mark.distributed  # in subprocesses
 def test_quick_cpu_run_fills_every_table(tmp_path: Path) -> None:
     out = tmp_path / "out"
     gpu.main(
         ["--quick", "--out", str(out), "--data-root", str(tmp_path / "work"), "--no-ultralytics",
-         "--train-variant=--static-loss-shapes", "--profile-steps", "1:1", "--profile-startup"]
+         "--profile-steps", "1:1", "--profile-startup"]
     )  # fmt: skip
     tables = (out / "gpu.md").read_text()
     assert "## training" in tables and "## val.py" in tables and "## train step" in tables
     rows = [line for line in tables.splitlines() if line.startswith("| ") and "---" not in line]
     training = next(line for line in rows if "| ours |" in line).split(" | ")
     assert training[-1].startswith("ok, 2 epochs") and float(training[4]) > 0  # epoch s
-    variant = next(line for line in rows if "--static-loss-shapes |" in line).split(" | ")
-    assert variant[1] == "ours" and variant[-1].startswith("ok, 2 epochs")
-    # Each training run profiled alike: torch.profiler's batch, then cProfile's.
-    profiles = sorted((out / "logs").glob("train-*.profile.txt"))
-    assert len(profiles) == 2
-    for profile in profiles:
-        text = profile.read_text()
-        assert text.startswith("== torch.profiler, 1 batches: per batch ") and "top-level aten ops" in text
-        assert "== cProfile, 1 batches" in text and "train_one_epoch" in text
-    startups = sorted((out / "logs").glob("train-*.startup.txt"))
-    assert len(startups) == 2
-    for startup in startups:
-        text = startup.read_text()
-        assert text.startswith("== cProfile, trainer start to its first optimizer step: ") and "_start_run" in text
+    # The training run profiled: torch.profiler's batch, then cProfile's; and its start-up.
+    (profile,) = (out / "logs").glob("train-*.profile.txt")
+    text = profile.read_text()
+    assert text.startswith("== torch.profiler, 1 batches: per batch ") and "top-level aten ops" in text
+    assert "== cProfile, 1 batches" in text and "train_one_epoch" in text
+    (startup,) = (out / "logs").glob("train-*.startup.txt")
+    text = startup.read_text()
+    assert text.startswith("== cProfile, trainer start to its first optimizer step: ") and "_start_run" in text
     assert all(" ok |" in line or "ok, " in line for line in rows if line.count("|") > 8 and "status" not in line)
     assert (tmp_path / "out" / "gpu.csv").is_file() and (tmp_path / "out" / "gpu.log").read_text()
