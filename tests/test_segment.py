@@ -100,10 +100,12 @@ def test_detection_validator_refuses_a_segmentation_checkpoint_in_one_line(seg_r
 
 
 def test_segmentation_trains_from_detection_weights_but_does_not_validate_them(tiny_data: Path, tmp_path: Path) -> None:
-    detect = train.main(_args(tiny_data, tmp_path, "det", "--epochs", "1", "--noval", model="yolov5n"))
+    detect = train.main(_args(tiny_data, tmp_path, "det", "--epochs", "1", "--noval", "--noplots", model="yolov5n"))
     with pytest.raises(ConfigError, match="detect checkpoint"):
         seg_val.main(["--weights", str(detect.best), "--data", str(tiny_data), "--device", "cpu"])
-    argv = _args(tiny_data, tmp_path, "seg_from_det", "--epochs", "1", "--noval", "--weights", str(detect.best))
+    argv = _args(
+        tiny_data, tmp_path, "seg_from_det", "--epochs", "1", "--noval", "--noplots", "--weights", str(detect.best)
+    )
     segmenter = seg_train.main(argv)  # the backbone, neck and box head transfer (tests/test_seg_from_detect.py)
     checkpoint = torch.load(segmenter.best, map_location="cpu", weights_only=True)
     assert checkpoint["task"] == "segment" and checkpoint["model_spec"]["num_masks"] == 32

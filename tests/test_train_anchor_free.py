@@ -96,7 +96,7 @@ def test_weights_of_one_family_with_a_cfg_of_another_is_one_line(yolo26_run, tin
 
 def test_fine_tuning_keeps_the_checkpoint_family(yolo26_run, tiny_data: Path, tmp_path: Path) -> None:
     weights = yolo26_run.run_dir / "weights" / "best.pt"
-    result = train.main(_train_args(tiny_data, tmp_path, "ft", "--weights", str(weights), "--epochs", "1"))
+    result = train.main(_train_args(tiny_data, tmp_path, "ft", "--weights", str(weights), "--epochs", "1", "--noplots"))
     checkpoint = load_checkpoint(result.last, for_resume=True)
     assert checkpoint["model_family"] == "anchor_free"  # what val, detect, export and a resume build from
     assert checkpoint["model_spec"] == load_checkpoint(weights)["model_spec"]  # yolo26n as trained, not a default
