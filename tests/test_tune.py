@@ -424,6 +424,22 @@ def test_a_study_resumed_with_other_settings_is_refused(tiny_data: Path, tmp_pat
         tune.run(**_flags(tiny_data, tmp_path, trials=2))
 
 
+def test_a_refused_resume_names_the_first_difference_not_a_whole_hyp(tiny_data: Path, tmp_path: Path,
+                                                                    fake_trainer: None) -> None:  # fmt: skip
+    tune.run(**_flags(tiny_data, tmp_path, trials=1))
+    # Another model: named as such (it also changes the base hyp, which used to be dumped whole instead).
+    with pytest.raises(ConfigError, match=r"was made with model 'yolov8n', this command gives 'yolov5n'; give"):
+        tune.run(**_flags(tiny_data, tmp_path, trials=2, cfg="yolov5n"))
+    # Another base hyp or space: only the key that differs, in a line of reasonable length.
+    hyp = (ROOT / "data/hyps/hyp.anchor-free.quickstart.yaml").read_text().replace("lr0: 0.001", "lr0: 0.002")
+    with pytest.raises(ConfigError, match=r"was made with base_hyp lr0 0.001, this command gives 0.002; give") as error:
+        tune.run(**_flags(tiny_data, tmp_path, trials=2, hyp=_write(tmp_path / "hyp.yaml", hyp), optimizer="AdamW"))
+    assert len(str(error.value)) < 300
+    space = _write(tmp_path / "space.yaml", "lr0: [x0.2, x5, log]\n")
+    with pytest.raises(ConfigError, match=r"was made with space lrf \[0.01, 0.5, 'log'\], this command gives 'fixed'"):
+        tune.run(**_flags(tiny_data, tmp_path, trials=2, space=space))
+
+
 def test_the_same_command_again_adds_trials_up_to_the_new_count(tiny_data: Path, tmp_path: Path,
                                                                  fake_trainer: None, caplog) -> None:  # fmt: skip
     caplog.set_level(logging.INFO, logger="utils.tune.tuner")
