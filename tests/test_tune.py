@@ -276,6 +276,11 @@ def test_train_evolve_is_tune_with_that_many_trials_in_runs_evolve() -> None:
     assert words[-2:] == ["--trials", "5"] and "--evolve" not in words
     assert words[words.index("--project") + 1] == str(ROOT / "runs" / "evolve")
     assert evolve_argv(["--evolve"], "segment")[-2:] == ["--trials", "300"]
+    # Bad input is refused in train.py's words, not as tune.py's --trials or "the tune command".
+    with pytest.raises(ConfigError, match=r"^--evolve -3: give the number of trials, at least 1"):
+        evolve_argv(["--evolve", "-3"], "detect")
+    with pytest.raises(ConfigError, match=r"^--resume with --evolve: run the same train.py --evolve command again"):
+        evolve_argv(["--evolve", "2", "--resume"], "detect")
 
 
 def test_ray_without_ray_tune_is_one_line_before_any_work(tiny_data: Path, tmp_path: Path,
