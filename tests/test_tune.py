@@ -566,6 +566,28 @@ def test_a_stop_request_ends_a_trial_and_its_process_group(tmp_path: Path) -> No
     assert time.monotonic() - started < 30
 
 
+def test_an_interrupted_trial_counts_the_epochs_it_finished_while_stopping(tmp_path: Path) -> None:
+    # train.py stops at its next optimizer step: an epoch may end (its results.csv row written) after the SIGTERM.
+    run_dir = tmp_path / "run"
+    code = (
+        "import pathlib, signal, sys, time\n"
+        f"run = pathlib.Path({str(run_dir)!r}); run.mkdir(parents=True, exist_ok=True)\n"
+        "def stop(*_):\n"
+        "    (run / 'results.csv').write_text('epoch,metrics/mAP50-95\\n1,0.25\\n'); sys.exit(75)\n"
+        "signal.signal(signal.SIGTERM, stop); (run / 'ready').touch(); time.sleep(60)\n"
+    )
+    stop = threading.Event()
+
+    def stop_when_ready() -> None:
+        while not (run_dir / "ready").exists():
+            time.sleep(0.02)
+        stop.set()
+
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    outcome = run_trial(TrialCommand([sys.executable, "-c", code], run_dir, tmp_path / "run.log"), _watch(stop))
+    assert (outcome.state, outcome.epochs) == ("interrupted", 1)
+
+
 def test_scores_are_read_only_from_whole_rows(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
