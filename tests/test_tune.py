@@ -276,6 +276,11 @@ def test_train_evolve_is_tune_with_that_many_trials_in_runs_evolve() -> None:
     assert words[-2:] == ["--trials", "5"] and "--evolve" not in words
     assert words[words.index("--project") + 1] == str(ROOT / "runs" / "evolve")
     assert evolve_argv(["--evolve"], "segment")[-2:] == ["--trials", "300"]
+    # Bad input is refused in train.py's words, not as tune.py's --trials or "the tune command".
+    with pytest.raises(ConfigError, match=r"^--evolve -3: give the number of trials, at least 1"):
+        evolve_argv(["--evolve", "-3"], "detect")
+    with pytest.raises(ConfigError, match=r"^--resume with --evolve: run the same train.py --evolve command again"):
+        evolve_argv(["--evolve", "2", "--resume"], "detect")
 
 
 def test_ray_without_ray_tune_is_one_line_before_any_work(tiny_data: Path, tmp_path: Path,
@@ -424,6 +429,22 @@ def test_a_study_resumed_with_other_settings_is_refused(tiny_data: Path, tmp_pat
         tune.run(**_flags(tiny_data, tmp_path, trials=2))
 
 
+def test_a_refused_resume_names_the_first_difference_not_a_whole_hyp(tiny_data: Path, tmp_path: Path,
+                                                                    fake_trainer: None) -> None:  # fmt: skip
+    tune.run(**_flags(tiny_data, tmp_path, trials=1))
+    # Another model: named as such (it also changes the base hyp, which used to be dumped whole instead).
+    with pytest.raises(ConfigError, match=r"was made with model 'yolov8n', this command gives 'yolov5n'; give"):
+        tune.run(**_flags(tiny_data, tmp_path, trials=2, cfg="yolov5n"))
+    # Another base hyp or space: only the key that differs, in a line of reasonable length.
+    hyp = (ROOT / "data/hyps/hyp.anchor-free.quickstart.yaml").read_text().replace("lr0: 0.001", "lr0: 0.002")
+    with pytest.raises(ConfigError, match=r"was made with base_hyp lr0 0.001, this command gives 0.002; give") as error:
+        tune.run(**_flags(tiny_data, tmp_path, trials=2, hyp=_write(tmp_path / "hyp.yaml", hyp), optimizer="AdamW"))
+    assert len(str(error.value)) < 300
+    space = _write(tmp_path / "space.yaml", "lr0: [x0.2, x5, log]\n")
+    with pytest.raises(ConfigError, match=r"was made with space lrf \[0.01, 0.5, 'log'\], this command gives 'fixed'"):
+        tune.run(**_flags(tiny_data, tmp_path, trials=2, space=space))
+
+
 def test_the_same_command_again_adds_trials_up_to_the_new_count(tiny_data: Path, tmp_path: Path,
                                                                  fake_trainer: None, caplog) -> None:  # fmt: skip
     caplog.set_level(logging.INFO, logger="utils.tune.tuner")
@@ -543,6 +564,28 @@ def test_a_stop_request_ends_a_trial_and_its_process_group(tmp_path: Path) -> No
     outcome = run_trial(command, _watch(stop))
     assert outcome.state == "interrupted" and outcome.reason.startswith("interrupted")
     assert time.monotonic() - started < 30
+
+
+def test_an_interrupted_trial_counts_the_epochs_it_finished_while_stopping(tmp_path: Path) -> None:
+    # train.py stops at its next optimizer step: an epoch may end (its results.csv row written) after the SIGTERM.
+    run_dir = tmp_path / "run"
+    code = (
+        "import pathlib, signal, sys, time\n"
+        f"run = pathlib.Path({str(run_dir)!r}); run.mkdir(parents=True, exist_ok=True)\n"
+        "def stop(*_):\n"
+        "    (run / 'results.csv').write_text('epoch,metrics/mAP50-95\\n1,0.25\\n'); sys.exit(75)\n"
+        "signal.signal(signal.SIGTERM, stop); (run / 'ready').touch(); time.sleep(60)\n"
+    )
+    stop = threading.Event()
+
+    def stop_when_ready() -> None:
+        while not (run_dir / "ready").exists():
+            time.sleep(0.02)
+        stop.set()
+
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    outcome = run_trial(TrialCommand([sys.executable, "-c", code], run_dir, tmp_path / "run.log"), _watch(stop))
+    assert (outcome.state, outcome.epochs) == ("interrupted", 1)
 
 
 def test_scores_are_read_only_from_whole_rows(tmp_path: Path) -> None:

@@ -45,6 +45,11 @@ def evolve_argv(argv: list[str] | None, task: str) -> list[str] | None:
     args = parser.parse_args(argv)
     if not args.evolve:
         return None
+    # Refused here, in train.py's words: tune.py's own messages would name --trials and "the tune command".
+    if args.evolve < 0:
+        raise ConfigError(f"--evolve {args.evolve}: give the number of trials, at least 1 (default 300)")
+    if args.resume:
+        raise ConfigError("--resume with --evolve: run the same train.py --evolve command again to resume the study")
     explicit = explicit_options(parser, argv) - {"evolve"}
     words = argv_of(parser, args, set(explicit))
     if "project" not in explicit:

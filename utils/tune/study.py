@@ -184,14 +184,27 @@ def open_study(cfg: TuneConfig, space: SearchSpace, settings: dict[str, Any]) ->
         else:
             study.enqueue_trial(space.base_params, user_attrs={"baseline": True}, skip_if_exists=True)
     elif any(recorded[key] != settings.get(key) for key in recorded):  # keys an older study lacks are not checked
-        key = next(key for key in sorted(recorded) if recorded[key] != settings.get(key))
+        # The first difference in the settings' own order (data and model before the hyp and space they imply).
+        key = next(key for key in recorded if recorded[key] != settings.get(key))
         raise ConfigError(
-            f"{cfg.study_dir}: study '{study_name}' was made with {key} {recorded.get(key)!r}, this command gives "
-            f"{settings.get(key)!r}; give the same flags to resume it, or another --name for a new study"
+            f"{cfg.study_dir}: study '{study_name}' was made with {_difference(key, recorded[key], settings.get(key))}"
+            "; give the same flags to resume it, or another --name for a new study"
         )
     elif set(settings) - set(recorded):  # a study made before these keys were recorded: they hold from now on
         study.set_user_attr("settings", {**settings, **recorded})
     return study
+
+
+def _difference(key: str, recorded: Any, given: Any) -> str:
+    """'KEY OLD, this command gives NEW' for one setting; of a hyp or a space, only its first key that differs."""
+    if key == "space" and isinstance(recorded, list) and isinstance(given, list):  # [[key, low, high, scale], ...]
+        recorded, given = ({entry[0]: entry[1:] for entry in space} for space in (recorded, given))
+        sub = next(sub for sub in (*recorded, *given) if recorded.get(sub) != given.get(sub))
+        return f"space {sub} {recorded.get(sub, 'fixed')!r}, this command gives {given.get(sub, 'fixed')!r}"
+    if isinstance(recorded, dict) and isinstance(given, dict):
+        sub = next(sub for sub in (*recorded, *given) if recorded.get(sub) != given.get(sub))
+        return f"{key} {sub} {recorded.get(sub)!r}, this command gives {given.get(sub)!r}"
+    return f"{key} {recorded!r}, this command gives {given!r}"
 
 
 def counted_trials(study: optuna.Study) -> tuple[int, int]:

@@ -133,7 +133,8 @@ def _follow(process: subprocess.Popen, run_dir: Path, watch: TrialWatch) -> tupl
     pruned_at = None
     while process.poll() is None:
         if watch.stop.wait(watch.poll_s):
-            _stop(process)
+            _stop(process)  # it saves at its next optimizer step: it may finish an epoch (and its row) first
+            scores += [score for _, score in _new_scores(run_dir / "results.csv", watch.score_column, len(scores))]
             return None, True, scores
         if process.poll() is not None:
             break  # it ended during the wait: its last rows are reported below, and a finished trial is not pruned
