@@ -136,8 +136,9 @@ def test_a_variant_trains_with_its_flags_and_runner_environment_in_a_row_of_its_
     (plain, plain_env), (varied, varied_env) = launched
     assert plain_env == {} and varied_env == {"GPU_RUNNER_CUDNN": "off"}
     # The same command with the variant's flags after train.py's, in a run folder (and trace) of its own.
-    assert " ".join(varied) == " ".join(plain).replace("n16-c0-main", "n16-c0-main-v0") + " --static-loss-shapes"
-    assert "--static-loss-shapes" not in plain and "n16-c0-main-v0" not in " ".join(plain)
+    name = plain[plain.index("--name") + 1]  # n16-c0-<the checkout's folder>
+    assert " ".join(varied) == " ".join(plain).replace(name, f"{name}-v0") + " --static-loss-shapes"
+    assert "--static-loss-shapes" not in plain and f"{name}-v0" not in " ".join(plain)
     rows = bench.report.markdown().splitlines()
     assert any(f"| ours | . {variant} |" in row for row in rows), rows
 
