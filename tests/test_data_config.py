@@ -69,6 +69,8 @@ def test_names_keys_written_as_strings_are_the_indices(tmp_path: Path) -> None:
         ("path: ds\ntrain: images/train\nval: images/val\nnames: []\n", "'names' is empty"),
         ("path: ds\ntrain: images/train\nval: images/val\nnames: [a, null, '']\n", "no name for class 1, 2"),
         ("- just\n- a list\n", "expected a mapping"),
+        ("", "holds no value; expected a mapping"),
+        ("# names to come\n", "holds no value; expected a mapping"),
         ("path: [unclosed\n", "not valid YAML"),
     ],
 )
@@ -79,6 +81,12 @@ def test_bad_yaml_is_one_line_error_naming_file(tmp_path: Path, content: str, ne
     with pytest.raises(ConfigError, match=needle) as error:
         load_data_config(yaml_file, DistContext())
     assert "bad.yaml" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_folder_given_as_the_yaml_is_named_as_a_folder(tmp_path: Path) -> None:
+    (tmp_path / "coco.yaml").mkdir()  # e.g. a dataset folder named like its YAML
+    with pytest.raises(ConfigError, match=r"coco\.yaml: a folder, not a YAML file$"):
+        load_data_config(tmp_path / "coco.yaml", DistContext())
 
 
 def test_yaml_python_tags_are_not_executed(tmp_path: Path) -> None:

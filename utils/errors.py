@@ -138,12 +138,16 @@ class _Format(NamedTuple):
 
 def _read_mapping(path: Path, file_format: _Format, what: str, expected: str) -> dict[str, Any]:
     """Read and parse `path` (UTF-8) into a dict, or raise the one-line ConfigError that says why not."""
+    if path.is_dir():
+        raise ConfigError(f"{path}: a folder, not a {file_format.name} {what}")
     if not path.is_file():
         raise ConfigError(f"{path}: {what} not found")
     try:
         content = file_format.parse(path.read_text(encoding="utf-8"))
     except (file_format.error, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: not valid {file_format.name} ({str(error).splitlines()[0]})") from error
+    if content is None:  # an empty or comments-only YAML file (or a bare null)
+        raise ConfigError(f"{path}: holds no value; expected {expected}")
     if not isinstance(content, dict):
         raise ConfigError(f"{path}: expected {expected}, got {type(content).__name__}")
     return content
