@@ -197,14 +197,14 @@ def open_study(cfg: TuneConfig, space: SearchSpace, settings: dict[str, Any]) ->
 
 def _difference(key: str, recorded: Any, given: Any) -> str:
     """'KEY OLD, this command gives NEW' for one setting; of a hyp or a space, only its first key that differs."""
+    absent = None
     if key == "space" and isinstance(recorded, list) and isinstance(given, list):  # [[key, low, high, scale], ...]
         recorded, given = ({entry[0]: entry[1:] for entry in space} for space in (recorded, given))
-        sub = next(sub for sub in (*recorded, *given) if recorded.get(sub) != given.get(sub))
-        return f"space {sub} {recorded.get(sub, 'fixed')!r}, this command gives {given.get(sub, 'fixed')!r}"
-    if isinstance(recorded, dict) and isinstance(given, dict):
-        sub = next(sub for sub in (*recorded, *given) if recorded.get(sub) != given.get(sub))
-        return f"{key} {sub} {recorded.get(sub)!r}, this command gives {given.get(sub)!r}"
-    return f"{key} {recorded!r}, this command gives {given!r}"
+        absent = "fixed"  # a key a space leaves out
+    if not (isinstance(recorded, dict) and isinstance(given, dict)):
+        return f"{key} {recorded!r}, this command gives {given!r}"
+    sub = next(sub for sub in (*recorded, *given) if recorded.get(sub) != given.get(sub))
+    return f"{key} {sub} {recorded.get(sub, absent)!r}, this command gives {given.get(sub, absent)!r}"
 
 
 def counted_trials(study: optuna.Study) -> tuple[int, int]:
