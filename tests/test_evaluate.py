@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from utils.distributed import DistContext
-from utils.eval.evaluate import EvalOptions, format_results
+from utils.eval.evaluate import EvalInterrupted, EvalOptions, format_results
 from utils.tasks import DETECT
 
 SIZE = 64
@@ -138,3 +138,54 @@ def test_speed_per_image_counts_every_rank_by_its_images(tmp_path) -> None:
     # 100 / 200 / 300 ms per image, on every rank; a mean of the ranks' means would halve them.
     for speed in speeds:
         assert speed == pytest.approx({"preprocess": 100.0, "inference": 200.0, "nms": 300.0})
+
+
+def _evaluate_with_interrupt(batch_count: int, flag_after: int | None, ctx: DistContext) -> tuple[str, int, int]:
+    """Evaluate `batch_count` one-image batches, the interrupt flag turning true once `flag_after` were drawn.
+
+    Returns how it ended (the metrics' image count, or the exception's batches evaluated) and the batches drawn.
+    """
+    model = _FixedPredictions([32.0, 32.0, 32.0, 32.0, 1.0, 0.6, 0.35])
+    drawn = []
+
+    def batches():  # a generator, as a loader is to the loop: no length known
+        for index in range(batch_count):
+            drawn.append(index)
+            yield _batch(0)
+
+    options = EvalOptions(num_classes=2, interrupt=lambda: flag_after is not None and len(drawn) > flag_after)
+    try:
+        result = DETECT.evaluate(model, batches(), options, ctx)
+    except EvalInterrupted as stopped:
+        return "interrupted", stopped.evaluated, len(drawn)
+    return "scored", result.num_images, len(drawn)
+
+
+def test_an_interrupt_ends_the_loop_at_the_next_batch_without_metrics_of_a_part_of_the_set() -> None:
+    assert _evaluate_with_interrupt(5, 2, DistContext()) == ("interrupted", 2, 3)  # the third drawn, not evaluated
+    assert _evaluate_with_interrupt(5, 0, DistContext()) == ("interrupted", 0, 1)
+    # A flag that turns true after the last batch stops nothing: the whole set was evaluated.
+    assert _evaluate_with_interrupt(3, 3, DistContext()) == ("scored", 3, 3)
+    assert _evaluate_with_interrupt(3, None, DistContext()) == ("scored", 3, 3)
+    with pytest.raises(EvalInterrupted, match="after 1 of 2 batches"):  # a sized input names its total
+        model = _FixedPredictions([32.0, 32.0, 32.0, 32.0, 1.0, 0.6, 0.35])
+        calls = iter([False, True])
+        options = EvalOptions(num_classes=2, interrupt=lambda: next(calls))
+        DETECT.evaluate(model, [_batch(0), _batch(0)], options, DistContext())
+
+
+def _interrupt_on_rank_1(ctx: DistContext, flag_after: int) -> tuple[str, int, int]:
+    """Rank 0's flag never turns true; rank 1's after `flag_after` of its 3 batches were drawn."""
+    return _evaluate_with_interrupt(3, flag_after if ctx.rank == 1 else None, ctx)
+
+
+@pytest.mark.distributed
+def test_a_rank_interrupted_alone_interrupts_every_rank_after_its_loop(tmp_path) -> None:
+    from tests.dist_helpers import run_distributed
+
+    # Rank 0 evaluated its whole share, rank 1 one batch: neither returns metrics of a part of the set.
+    ended = run_distributed(_interrupt_on_rank_1, 2, tmp_path / "mid", 1)
+    assert ended == [("interrupted", 3, 3), ("interrupted", 1, 2)]
+    # Rank 1's flag turning true after its last batch: both evaluated everything, both score all 6 images.
+    ended = run_distributed(_interrupt_on_rank_1, 2, tmp_path / "after", 3)
+    assert ended == [("scored", 6, 3), ("scored", 6, 3)]

@@ -83,6 +83,11 @@ def _assert_identical(a: Path, b: Path) -> None:
             assert torch.equal(tensor, second[part][key]), f"{part}.{key} differs"
 
 
+def _rows_but_time(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "results.csv").open(newline="") as file:
+        return [{key: value for key, value in row.items() if key != "time_s"} for row in csv.DictReader(file)]
+
+
 def _epochs(run_dir: Path) -> list[str]:
     with (run_dir / "results.csv").open(newline="") as file:
         return [row["epoch"] for row in csv.DictReader(file)]
@@ -94,8 +99,9 @@ def _epochs(run_dir: Path) -> list[str]:
     ("workers", "batch", "signal_after", "batches_done", "signal_name"),
     # Stop inside epoch 1 (4 batches of 4); stop at its last batch, which is short (16 images in 6 batches
     # of 3): the resumed epoch has no batch left, and its position is the epoch's end, not 6 x 3 samples.
+    # A signal after the epoch's last step stops its validation: saved as the epoch's end, validated on resume.
     # SIGTERM as launchers send it; Ctrl-C as a terminal does, to the workers too.
-    [(2, 4, 2, 3, "SIGTERM"), (0, 3, 5, 6, "SIGTERM"), (2, 4, 2, 3, "SIGINT")],
+    [(2, 4, 2, 3, "SIGTERM"), (0, 3, 5, 6, "SIGTERM"), (2, 4, 4, 4, "SIGTERM"), (2, 4, 2, 3, "SIGINT")],
 )
 def test_a_stop_signal_mid_epoch_then_resume_is_bit_identical(
     tiny_data: Path,
@@ -134,19 +140,24 @@ def test_a_stop_signal_mid_epoch_then_resume_is_bit_identical(
     checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["batches_done"]) == (-1, batches_done)
     assert signal.getsignal(signal.SIGTERM) is handler_before  # the run's handler is gone after it
+    total = -(-16 // batch)
+    validated = "validation of epoch 1 stopped (evaluation interrupted after 0 of 1 batches on this rank)"
+    assert (validated in caplog.text) == (signal_after == total)  # no validation, so no results.csv row yet
+    assert not (stopped.value.checkpoint.parent.parent / "results.csv").exists()
     caplog.set_level(logging.INFO, logger="utils.train")
     caplog.clear()
     resumed = train.main(["--resume", str(stopped.value.checkpoint), "--device", "cpu", "--workers", str(workers)])
     assert resumed.run_dir == stopped.value.checkpoint.parent.parent
     # The log says where the resumed epoch goes on; after its last batch, that nothing of it is left to train.
     assert f"in epoch 1, after its batch {batches_done}" in caplog.text
-    total = -(-16 // batch)
     where = f"goes on at batch {batches_done + 1}, {total - batches_done} left"
     if batches_done == total:
         where = "has no batch left: it is validated and saved, then epoch 2 starts"
     assert f"{total} batches/epoch (resumed epoch 1 {where})" in caplog.text
     assert _epochs(resumed.run_dir) == ["1", "2"]
     _assert_identical(uninterrupted.last, resumed.last)
+    # Its rows too, losses, metrics and learning rates (warmup's, also of an epoch resumed with no batch left).
+    assert _rows_but_time(resumed.run_dir) == _rows_but_time(uninterrupted.run_dir)
     if (batch, signal_name) != (4, "SIGTERM"):  # the resume from epoch1.pt below does not depend on where the stop
         return  # came, nor how: it resumes the shared uninterrupted run, once is enough
     # And from the end of epoch 1 (epoch1.pt of the uninterrupted run), in a copy of its folder.
@@ -294,12 +305,13 @@ def test_a_signal_the_process_ignores_stays_ignored() -> None:
 def test_a_stop_in_a_later_epoch_with_accumulation_resumes_bit_identical(tiny_data: Path, tmp_path: Path) -> None:
     # No warmup and a nominal batch of 8 over batches of 4: one optimizer step per 2 batches from the start
     # (iterations 1, 3 | 5, 7). A stop asked for after the step at epoch 1's end is saved at epoch 2's first
-    # step (batch 2 of 4); the resumed run must count its steps on the whole epoch's 4 batches, not the 2 left.
+    # step (batch 2 of 4): --noval, no validation to stop at in between; the resumed run must count its steps on
+    # the whole epoch's 4 batches, not the 2 left.
     hyp = tmp_path / "hyp.yaml"
     source = Path(train.__file__).parent / "data" / "hyps" / "hyp.scratch-low.yaml"
     text = source.read_text().replace("warmup_epochs: 3.0", "warmup_epochs: 0.0").replace("nbs: 64", "nbs: 8")
     hyp.write_text(text)
-    args = [*_args(tiny_data, tmp_path, "whole", 0), "--hyp", str(hyp)]
+    args = [*_args(tiny_data, tmp_path, "whole", 0), "--hyp", str(hyp), "--noval"]
     uninterrupted = train.main(args)
     real_step = step_module._optimizer_step
     steps = {"count": 0}
@@ -313,7 +325,7 @@ def test_a_stop_in_a_later_epoch_with_accumulation_resumes_bit_identical(tiny_da
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(step_module, "_optimizer_step", step_then_stop)
         with pytest.raises(Preempted) as stopped:
-            train.main([*_args(tiny_data, tmp_path, "cut", 0), "--hyp", str(hyp)])
+            train.main([*_args(tiny_data, tmp_path, "cut", 0), "--hyp", str(hyp), "--noval"])
     checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["batches_done"]) == (0, 2)
     resumed = train.main(["--resume", str(stopped.value.checkpoint), "--device", "cpu", "--workers", "0"])
@@ -323,9 +335,9 @@ def test_a_stop_in_a_later_epoch_with_accumulation_resumes_bit_identical(tiny_da
 @pytest.mark.slow
 def test_a_resume_on_another_batch_size_trains_the_rest_of_its_epoch_once(tiny_data: Path, tmp_path: Path) -> None:
     # One optimizer step per batch of 4 (nbs 4, no warmup), 4 per epoch; a stop asked for after step 4 is saved at
-    # step 5: epoch 2's first batch, 4 of its 16 images. With batches of 2, position 1 names other images: the rest
-    # of epoch 2 must be exactly its 12 untrained images, in the epoch's last 6 batches, stepping every 2 batches
-    # (nbs 4) as any epoch does.
+    # step 5 (--noval: no validation in between to stop): epoch 2's first batch, 4 of its 16 images. With batches
+    # of 2, position 1 names other images: the rest of epoch 2 must be exactly its 12 untrained images, in the
+    # epoch's last 6 batches, stepping every 2 batches (nbs 4) as any epoch does.
     from utils.data.loader import TrainLoader
 
     hyp = tmp_path / "hyp.yaml"
@@ -354,7 +366,7 @@ def test_a_resume_on_another_batch_size_trains_the_rest_of_its_epoch_once(tiny_d
         patch.setattr(step_module, "_optimizer_step", step_then_stop)
         patch.setattr(TrainLoader, "lent", recording_lent)
         with pytest.raises(Preempted) as stopped:
-            train.main([*_args(tiny_data, tmp_path, "cut", 0), "--hyp", str(hyp), "--epochs", "3"])
+            train.main([*_args(tiny_data, tmp_path, "cut", 0), "--hyp", str(hyp), "--epochs", "3", "--noval"])
         checkpoint = torch.load(stopped.value.checkpoint, map_location="cpu", weights_only=True)
         patch.setattr(step_module, "_optimizer_step", counted_step)
         attempt = "resumed"
@@ -411,7 +423,7 @@ def test_a_remainder_stopped_again_and_resumed_on_a_third_batch_size_still_train
         patch.setattr(TrainLoader, "lent", recording_lent)
         patch.setattr(step_module, "_optimizer_step", stop_after(4))  # saved at step 5: epoch 2, batch 1 of 4
         with pytest.raises(Preempted) as first:
-            train.main([*_args(tiny_data, tmp_path, "chain", 0), "--hyp", str(hyp), "--epochs", "3"])
+            train.main([*_args(tiny_data, tmp_path, "chain", 0), "--hyp", str(hyp), "--epochs", "3", "--noval"])
         first_seen = seen(first.value.checkpoint)
         patch.setattr(step_module, "_optimizer_step", stop_after(1))  # saved at the rest's second step
         with pytest.raises(Preempted) as second:

@@ -51,6 +51,19 @@ class EvalOptions:
     # Sees every batch after NMS (rank 0 draws val_batch*.jpg with it). May differ between ranks, so it
     # must not run collectives; predictions are only built when it calls the PredictedBatch it gets.
     on_batch: BatchHook | None = None
+    # Asked before each batch (training passes its stop-signal flag): once true, this rank evaluates no more
+    # batches, and when any rank stopped early every rank raises EvalInterrupted instead of scoring a part of
+    # the set. One small all-reduce after the loop when set; None: the loop always runs to its end.
+    interrupt: Callable[[], bool] | None = None
+
+
+class EvalInterrupted(Exception):
+    """`EvalOptions.interrupt` stopped the evaluation on some rank: no rank returns metrics of a part of the set."""
+
+    def __init__(self, evaluated: int, total: int | None) -> None:
+        of = f" of {total}" if total is not None else ""
+        super().__init__(f"evaluation interrupted after {evaluated}{of} batches on this rank")
+        self.evaluated, self.total = evaluated, total
 
 
 @dataclass
@@ -229,7 +242,8 @@ def evaluate(
     collective mid-loop. `scorer` holds the task-specific matching (DetectionScorer by default).
     With `loss_fn`, the mean validation loss is computed too, from the inputs `loss_inputs(batch,
     device)` gives (the same Task hook the training loop uses).
-    `options.on_batch`, when set, sees each batch after NMS (rank 0 draws the first ones).
+    `options.on_batch`, when set, sees each batch after NMS (rank 0 draws the first ones);
+    `options.interrupt`, when set, can end the loop early on every rank with EvalInterrupted.
     """
     scorer = scorer or DetectionScorer()
     model = as_backend(model)  # a loaded file's backend, or the live model training hands in
@@ -245,7 +259,13 @@ def evaluate(
     timings = np.zeros(3)
     warmed: set[torch.Size] = set()
     progress = tqdm(batches, desc=options.description, disable=tqdm_disabled(ctx), leave=False)
+    evaluated, stopped = 0, False
     for batch_index, batch in enumerate(progress):
+        if options.interrupt is not None and options.interrupt():
+            stopped = True
+            progress.close()
+            break
+        evaluated = batch_index + 1
         start = time.perf_counter()
         images = images_on_device(batch, device, dtype)
         targets = batch["targets"].to(device, copy=True)  # scaled in place below; never touch the batch
@@ -284,12 +304,26 @@ def evaluate(
             predicted = functools.partial(scorer.predicted_batch, batch, outputs, loss_input)
             options.on_batch(batch_index, batch, predicted)
     model.train(was_training)
+    if options.interrupt is not None:  # the same options on every rank: all of them take part
+        _agree_on_interrupt(stopped, evaluated, batches, device, ctx)
     result = _summarise(stats, loss_sum, seen, timings, predictions, options, ctx, scorer.with_masks)
     if confusion is not None:  # options are the same on every rank, so all take part
         matrix = torch.as_tensor(confusion.matrix, device=device)
         confusion.matrix = all_reduce_sum(matrix, ctx).cpu().numpy()
         result.confusion = confusion
     return result
+
+
+def _agree_on_interrupt(
+    stopped: bool, evaluated: int, batches: Iterable[Any], device: torch.device, ctx: DistContext
+) -> None:
+    """Raise EvalInterrupted on every rank when any rank left its loop early (`stopped`, after `evaluated` batches).
+
+    A rank whose flag turned true only after its last batch has evaluated its whole share and says no.
+    """
+    anywhere = all_reduce_sum(torch.tensor([int(stopped)], device=device), ctx)
+    if int(anywhere.item()):
+        raise EvalInterrupted(evaluated, len(batches) if hasattr(batches, "__len__") else None)
 
 
 def _select(select: Callable[..., list[torch.Tensor]], decoded: torch.Tensor, conf_thres: float, *, agnostic: bool,

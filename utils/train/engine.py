@@ -6,7 +6,9 @@ import logging
 import re
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -22,9 +24,9 @@ from utils.distributed import (
     run_on_main,
     seed_everything,
 )
-from utils.errors import ConfigError
+from utils.errors import ConfigError, Preempted
 from utils.eval.coco import check_coco_target, coco_evaluate
-from utils.eval.evaluate import EvalOptions, EvalResult
+from utils.eval.evaluate import EvalInterrupted, EvalOptions, EvalResult
 from utils.families import build_model
 from utils.logs import tqdm_disabled
 from utils.plots import batch_drawer, plot_run, plot_start, val_batch_drawer
@@ -40,7 +42,7 @@ from utils.train.setup import (
     log_startup,
     verify_identical_weights,
 )
-from utils.train.state import FitResult, TrainRun, TrainState, build_train_state
+from utils.train.state import FitResult, TrainedEpoch, TrainRun, TrainState, build_train_state
 from utils.train.step import train_one_epoch
 from utils.train.tensorboard import TensorBoardLogger
 from utils.train.wandb_logger import WandbLogger, wandb_wanted
@@ -230,21 +232,52 @@ def _run_epoch(run: TrainRun, state: TrainState, epoch: int) -> EpochSummary:
     lrs = [group["lr"] for group in state.optimizer.param_groups]
     train_row = {**loss_columns("train", state.loss_fn.item_names, trained.mean_loss), **lr_columns(lrs)}
     run.fire("on_train_epoch_end", epoch=epoch + 1, row=train_row)
-    with warnings.catch_warnings():  # a resumed epoch with no batch left has no optimizer step before this
-        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
-        state.scheduler.step()
     # Per-rank BN (CPU, or no --sync-bn): every rank averages statistics before eval and save.
     average_bn_stats(state.model, ctx)
     average_bn_stats(state.ema.ema, ctx)
     metrics, val_loss = {}, None
     if not cfg.noval or epoch + 1 == cfg.epochs:
-        options = EvalOptions(num_classes=len(run.bundle.names), multi_label=cfg.multi_label, description="val")
-        result = run.task.evaluate(state.ema.ema, datasets.val_loader, options, ctx, state.loss_fn)
+        options = EvalOptions(
+            num_classes=len(run.bundle.names),
+            multi_label=cfg.multi_label,
+            description="val",
+            interrupt=lambda: state.stop.received is not None,
+        )
+        try:
+            result = run.task.evaluate(state.ema.ema, datasets.val_loader, options, ctx, state.loss_fn)
+        except EvalInterrupted as interrupted:
+            _stop_unvalidated(state, epoch, trained, save_now, interrupted, ctx)
         LOGGER.info(f"val: {_scores_line(result.as_dict())}")
         metrics, val_loss = result.as_dict(), result.loss_items
         run.fire("on_val_end", epoch=epoch + 1, metrics=dict(metrics))
+    # After validation: a stop there saves the epoch's end, whose learning rates are its last step's.
+    with warnings.catch_warnings():  # a resumed epoch with no batch left has no optimizer step before this
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
+        state.scheduler.step()
     state.best_fitness = max(state.best_fitness, metrics.get("fitness", 0.0))
     return EpochSummary(epoch, trained.mean_loss, val_loss, metrics, lrs, time.time() - start)
+
+
+def _stop_unvalidated(
+    state: TrainState,
+    epoch: int,
+    trained: TrainedEpoch,
+    save_now: Callable[[int, np.ndarray], Path],
+    interrupted: EvalInterrupted,
+    ctx: DistContext,
+) -> NoReturn:
+    """A stop signal came during `epoch`'s validation: save the trained epoch unvalidated and raise Preempted.
+
+    A long validation would otherwise run on into the launcher's kill (and the 60 s watchdog's), losing the
+    epoch. last.pt is then the position after the epoch's last batch, so the resumed run validates and saves
+    that epoch before the next one, as after a stop at its last optimizer step.
+    """
+    reason = state.stop.received or "a stop signal on another rank"
+    if ctx.is_main:
+        LOGGER.warning(f"{reason}: validation of epoch {epoch + 1} stopped ({interrupted}); a resume validates it")
+    assert trained.rank_mean_loss is not None  # train_one_epoch always sets it
+    saved = save_now(trained.batches, trained.rank_mean_loss)
+    raise Preempted(reason, saved, is_main=ctx.is_main)
 
 
 def _scores_line(metrics: dict[str, float]) -> str:

@@ -53,16 +53,21 @@ class StopSignals:
         self._workers_told: bool | None = None  # the workers' flag before __enter__ set it (None: not set)
 
     def request(self, name: str) -> None:
-        """Ask the loop to stop at its next optimizer step, as signal `name` would.
+        """Ask the loop to stop at its next optimizer step (or validation batch), as signal `name` would.
 
         For SIGTERM and SIGUSR1 a watchdog then ends the process after STOP_GRACE_S, saved or not: a
         rank whose peer died can sit in a collective that never returns, and a launcher that sent
         the signal may be waiting for exactly this process to go. Ctrl-C starts none (see the class).
         """
         if self.received is None and name == "SIGINT":
-            LOGGER.warning("Ctrl-C: saving a checkpoint at the next optimizer step, then exiting (Ctrl-C again: now)")
+            LOGGER.warning(
+                "Ctrl-C: saving a checkpoint at the next optimizer step or validation batch, then exiting (Ctrl-C "
+                "again: now)"
+            )
         elif self.received is None:
-            LOGGER.warning(f"{name} received: saving a checkpoint at the next optimizer step, then exiting")
+            LOGGER.warning(
+                f"{name} received: saving a checkpoint at the next optimizer step or validation batch, then exiting"
+            )
             self._watchdog = threading.Timer(STOP_GRACE_S, _exit_after_grace, args=(name,))
             self._watchdog.daemon = True
             self._watchdog.start()

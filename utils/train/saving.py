@@ -33,7 +33,8 @@ def restore_state(
 ) -> None:
     """Load model, optimizer, scaler, EMA, epoch and best fitness from a checkpoint into `state` (every rank).
 
-    The LR schedule is rebuilt at the resumed epoch, so it continues where it stopped. A mid-epoch
+    The LR schedule is rebuilt at the resumed epoch, so it continues where it stopped (a mid-epoch
+    checkpoint's groups keep the rates of its last step, warmup's, until the next step sets them). A mid-epoch
     checkpoint also gives the batch to continue at and, per rank, the running mean loss and the
     buffers (BatchNorm statistics differ per rank without SyncBatchNorm), so the resumed run
     continues exactly where the interrupted one stopped. `start_batch` is the batch the loader
@@ -49,7 +50,11 @@ def restore_state(
     )
     for group, value in zip(state.optimizer.param_groups, decay, strict=True):
         group["weight_decay"] = value
+    saved_lrs = [group["lr"] for group in state.optimizer.param_groups]
     state.scheduler = build_scheduler(state.optimizer, state.lr_fn, state.start_epoch)
+    if start_batch:  # mid-epoch: the rates of its last step (warmup's), which an epoch with no batch left reports
+        for group, lr in zip(state.optimizer.param_groups, saved_lrs, strict=True):
+            group["lr"] = lr
     state.best_fitness = float(checkpoint.get("best_fitness", 0.0))
     if checkpoint.get("early_stop") is not None:  # absent in checkpoints of earlier versions: patience starts afresh
         state.stopper.load_state_dict(checkpoint["early_stop"])

@@ -100,7 +100,7 @@ def train_one_epoch(
             saved = save_mid_epoch(i + 1, mean_loss)
             if stop:
                 raise Preempted(state.stop.received or "a stop signal on another rank", saved, is_main=ctx.is_main)
-    return _epoch_over_ranks(mean_loss, images_seen, time.perf_counter() - start, batches.seconds, ctx)
+    return _epoch_over_ranks(mean_loss, images_seen, time.perf_counter() - start, batches.seconds, num_batches, ctx)
 
 
 def _forward_backward(
@@ -133,7 +133,7 @@ def _forward_backward(
 
 
 def _epoch_over_ranks(
-    mean_loss: np.ndarray, images: int, seconds: float, waited: float, ctx: DistContext
+    mean_loss: np.ndarray, images: int, seconds: float, waited: float, batches: int, ctx: DistContext
 ) -> TrainedEpoch:
     """One collective: results.csv reports every rank's batches (ranks run equally many), and the epoch's figures."""
     figures = np.array([*mean_loss, images, seconds, waited])
@@ -141,7 +141,9 @@ def _epoch_over_ranks(
         figures = all_reduce_sum(torch.tensor(figures, dtype=torch.float64, device=ctx.device), ctx).cpu().numpy()
     *loss, images_total, seconds_total, waited_total = figures
     world = ctx.world_size
-    return TrainedEpoch(np.array(loss) / world, int(images_total), seconds_total / world, waited_total / world)
+    return TrainedEpoch(
+        np.array(loss) / world, int(images_total), seconds_total / world, waited_total / world, batches, mean_loss
+    )
 
 
 def _agree_before_step(
