@@ -174,7 +174,8 @@ def test_resume_in_one_process_keeps_the_recipe_chosen_on_two(ddp_run, tmp_path:
 
     chosen = recipe()
     assert chosen[0] == "AdamW" and Path(chosen[1]).name == "hyp.quickstart.yaml"
-    result = train.main(["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0"])
+    argv = ["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0", "--noplots"]
+    result = train.main(argv)
     assert result.run_dir == copy and result.epochs_run == 1
     assert recipe() == chosen  # opt.yaml and hyp.yaml are written again by the resumed run
     resumed = torch.load(copy / "weights" / "last.pt", map_location="cpu", weights_only=True)

@@ -218,7 +218,7 @@ def test_resume_continues_from_saved_epoch(trained_run, tmp_path: Path) -> None:
 def test_compile_resumes_an_eager_run_to_the_same_weights_saved_unwrapped(trained_run, tmp_path: Path) -> None:
     # --compile may be given with --resume (how this attempt runs); epoch 2 compiled ends like epoch 2 eager.
     copy = _copy_after_first_epoch(trained_run, tmp_path)
-    argv = ["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0"]
+    argv = ["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0", "--noplots"]
     with compile_without_codegen() as modes:
         result = train.main([*argv, "--compile", "max-autotune"])
     assert modes == ["max-autotune"] and result.epochs_run == 1
@@ -228,13 +228,17 @@ def test_compile_resumes_an_eager_run_to_the_same_weights_saved_unwrapped(traine
 
 
 def test_static_loss_shapes_resume_a_run_to_the_same_weights(trained_run, tmp_path: Path) -> None:
-    # How the loss is computed, not what: given with --resume, epoch 2 ends at the original's weights.
+    # How the loss is computed, not what: given with --resume, epoch 2 ends at the original's weights. So is
+    # --noplots: the figures of the run's first attempt stay as they were, none is drawn again.
     copy = _copy_after_first_epoch(trained_run, tmp_path)
+    drawn = {path.name: path.stat().st_mtime_ns for path in [*copy.glob("*.png"), *copy.glob("*.jpg")]}
+    assert "results.png" in drawn and "labels.jpg" in drawn
     argv = ["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0"]
-    result = train.main([*argv, "--static-loss-shapes"])
+    result = train.main([*argv, "--static-loss-shapes", "--noplots"])
     assert result.epochs_run == 1
     resumed = _assert_same_final_weights(copy / "weights" / "last.pt", trained_run.last)
-    assert resumed["train_config"]["static_loss_shapes"] is True
+    assert resumed["train_config"]["static_loss_shapes"] is True and resumed["train_config"]["noplots"] is True
+    assert {path.name: path.stat().st_mtime_ns for path in [*copy.glob("*.png"), *copy.glob("*.jpg")]} == drawn
 
 
 def _copy_after_first_epoch(trained_run, tmp_path: Path) -> Path:
@@ -274,7 +278,7 @@ def test_a_resume_on_another_batch_size_scales_weight_decay_to_it(trained_run, t
 
     copy = _copy_after_first_epoch(trained_run, tmp_path)
     train.main(["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0",
-                "--batch-size", "12"])  # fmt: skip
+                "--batch-size", "12", "--noplots"])  # fmt: skip
     hyp = torch.load(trained_run.last, weights_only=True)["hyp"]
     nbs = int(hyp["nbs"])
 
@@ -332,7 +336,8 @@ def test_a_torchrun_restart_of_a_resume_continues_what_the_job_trained(
     # A job started with --resume epoch1.pt trains epoch 2 of 3, saves, then dies; torchrun restarts it with the
     # same command line, which must resume the job's own last.pt, not epoch1.pt again.
     copy = _copy_after_first_epoch(trained_run, tmp_path)
-    argv = ["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0", "--epochs", "3"]
+    argv = ["--resume", str(copy / "weights" / "epoch1.pt"), "--device", "cpu", "--workers", "0", "--epochs", "3",
+            "--noplots"]  # fmt: skip
     from utils.train import engine
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
@@ -408,9 +413,8 @@ def test_resume_refuses_options_it_would_ignore_and_applies_epochs(trained_run, 
 
     last = str(_copy_run(trained_run, tmp_path) / "weights" / "last.pt")
     allowed = (
-        "--epochs, --batch-size, --patience, --callbacks, --mlflow, --wandb, --device, --workers, --dist-timeout, "
-        "--amp, "
-        "--compile, --static-loss-shapes, --cuda-graph"
+        "--epochs, --batch-size, --patience, --callbacks, --mlflow, --wandb, --noplots, --device, --workers, "
+        "--dist-timeout, --amp, --compile, --static-loss-shapes, --cuda-graph"
     )
     with pytest.raises(ConfigError, match=re.escape(f"--imgsz cannot be changed (allowed with --resume: {allowed})")):
         resolve_resume(train_config_from_argv(["--resume", last, "--imgsz", "128"]), DistContext())
@@ -420,7 +424,9 @@ def test_resume_refuses_options_it_would_ignore_and_applies_epochs(trained_run, 
     cfg, checkpoint = resolve_resume(train_config_from_argv(["--resume", last, "--epochs", "5"]), DistContext())
     assert cfg.epochs == 5 and cfg.imgsz == 64 and checkpoint["epoch"] == 1  # the run trained 2 of now 5 epochs
     cfg, _ = resolve_resume(train_config_from_argv(["--resume", last]), DistContext())
-    assert (cfg.epochs, cfg.batch_size) == (2, 8)
+    assert (cfg.epochs, cfg.batch_size, cfg.noplots) == (2, 8, False)
+    cfg, _ = resolve_resume(train_config_from_argv(["--resume", last, "--noplots"]), DistContext())
+    assert (cfg.noplots, cfg.imgsz) == (True, 64)  # figures off for the rest of the run; what it trains is the same
     # The run's recipe is restored, never chosen again: auto asks for exactly that, another optimizer is refused.
     assert (cfg.optimizer, cfg.hyp_path, cfg.hyp) == ("AdamW", QUICKSTART_HYP, load_hyp(QUICKSTART_HYP))
     cfg, _ = resolve_resume(

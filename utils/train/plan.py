@@ -122,8 +122,9 @@ def plan_run(cfg: TrainConfig, training: TrainingTask, ctx: DistContext) -> RunP
 
 
 # Options --resume takes from the new command line when given there; all others come from the checkpoint. They
-# change the remaining schedule / the global batch (docs/distributed.md) / when it stops early, or who follows it
-RESUME_OVERRIDES = ("epochs", "batch_size", "patience", "callbacks", "mlflow", "wandb")
+# change the remaining schedule / the global batch (docs/distributed.md) / when it stops early, who follows it,
+# or whether its figures are drawn (--noplots: none from here on; the weights and results.csv are the same)
+RESUME_OVERRIDES = ("epochs", "batch_size", "patience", "callbacks", "mlflow", "wandb", "noplots")
 # How this attempt runs; none changes what is trained (static_loss_shapes: the same loss to float rounding).
 MACHINE_OPTIONS = (
     "device", "workers", "resume", "dist_timeout", "amp", "compile_mode", "static_loss_shapes", "cuda_graph"
