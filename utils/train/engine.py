@@ -275,7 +275,6 @@ def _stop_unvalidated(
     reason = state.stop.received or "a stop signal on another rank"
     if ctx.is_main:
         LOGGER.warning(f"{reason}: validation of epoch {epoch + 1} stopped ({interrupted}); a resume validates it")
-    assert trained.rank_mean_loss is not None  # train_one_epoch always sets it
     saved = save_now(trained.batches, trained.rank_mean_loss)
     raise Preempted(reason, saved, is_main=ctx.is_main)
 

@@ -119,8 +119,8 @@ class TrainedEpoch:
     images: int  # images trained on this epoch (this session's batches), all ranks together
     seconds: float  # wall time of the training loop, mean over ranks
     data_wait_seconds: float  # of which the loop stood waiting for its next batch (`WaitTimer`), mean over ranks
-    batches: int = 0  # the epoch's batches, resumed ones too: where a checkpoint of its end says it stands
-    rank_mean_loss: np.ndarray | None = None  # this rank's own mean loss items, as a mid-epoch checkpoint keeps them
+    batches: int  # the epoch's batches, resumed ones too: where a checkpoint of its end says it stands
+    rank_mean_loss: np.ndarray  # this rank's own mean loss items, as a mid-epoch checkpoint keeps them
 
     def describe(self, world_size: int) -> str:
         """'1,984 images in 31.2 s (63.6 images/s on 1 rank), 2.1% of it waiting for data': the epoch's log line."""
