@@ -33,8 +33,9 @@ def restore_state(
 ) -> None:
     """Load model, optimizer, scaler, EMA, epoch and best fitness from a checkpoint into `state` (every rank).
 
-    The LR schedule is rebuilt at the resumed epoch, so it continues where it stopped (a mid-epoch
-    checkpoint's groups keep the rates of its last step, warmup's, until the next step sets them). A mid-epoch
+    The LR schedule is rebuilt at the resumed epoch, so it continues where it stopped (with --epochs
+    given anew, at the new schedule's rate; a checkpoint at an epoch's last batch keeps that step's rates,
+    as it has no step left to set them before its results row). A mid-epoch
     checkpoint also gives the batch to continue at and, per rank, the running mean loss and the
     buffers (BatchNorm statistics differ per rank without SyncBatchNorm), so the resumed run
     continues exactly where the interrupted one stopped. `start_batch` is the batch the loader
@@ -52,7 +53,7 @@ def restore_state(
         group["weight_decay"] = value
     saved_lrs = [group["lr"] for group in state.optimizer.param_groups]
     state.scheduler = build_scheduler(state.optimizer, state.lr_fn, state.start_epoch)
-    if start_batch:  # mid-epoch: the rates of its last step (warmup's), which an epoch with no batch left reports
+    if start_batch == batches:  # an epoch with no batch left reports the rates of its last step (warmup's, say)
         for group, lr in zip(state.optimizer.param_groups, saved_lrs, strict=True):
             group["lr"] = lr
     state.best_fitness = float(checkpoint.get("best_fitness", 0.0))
