@@ -1,5 +1,6 @@
-"""Faults under torchrun with 2 CPU ranks: a SIGKILLed rank is restarted and the run continues in its own folder;
-SIGTERM to the job saves mid-epoch and a new start resumes there. Real processes, killed for real."""
+"""Faults under torchrun with 2 CPU ranks: a SIGKILLed rank is restarted and the run continues in its own folder
+(and on its node's --cache shm segment); SIGTERM to the job saves mid-epoch and a new start resumes there. Real
+processes, killed for real."""
 
 from __future__ import annotations
 
@@ -98,20 +99,33 @@ def _worker(process: subprocess.Popen, rank: int) -> psutil.Process:
     pytest.fail(f"no worker process of rank {rank}")
 
 
-def test_a_killed_rank_is_restarted_and_the_run_continues_in_its_folder(tiny_data: Path, tmp_path: Path) -> None:
+def test_a_killed_rank_is_restarted_and_the_run_continues_in_its_folder_on_its_shm_cache(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    """The restarted ranks resume the job's own folder and read the node's --cache shm segment the first
+    attempt filled (kept for the restart, no refill); the finished run removes it."""
     project = tmp_path / "runs"
     project.mkdir()
     # Restarts to spare: on a loaded 2-core machine gloo's connect at a restart can itself time out once.
-    job = _launch(project, tiny_data, "--epochs", "3", "--name", "job", restarts=3)
+    job = _launch(project, tiny_data, "--epochs", "3", "--name", "job", "--cache", "shm", restarts=3)
     run_dir = project / "job"
     _wait_for(lambda: _epoch_saved(run_dir), job, "epoch 1 was saved")
     _worker(job, rank=1).send_signal(signal.SIGKILL)  # during epoch 2 (or its checkpoint)
     output = _finish(job)
-    assert job.returncode == 0, output
-    assert re.search(r"torchrun restart \d: resuming .*job from .*last\.pt", output), output
-    assert sorted(p.name for p in project.iterdir()) == ["job"]  # no job2
-    assert _rows(run_dir) == ["1", "2", "3"]
-    assert torch.load(run_dir / "weights" / "last.pt", weights_only=True)["epoch"] == 2
+    segments = set(re.findall(r"in (/\S*yolo-shm-cache-\S+),", output))
+    try:
+        assert job.returncode == 0, output
+        assert re.search(r"torchrun restart \d: resuming .*job from .*last\.pt", output), output
+        assert sorted(p.name for p in project.iterdir()) == ["job"]  # no job2
+        assert _rows(run_dir) == ["1", "2", "3"]
+        assert torch.load(run_dir / "weights" / "last.pt", weights_only=True)["epoch"] == 2
+        assert len(segments) == 1, output  # the same segment before and after the restart
+        assert "filled by its 2 rank(s)" in output and "keeping" in output, output
+        assert "reused from an earlier start, no refill" in output, output
+        assert not Path(next(iter(segments))).exists()  # the run ended: removed
+    finally:
+        for segment in segments:
+            Path(segment).unlink(missing_ok=True)
 
 
 def test_two_agents_restart_together_after_a_rank_of_one_is_killed(tiny_data: Path, tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ import os
 import pickle
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -343,25 +342,5 @@ def test_train_run_frees_the_segment_when_it_returns(tmp_path: Path, caplog: pyt
     assert not Path(next(iter(segments))).exists()
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_torchrun_restart_reuses_the_segment_and_the_finished_run_removes_it(tmp_path: Path) -> None:
-    """2 ranks under torchrun with --cache shm; rank 1 is SIGKILLed in epoch 2 and torchrun restarts both."""
-    data = make_tiny_dataset(tmp_path, elastic.TINY)
-    project = tmp_path / "runs"
-    project.mkdir()
-    job = elastic._launch(project, data, "--epochs", "3", "--name", "job", "--cache", "shm", restarts=3)
-    elastic._wait_for(lambda: len(elastic._rows(project / "job")) >= 1, job, "epoch 1 was written")
-    elastic._worker(job, rank=1).send_signal(signal.SIGKILL)
-    output = elastic._finish(job)
-    segments = set(re.findall(r"in (/\S*yolo-shm-cache-\S+),", output))
-    try:
-        assert job.returncode == 0, output
-        assert len(segments) == 1, output  # the same segment before and after the restart
-        assert "filled by its 2 rank(s)" in output and "keeping" in output, output
-        assert "reused from an earlier start, no refill" in output, output
-        assert elastic._rows(project / "job") == ["1", "2", "3"]
-        assert not Path(next(iter(segments))).exists()  # the run ended: removed
-    finally:
-        for segment in segments:
-            Path(segment).unlink(missing_ok=True)
+# A torchrun restart that reuses the segment, and the finished run removing it: tests/test_elastic.py's
+# killed-rank test runs under --cache shm and checks both.
