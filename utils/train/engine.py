@@ -272,11 +272,12 @@ def _stop_unvalidated(
     epoch. last.pt is then the position after the epoch's last batch, so the resumed run validates and saves
     that epoch before the next one, as after a stop at its last optimizer step.
     """
-    reason = state.stop.received or "a stop signal on another rank"
     if ctx.is_main:
-        LOGGER.warning(f"{reason}: validation of epoch {epoch + 1} stopped ({interrupted}); a resume validates it")
+        LOGGER.warning(
+            f"{state.stop.reason}: validation of epoch {epoch + 1} stopped ({interrupted}); a resume validates it"
+        )
     saved = save_now(trained.batches, trained.rank_mean_loss)
-    raise Preempted(reason, saved, is_main=ctx.is_main)
+    raise Preempted(state.stop.reason, saved, is_main=ctx.is_main)
 
 
 def _scores_line(metrics: dict[str, float]) -> str:

@@ -73,6 +73,12 @@ class StopSignals:
             self._watchdog.start()
         self.received = name
 
+    @property
+    def reason(self) -> str:
+        """What an agreed stop says it was stopped by: this rank's signal, or another rank's (the agreement carries
+        no name)."""
+        return self.received or "a stop signal on another rank"
+
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if signum == signal.SIGINT:  # the next Ctrl-C interrupts: the previous handler (KeyboardInterrupt) again
             signal.signal(signum, self._previous.get(signum, signal.default_int_handler))  # type: ignore[arg-type]

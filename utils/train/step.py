@@ -99,7 +99,7 @@ def train_one_epoch(
         if save_mid_epoch is not None and (stop or due):
             saved = save_mid_epoch(i + 1, mean_loss)
             if stop:
-                raise Preempted(state.stop.received or "a stop signal on another rank", saved, is_main=ctx.is_main)
+                raise Preempted(state.stop.reason, saved, is_main=ctx.is_main)
     return _epoch_over_ranks(mean_loss, images_seen, time.perf_counter() - start, batches.seconds, num_batches, ctx)
 
 
