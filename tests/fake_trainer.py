@@ -2,7 +2,8 @@
 
 Reads the flags the tuner passes (--hyp, --project, --name, --epochs). Its per-epoch score and
 fitness are a smooth function of lr0 (best at 0.002), so samplers have something to find. Behaviour
-per trial name comes from FAKE_TRAINER (JSON {name: crash | oom | nan | hang | slow | slow_final | quick | poor}:
+per trial name comes from FAKE_TRAINER (JSON {name: refused | crash | oom | nan | hang | slow | slow_final | quick |
+poor}: refused exits with a one-line error before making its run folder, as train.py does on a bad flag;
 slow_final spends ten epochs' time between its last row and trial.json, as train.py's final validation does;
 quick epochs take a tenth of the time; poor scores half what its lr0 would, below any other trial);
 FAKE_EPOCH_S sets the seconds per epoch. It never imports torch, so a trial costs about one Python start.
@@ -27,10 +28,13 @@ def main() -> int:
         parser.add_argument(flag)
     parser.add_argument("--callbacks", nargs="+", default=[])
     args, _ = parser.parse_known_args()
+    mode = json.loads(os.environ.get("FAKE_TRAINER", "{}")).get(args.name, "")
+    if mode == "refused":
+        print("error: --imgsz 64 is refused by the fake trainer", file=sys.stderr)
+        return 2
     run_dir = Path(args.project) / args.name
     run_dir.mkdir(parents=True, exist_ok=True)
     hyp = yaml.safe_load(Path(args.hyp).read_text())
-    mode = json.loads(os.environ.get("FAKE_TRAINER", "{}")).get(args.name, "")
     epoch_s = float(os.environ.get("FAKE_EPOCH_S", "0.05")) * {"slow": 50, "hang": 50, "quick": 0.1}.get(mode, 1)
     epochs = int(args.epochs or 2)
     (run_dir / "argv.json").write_text(json.dumps(sys.argv[1:]))

@@ -6,6 +6,7 @@ the `slow` ones run real tiny trainings or drive tune.py as a process and stop o
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import logging
@@ -336,17 +337,23 @@ def test_a_study_runs_its_trials_and_writes_what_a_person_reads(tiny_data: Path,
 def test_crashes_oom_and_nan_are_failed_trials_with_reasons_and_the_study_finishes(
     tiny_data: Path, tmp_path: Path, fake_trainer: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("FAKE_TRAINER", json.dumps({"trial_0001": "crash", "trial_0002": "oom", "trial_0003": "nan"}))
-    summary = tune.run(**_flags(tiny_data, tmp_path, trials=5))
+    modes = {"trial_0001": "crash", "trial_0002": "oom", "trial_0003": "nan", "trial_0004": "refused"}
+    monkeypatch.setenv("FAKE_TRAINER", json.dumps(modes))
+    summary = tune.run(**_flags(tiny_data, tmp_path, trials=6))
     trials = _study(tmp_path).get_trials()
     states = [t.state.name for t in trials]
-    assert states == ["COMPLETE", "FAIL", "FAIL", "FAIL", "COMPLETE"]
+    assert states == ["COMPLETE", "FAIL", "FAIL", "FAIL", "FAIL", "COMPLETE"]
     reasons = [t.user_attrs.get("reason", "") for t in trials]
     assert reasons[1] == "RuntimeError: the fake trainer crashed"
     assert reasons[2].startswith("out of memory: torch.OutOfMemoryError: CUDA out of memory")
     assert reasons[3] == "final mAP50-95 is nan"
-    assert summary.counts == {"complete": 2, "failed": 3}
-    assert "RuntimeError: the fake trainer crashed" in (tmp_path / "exp" / "trials.csv").read_text()
+    assert reasons[4] == "error: --imgsz 64 is refused by the fake trainer"
+    assert summary.counts == {"complete": 2, "failed": 4}
+    rows = list(csv.DictReader((tmp_path / "exp" / "trials.csv").open()))
+    assert rows[1]["reason"] == "RuntimeError: the fake trainer crashed"
+    # A trial that never made its run folder names none (its log beside the folders says what happened).
+    assert [bool(row["run_dir"]) for row in rows] == [True, True, True, True, False, True]
+    assert all(Path(row["run_dir"]).is_dir() for row in rows if row["run_dir"])
 
 
 class PruneFromTrialOne(optuna.pruners.BasePruner):

@@ -42,7 +42,7 @@ from utils.tune.study import (
     requeue,
     suggest,
 )
-from utils.tune.trial import COMPLETE, TrialRecipe
+from utils.tune.trial import COMPLETE, TrialRecipe, recorded_run_dir
 
 if TYPE_CHECKING:
     from utils.tune.tuner import StudyRun
@@ -135,7 +135,7 @@ def _optuna_search_class() -> type:
             state = result.get("state")
             epochs = int(result.get("epoch", 0))
             run_dir = self.run.trials_dir / f"trial_{trial.number:04d}"
-            attrs = {"epochs": epochs, "study": self.run.cfg.train.name, "run_dir": str(run_dir)}
+            attrs = {"epochs": epochs, "study": self.run.cfg.train.name, "run_dir": recorded_run_dir(run_dir)}
             if result.get("best"):
                 attrs["best"] = result["best"]
             if error:

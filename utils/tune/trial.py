@@ -103,6 +103,11 @@ class TrialWatch:
     heartbeat_s: float = 30.0
 
 
+def recorded_run_dir(run_dir: Path) -> str:
+    """The run folder a trial's record names: '' when the trial ended before making it (a refused flag, a stop)."""
+    return str(run_dir) if run_dir.is_dir() else ""
+
+
 def run_trial(command: TrialCommand, watch: TrialWatch) -> TrialOutcome:
     """Run the trial to its end and return its outcome; every child process is gone when this returns."""
     command.log.parent.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,7 @@ from utils.tune.trial import (
     TrialOutcome,
     TrialRecipe,
     TrialWatch,
+    recorded_run_dir,
     run_trial,
 )
 
@@ -273,7 +274,7 @@ def _run_guarded(run: StudyRun, asked: AskedTrial, command: TrialCommand) -> Tri
 def _tell(run: StudyRun, asked: AskedTrial, command: TrialCommand, outcome: TrialOutcome) -> None:
     """Record the outcome in the study: value and state, epochs, why it ended, where it ran."""
     trial = asked.trial
-    attrs = {"epochs": outcome.epochs, "run_dir": str(command.run_dir), "study": run.cfg.train.name}
+    attrs = {"epochs": outcome.epochs, "run_dir": recorded_run_dir(command.run_dir), "study": run.cfg.train.name}
     if outcome.reason:
         attrs["reason"] = outcome.reason
     if outcome.best:
