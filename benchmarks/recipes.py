@@ -10,8 +10,8 @@ Usage (from the repository root):
 
 With `--cfg`, the candidates are models instead of recipes: each trains with `--optimizer auto` (its
 family's recipe files) once per `--seeds` value, and the table gives parameters, GFLOPs at 640, CPU
-milliseconds per 640 px image (fused, batch 1, median of 5), and mAP50-95 / mAP50 as the mean over the
-seeds with the spread (max - min) beside it.
+milliseconds per 640 px image (fused, batch 1, median of 15 after 5 warm-ups), and mAP50-95 / mAP50
+as the mean over the seeds with the spread (max - min) beside it.
 
 Each candidate is `python train.py` (segment/train.py with --task segment) in its own subprocess, so
 one that crashes leaves a "failed" row and the others still run. Every candidate gets the same
