@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,17 @@ def make_tiny_dataset(root: Path, spec: SyntheticSpec) -> Path:
         yaml.safe_dump({"path": "shapes", "train": "images/train", "val": "images/val", "names": list(SHAPE_NAMES)})
     )
     return yaml_file
+
+
+class MessageRecorder(logging.Handler):
+    """Keeps the INFO-and-above messages of the logger it is added to (runs set up their own logging)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 @contextlib.contextmanager

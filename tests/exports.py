@@ -16,6 +16,7 @@ import torch
 
 import utils.export as export
 from segment.task import SEGMENT
+from tests.conftest import MessageRecorder
 from utils.checkpoint import RunInfo, build_checkpoint, save_checkpoint
 from utils.data.synthetic import SHAPE_NAMES
 from utils.distributed import DistContext
@@ -83,15 +84,6 @@ class Export:
         return {"pt": self.weights, **{item.file_format: item.path for item in self.exported}}
 
 
-class _Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 class Exports:
     """Exports of random checkpoints, one per (model, formats, options); the files must be treated as read-only."""
 
@@ -113,7 +105,7 @@ def _export(cfg: ExportConfig) -> Export:
     traced = []
     trace = export.trace_export_graph
     logger = logging.getLogger("utils.export")
-    handler, level = _Messages(), logger.level
+    handler, level = MessageRecorder(), logger.level
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(export, "trace_export_graph", lambda *args: traced.append(1) or trace(*args))
         logger.addHandler(handler)

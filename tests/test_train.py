@@ -16,7 +16,7 @@ import yaml
 
 import train
 import val
-from tests.conftest import compile_without_codegen, make_tiny_dataset, tiny_val_argv
+from tests.conftest import MessageRecorder, compile_without_codegen, make_tiny_dataset, tiny_val_argv
 from utils.config import QUICKSTART_HYP
 from utils.data.synthetic import SHAPE_NAMES, SyntheticSpec
 from utils.distributed import DistContext
@@ -68,7 +68,7 @@ def _read_rows(path: Path) -> list[dict[str, str]]:
 def trained_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
     """Two epochs of train.py, saving epoch1.pt too so --resume can be tested against it."""
     project = tmp_path_factory.mktemp("runs")
-    handler = _Recorder()
+    handler = MessageRecorder()
     loggers = [
         logging.getLogger(name)
         for name in ("utils.train.engine", "utils.train.setup", "utils.train.plan", "utils.train.startup")
@@ -84,17 +84,6 @@ def trained_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory):
             logger.removeHandler(handler)
     ENGINE_LOG[:] = handler.messages
     return result
-
-
-class _Recorder(logging.Handler):
-    """Keeps the messages of the logger it is added to (the fixture's run sets up its own logging)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 ENGINE_LOG: list[str] = []  # utils.train.engine's, setup's, plan's and startup's messages during trained_run
