@@ -96,6 +96,11 @@ class AnchorFreeSpec:
             raise ValueError(f"AnchorFreeSpec.from_dict: unknown key '{unknown[0]}'")
         return cls(**data)
 
+    @property
+    def max_stride(self) -> int:
+        """Pixels per grid cell of the coarsest level (P5): image sides are multiples of it."""
+        return int(STRIDES[-1])
+
     def width(self, channels: int) -> int:
         """Channels after capping at `max_channels` and width scaling, rounded up to a multiple of 8."""
         return int(math.ceil(min(channels, self.max_channels) * self.width_multiple / 8) * 8)

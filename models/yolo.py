@@ -1,4 +1,4 @@
-"""YOLOv5 (v6+) detection and -seg models in plain Python: scale table, ModelSpec, backbone, PAN neck, build_model()."""
+"""YOLOv5 (v6+) detection (P5, P6) and -seg models in plain Python: ModelSpec, backbone, PAN neck, build_model()."""
 
 from __future__ import annotations
 
@@ -26,15 +26,26 @@ SCALES: dict[str, tuple[float, float]] = {
     "l": (1.0, 1.0),
     "x": (1.33, 1.25),
 }
-CFG_NAMES = "yolov5n|s|m|l|x"  # the size names spec_from_cfg accepts (each optionally -seg), as errors list them
+# The size names spec_from_cfg accepts, as errors list them: P5 (each optionally -seg) and P6 (detection only).
+CFG_NAMES = "yolov5n|s|m|l|x, yolov5n6|s6|m6|l6|x6"
 # Anchor w, h pairs in pixels for P3/8, P4/16, P5/32 (fitted on COCO at 640).
 DEFAULT_ANCHORS: tuple[tuple[float, ...], ...] = (
     (10, 13, 16, 30, 33, 23),
     (30, 61, 62, 45, 59, 119),
     (116, 90, 156, 198, 373, 326),
 )
+# The P6 models' anchors for P3/8, P4/16, P5/32, P6/64 (fitted on COCO at 1280).
+DEFAULT_ANCHORS_P6: tuple[tuple[float, ...], ...] = (
+    (19, 27, 44, 40, 38, 94),
+    (96, 68, 86, 152, 180, 137),
+    (140, 301, 303, 264, 238, 542),
+    (436, 615, 739, 380, 925, 792),
+)
+# Unscaled channels of the stem, then of each stride-2 stage; C3 repeats per stage (stride 4 on), by output level count.
 BASE_WIDTHS = (64, 128, 256, 512, 1024)
 BASE_DEPTHS = (3, 6, 9, 3)
+BASE_WIDTHS_P6 = (64, 128, 256, 512, 768, 1024)
+BASE_DEPTHS_P6 = (3, 6, 9, 3, 3)
 SEG_NUM_MASKS = 32
 SEG_BASE_PROTOS = 256
 YAML_KEYS = ("depth_multiple", "width_multiple", "anchors", "nc", "num_masks", *LAYOUT_KEYS)
@@ -44,8 +55,9 @@ YAML_KEYS = ("depth_multiple", "width_multiple", "anchors", "nc", "num_masks", *
 class ModelSpec:
     """Everything needed to rebuild a model: scale, anchors (pixels), classes and mask sizes.
 
-    `anchors` holds 3 levels (P3, P4, P5) of flat (w1, h1, w2, h2, ...) pixel pairs. Stored in
-    checkpoints via `to_dict()` so a model can be rebuilt without the original `--cfg`.
+    `anchors` holds 3 levels (P3-P5) or, for the P6 models, 4 levels (P3-P6) of flat
+    (w1, h1, w2, h2, ...) pixel pairs; the level count picks the network. Stored in checkpoints
+    via `to_dict()` so a model can be rebuilt without the original `--cfg`.
     `num_masks > 0` (mask coefficients per detection) makes it a segmentation model with
     `num_protos` prototype channels; see `segmentation_spec`. `family` names the model family
     (utils/families.py) whose spec this is; checkpoints record it beside the spec.
@@ -69,10 +81,17 @@ class ModelSpec:
             masks = (self.num_masks, self.num_protos)
             raise ValueError(f"num_masks and num_protos must both be 0 or both be > 0, got {masks}")
         sizes = {len(level) for level in self.anchors}
-        if len(self.anchors) != 3 or len(sizes) != 1 or sizes.pop() % 2 or not self.anchors[0]:
-            raise ValueError(f"anchors must be 3 levels of equally many (w, h) pixel pairs, got {self.anchors}")
+        if len(self.anchors) not in (3, 4) or len(sizes) != 1 or sizes.pop() % 2 or not self.anchors[0]:
+            raise ValueError(f"anchors must be 3 or 4 levels of equally many (w, h) pixel pairs, got {self.anchors}")
         if not all(math.isfinite(v) and v > 0 for level in self.anchors for v in level):
             raise ValueError(f"anchor sizes must be finite and > 0 pixels, got {self.anchors}")
+        if self.num_masks and len(self.anchors) != 3:
+            raise ValueError("segmentation models have 3 anchor levels; there are no P6 -seg models")
+
+    @property
+    def max_stride(self) -> int:
+        """Pixels per grid cell of the coarsest level: 32 for P5 models, 64 for P6; image sizes are multiples of it."""
+        return 2 ** (len(self.anchors) + 2)
 
     def to_dict(self) -> dict[str, Any]:
         """Return plain YAML/JSON-safe data (anchors as nested lists)."""
@@ -102,16 +121,26 @@ def scale_width(channels: int, width_multiple: float) -> int:
 
 
 def segmentation_spec(spec: ModelSpec, num_masks: int = SEG_NUM_MASKS, base_protos: int = SEG_BASE_PROTOS) -> ModelSpec:
-    """Return `spec` with `num_masks` mask coefficients and `base_protos` (YOLOv5-seg: 256) width-scaled prototypes."""
+    """Return `spec` with `num_masks` mask coefficients and `base_protos` (YOLOv5-seg: 256) width-scaled prototypes.
+
+    A P6 spec is a one-line ConfigError: YOLOv5 publishes no P6 -seg model, and neither do we.
+    """
+    if len(spec.anchors) != 3:
+        raise ConfigError("the P6 models (yolov5n6-x6) have no -seg variant; segment with yolov5n-x")
     return replace(spec, num_masks=num_masks, num_protos=scale_width(base_protos, spec.width_multiple))
 
 
-def parse_size_name(cfg: str) -> tuple[str, bool] | None:
-    """(scale 'n'..'x', is -seg) of a YOLOv5 size name ('yolov5s', 's', 'yolov5s-seg', 'yolov5s.yaml'), else None."""
+def parse_size_name(cfg: str) -> tuple[str, bool, bool] | None:
+    """(scale 'n'..'x', is -seg, is P6) of a YOLOv5 size name ('yolov5s', 's6', 'yolov5s-seg.yaml'), else None.
+
+    A trailing 6 ('yolov5s6', 's6') names the P6 model of that scale: four output levels up to stride 64.
+    """
     path = Path(cfg)
     name = (path.stem if path.suffix in {".yaml", ".yml"} else cfg).lower()
     size = name.removesuffix("-seg").removeprefix("yolov5")
-    return (size, name.endswith("-seg")) if size in SCALES else None
+    is_p6 = len(size) == 2 and size.endswith("6")
+    size = size.removesuffix("6") if is_p6 else size
+    return (size, name.endswith("-seg"), is_p6) if size in SCALES else None
 
 
 def claims_cfg(cfg: str) -> bool:
@@ -121,23 +150,27 @@ def claims_cfg(cfg: str) -> bool:
 
 
 def spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
-    """Resolve `--cfg` to a ModelSpec: a size name ('yolov5s', 's', 'yolov5s-seg', 'yolov5s.yaml') or a YAML file.
+    """Resolve `--cfg` to a ModelSpec: a size name ('yolov5s', 's', 'yolov5s6', 'yolov5s-seg.yaml') or a YAML file.
 
-    A YAML file sets `depth_multiple`, `width_multiple` (required), `anchors`, `nc` and `num_masks`
-    (> 0 for a segmentation model), or is a YOLOv5 model YAML whose `backbone`/`head` lists must be
-    the standard yolov5n-x or -seg P5 layout (models/yolov5_yaml.py); any other key or layout is a
-    ConfigError (a ValueError) naming the file. `num_classes` (from the dataset) wins over the file's
-    `nc`. '-seg' records 32 mask coefficients and 256 width-scaled prototypes.
+    A YAML file sets `depth_multiple`, `width_multiple` (required), `anchors` (3 or 4 levels), `nc`
+    and `num_masks` (> 0 for a segmentation model), or is a YOLOv5 model YAML whose `backbone`/`head`
+    lists must be a standard yolov5n-x, -seg or P6 layout (models/yolov5_yaml.py); any other key or
+    layout is a ConfigError (a ValueError) naming the file. `num_classes` (from the dataset) wins over
+    the file's `nc`. '-seg' records 32 mask coefficients and 256 width-scaled prototypes; a P6 name
+    ('yolov5s6') takes the four-level COCO anchors. There are no P6 -seg models (YOLOv5 publishes none).
     """
     path = Path(cfg)
     if path.suffix in {".yaml", ".yml"} and path.is_file():
         return _spec_from_yaml(path, num_classes)
     parsed = parse_size_name(cfg)
     if parsed is None:
-        raise ConfigError(f"--cfg {cfg}: not a YAML file and not a model name ({CFG_NAMES}, optionally -seg)")
-    size, is_seg = parsed
+        raise ConfigError(f"--cfg {cfg}: not a YAML file and not a model name ({CFG_NAMES}, P5 optionally -seg)")
+    size, is_seg, is_p6 = parsed
+    if is_seg and is_p6:
+        raise ConfigError(f"--cfg {cfg}: there are no P6 -seg models; use yolov5{size}-seg or yolov5{size}6")
     depth, width = SCALES[size]
-    spec = ModelSpec(depth_multiple=depth, width_multiple=width, anchors=DEFAULT_ANCHORS, num_classes=num_classes)
+    anchors = DEFAULT_ANCHORS_P6 if is_p6 else DEFAULT_ANCHORS
+    spec = ModelSpec(depth_multiple=depth, width_multiple=width, anchors=anchors, num_classes=num_classes)
     return segmentation_spec(spec) if is_seg else spec
 
 
@@ -157,7 +190,10 @@ def _spec_from_yaml(path: Path, num_classes: int) -> ModelSpec:
         raise ConfigError(f"{path}: 'num_masks' must be an integer >= 0, got {num_masks!r}")
     if "nc" in raw and raw["nc"] != num_classes:
         LOGGER.info("%s: overriding nc=%s with the dataset's %d classes", path, raw["nc"], num_classes)
-    anchors = _anchors_from_yaml(raw.get("anchors", DEFAULT_ANCHORS), path)
+    default_anchors = DEFAULT_ANCHORS_P6 if head and head.num_levels == 4 else DEFAULT_ANCHORS
+    anchors = _anchors_from_yaml(raw.get("anchors", default_anchors), default_anchors, path)
+    if head and len(anchors) != head.num_levels:
+        raise ConfigError(f"{path}: 'anchors' lists {len(anchors)} levels but the head has {head.num_levels}")
     try:
         spec = ModelSpec(float(raw["depth_multiple"]), float(raw["width_multiple"]), anchors, num_classes)
         return segmentation_spec(spec, num_masks, base_protos) if num_masks else spec
@@ -165,89 +201,130 @@ def _spec_from_yaml(path: Path, num_classes: int) -> ModelSpec:
         raise ConfigError(f"{path}: {error}") from error
 
 
-def _anchors_from_yaml(value: Any, path: Path) -> tuple[tuple[float, ...], ...]:
-    """Anchor pixel pairs from a model YAML's `anchors`: 3 lists of w, h pairs, or YOLOv5's count per level.
+def _anchors_from_yaml(
+    value: Any, default_anchors: tuple[tuple[float, ...], ...], path: Path
+) -> tuple[tuple[float, ...], ...]:
+    """Anchor pixel pairs from a model YAML's `anchors`: 3 or 4 lists of w, h pairs, or YOLOv5's count per level.
 
     YOLOv5 reads an integer as "this many anchors per level, fitted by AutoAnchor". We support 3
-    (our heads' count): the COCO anchors are the start, and the training set-up's anchor check refits
-    them to the dataset when fewer than 98% of its labels can be matched (models/anchors.py).
+    (our heads' count): `default_anchors` (the COCO anchors of the YAML's layout, P5 or P6) are the
+    start, and the training set-up's anchor check refits them to the dataset when fewer than 98% of
+    its labels can be matched (models/anchors.py).
     """
     if isinstance(value, int) and not isinstance(value, bool):
         if value != 3:
             raise ConfigError(f"{path}: 'anchors: {value}' per level is not supported; use 3 or list the anchors")
         LOGGER.info("%s: anchors: 3 -> the COCO anchors, refitted by AutoAnchor at the start if they fit poorly", path)
-        return DEFAULT_ANCHORS
+        return default_anchors
     try:
         return tuple(tuple(float(v) for v in level) for level in value)
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"{path}: 'anchors' must be 3 lists of w, h pixel pairs ({error})") from error
+        raise ConfigError(f"{path}: 'anchors' must be 3 or 4 lists of w, h pixel pairs ({error})") from error
 
 
 class Backbone(nn.Module):
-    """CSP-Darknet backbone: 6x6 stride-2 stem, four Conv+C3 stages, SPPF. Returns P3, P4, P5 features."""
+    """CSP-Darknet backbone: 6x6 stride-2 stem, Conv+C3 stages, SPPF. Returns P3 ... P5 (or P6) features.
+
+    `widths` are the stem's channels then each stage's (5 for P5 models, 6 for P6); `depths` the
+    C3 repeats of each stage. Stages are named stage2 (stride 4) onwards; the last one ends in SPPF.
+    """
 
     def __init__(self, widths: list[int], depths: list[int]) -> None:
         super().__init__()
-        w64, w128, w256, w512, w1024 = widths
-        self.stem = Conv(3, w64, 6, 2, 2)  # P1/2
-        self.stage2 = nn.Sequential(Conv(w64, w128, 3, 2), C3(w128, w128, depths[0]))  # P2/4
-        self.stage3 = nn.Sequential(Conv(w128, w256, 3, 2), C3(w256, w256, depths[1]))  # P3/8
-        self.stage4 = nn.Sequential(Conv(w256, w512, 3, 2), C3(w512, w512, depths[2]))  # P4/16
-        self.stage5 = nn.Sequential(Conv(w512, w1024, 3, 2), C3(w1024, w1024, depths[3]), SPPF(w1024, w1024, 5))
+        self.stem = Conv(3, widths[0], 6, 2, 2)  # P1/2
+        self.num_stages = len(depths)
+        for index, (in_channels, out_channels, depth) in enumerate(zip(widths[:-1], widths[1:], depths, strict=True)):
+            blocks = [Conv(in_channels, out_channels, 3, 2), C3(out_channels, out_channels, depth)]
+            if index == self.num_stages - 1:
+                blocks.append(SPPF(out_channels, out_channels, 5))
+            self.add_module(f"stage{index + 2}", nn.Sequential(*blocks))  # stage k has stride 2**k
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, 3, H, W) -> P3 (B, w256, H/8, W/8), P4 (B, w512, H/16, W/16), P5 (B, w1024, H/32, W/32)."""
-        p3 = self.stage3(self.stage2(self.stem(x)))
-        p4 = self.stage4(p3)
-        return p3, p4, self.stage5(p4)
+    def stages(self) -> list[nn.Sequential]:
+        """The stride-2 stages in order, stage2 (P2/4) first."""
+        return [getattr(self, f"stage{k}") for k in range(2, self.num_stages + 2)]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(B, 3, H, W) -> P3 (B, widths[2], H/8, W/8), P4 (H/16), P5 (H/32), and for P6 models P6 (H/64)."""
+        features = []
+        x = self.stem(x)
+        for stage in self.stages():
+            x = stage(x)
+            features.append(x)
+        return tuple(features[1:])
 
 
 class PANNeck(nn.Module):
-    """Path-aggregation neck: a top-down pass (FPN) then a bottom-up pass, one output per level."""
+    """Path-aggregation neck: a top-down pass (FPN) then a bottom-up pass, one output per level.
 
-    def __init__(self, widths: list[int], depth: int) -> None:
+    `level_widths` are the backbone's output channels from P3 up (3 levels, or 4 for P6). Modules
+    are named by level k: lateral{k} (1x1 on the level-k path, before upsampling), top_down{k},
+    down{k} (3x3 stride 2 from level k) and bottom_up{k}; level k's output has level_widths[k-3]
+    channels.
+    """
+
+    def __init__(self, level_widths: list[int], depth: int) -> None:
         super().__init__()
-        _, _, w256, w512, w1024 = widths
         self.upsample = upsample2x()
         self.concat = Concat(1)
-        self.lateral5 = Conv(w1024, w512, 1, 1)
-        self.top_down4 = C3(2 * w512, w512, depth, shortcut=False)
-        self.lateral4 = Conv(w512, w256, 1, 1)
-        self.top_down3 = C3(2 * w256, w256, depth, shortcut=False)
-        self.down3 = Conv(w256, w256, 3, 2)
-        self.bottom_up4 = C3(2 * w256, w512, depth, shortcut=False)
-        self.down4 = Conv(w512, w512, 3, 2)
-        self.bottom_up5 = C3(2 * w512, w1024, depth, shortcut=False)
-        self.out_channels = (w256, w512, w1024)
+        self.first, self.last = 3, 3 + len(level_widths) - 1
+        width = dict(enumerate(level_widths, start=3))
+        for k in range(self.last, self.first, -1):  # top-down: lateral{k} then top_down{k-1}
+            self.add_module(f"lateral{k}", Conv(width[k], width[k - 1], 1, 1))
+            self.add_module(f"top_down{k - 1}", C3(2 * width[k - 1], width[k - 1], depth, shortcut=False))
+        for k in range(self.first, self.last):  # bottom-up: down{k} then bottom_up{k+1}
+            self.add_module(f"down{k}", Conv(width[k], width[k], 3, 2))
+            self.add_module(f"bottom_up{k + 1}", C3(2 * width[k], width[k + 1], depth, shortcut=False))
+        self.out_channels = tuple(level_widths)
 
-    def forward(self, features: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
-        """Backbone (P3, P4, P5) -> neck outputs with `out_channels` channels at the same strides."""
-        p3, p4, p5 = features
-        lateral5 = self.lateral5(p5)
-        lateral4 = self.lateral4(self.top_down4(self.concat([self.upsample(lateral5), p4])))
-        out3 = self.top_down3(self.concat([self.upsample(lateral4), p3]))
-        out4 = self.bottom_up4(self.concat([self.down3(out3), lateral4]))
-        out5 = self.bottom_up5(self.concat([self.down4(out4), lateral5]))
-        return [out3, out4, out5]
+    def forward(self, features: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Backbone (P3, ..., Pmax) -> neck outputs with `out_channels` channels at the same strides."""
+        level = dict(enumerate(features, start=self.first))
+        laterals: dict[int, torch.Tensor] = {}
+        path = level[self.last]
+        for k in range(self.last, self.first, -1):
+            laterals[k] = getattr(self, f"lateral{k}")(path)
+            path = getattr(self, f"top_down{k - 1}")(self.concat([self.upsample(laterals[k]), level[k - 1]]))
+        outputs = [path]
+        for k in range(self.first, self.last):
+            path = getattr(self, f"bottom_up{k + 1}")(self.concat([getattr(self, f"down{k}")(path), laterals[k + 1]]))
+            outputs.append(path)
+        return outputs
+
+    def layers(self) -> list[nn.Module]:
+        """The neck in YOLOv5's layer order: per top-down step Conv, Upsample, Concat, C3; then Conv, Concat, C3."""
+        top_down = [
+            module
+            for k in range(self.last, self.first, -1)
+            for module in (getattr(self, f"lateral{k}"), self.upsample, self.concat, getattr(self, f"top_down{k - 1}"))
+        ]
+        bottom_up = [
+            module
+            for k in range(self.first, self.last)
+            for module in (getattr(self, f"down{k}"), self.concat, getattr(self, f"bottom_up{k + 1}"))
+        ]
+        return [*top_down, *bottom_up]
 
 
 class DetectionModel(nn.Module):
-    """YOLOv5 detector: Backbone -> PANNeck -> DetectHead over P3/P4/P5 (strides 8/16/32).
+    """YOLOv5 detector: Backbone -> PANNeck -> DetectHead over P3/P4/P5 (strides 8/16/32), or P3-P6 (up to 64).
 
-    Input: (B, 3, H, W) float in [0, 1] with H and W multiples of 32 (rectangular batches are fine).
-    Output: see DetectHead (train: raw list; eval: (decoded (B, N, 5+nc) pixels, raw list)).
+    The spec's anchor level count picks the network: 3 levels build yolov5n-x, 4 the P6 models.
+    Input: (B, 3, H, W) float in [0, 1] with H and W multiples of the largest stride, 32 or 64
+    (rectangular batches are fine). Output: see DetectHead (train: raw list; eval: (decoded
+    (B, N, 5+nc) pixels, raw list)).
     """
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        widths = [scale_width(c, spec.width_multiple) for c in BASE_WIDTHS]
-        depths = [scale_depth(n, spec.depth_multiple) for n in BASE_DEPTHS]
+        is_p6 = len(spec.anchors) == 4
+        widths = [scale_width(c, spec.width_multiple) for c in (BASE_WIDTHS_P6 if is_p6 else BASE_WIDTHS)]
+        depths = [scale_depth(n, spec.depth_multiple) for n in (BASE_DEPTHS_P6 if is_p6 else BASE_DEPTHS)]
         self.backbone = Backbone(widths, depths)
-        self.neck = PANNeck(widths, depths[-1])
+        self.neck = PANNeck(widths[2:], depths[-1])
         strides = self._measure_strides()
-        anchors_px = order_anchors(torch.tensor(spec.anchors, dtype=torch.float32).view(3, -1, 2), strides)
-        self.head = self._make_head(anchors_px, strides)
+        anchors_px = torch.tensor(spec.anchors, dtype=torch.float32).view(len(spec.anchors), -1, 2)
+        self.head = self._make_head(order_anchors(anchors_px, strides), strides)
         for module in self.modules():
             if isinstance(module, nn.BatchNorm2d):
                 module.eps, module.momentum = 1e-3, 0.03  # YOLOv5 values: smoother running stats
@@ -262,21 +339,21 @@ class DetectionModel(nn.Module):
         return torch.tensor([probe_size / f.shape[-1] for f in features], dtype=torch.float32)
 
     def _make_head(self, anchors_px: torch.Tensor, strides: torch.Tensor) -> DetectHead:
-        """Build the head on the neck's outputs; anchors (3, na, 2) pixels ordered by stride."""
+        """Build the head on the neck's outputs; anchors (levels, na, 2) pixels ordered by stride."""
         return DetectHead(self.spec.num_classes, anchors_px, strides, self.neck.out_channels)
 
     def forward(self, x: torch.Tensor) -> HeadOutput:
-        """x: (B, 3, H, W) float in [0, 1]; H, W multiples of 32."""
+        """x: (B, 3, H, W) float in [0, 1]; H, W multiples of the largest stride (32, or 64 for P6)."""
         return self.head(self.neck(self.backbone(x)))
 
     @property
     def stride(self) -> torch.Tensor:
-        """(3,) float pixels per grid cell of P3, P4, P5: [8, 16, 32]."""
+        """(levels,) float pixels per grid cell: [8, 16, 32], or [8, 16, 32, 64] for a P6 model."""
         return self.head.stride
 
     @property
     def anchors(self) -> torch.Tensor:
-        """(3, na, 2) anchors in grid units (the head's buffer, not a copy)."""
+        """(levels, na, 2) anchors in grid units (the head's buffer, not a copy); 3 levels, or 4 for P6."""
         return self.head.anchors
 
     @property
@@ -295,30 +372,13 @@ class DetectionModel(nn.Module):
         return self.spec.depth_multiple
 
     def layers(self) -> list[nn.Module]:
-        """Return the network as YOLOv5's numbered layer list (0-9 backbone, 10-23 neck, 24 head).
+        """Return the network as YOLOv5's numbered layer list: 0-9 backbone, 10-23 neck, 24 head (P6: 0-11, 12-32, 33).
 
-        `--freeze 10` therefore freezes the backbone, as users of YOLOv5 expect. Shared
-        parameter-free modules (upsample, concat) appear at each index they hold there.
+        `--freeze 10` (P6: `--freeze 12`) therefore freezes the backbone, as users of YOLOv5 expect.
+        Shared parameter-free modules (upsample, concat) appear at each index they hold there.
         """
-        b, n = self.backbone, self.neck
-        backbone = [b.stem, *b.stage2, *b.stage3, *b.stage4, *b.stage5]
-        neck = [
-            n.lateral5,
-            n.upsample,
-            n.concat,
-            n.top_down4,
-            n.lateral4,
-            n.upsample,
-            n.concat,
-            n.top_down3,
-            n.down3,
-            n.concat,
-            n.bottom_up4,
-            n.down4,
-            n.concat,
-            n.bottom_up5,
-        ]
-        return [*backbone, *neck, self.head]
+        backbone = [self.backbone.stem, *(block for stage in self.backbone.stages() for block in stage)]
+        return [*backbone, *self.neck.layers(), self.head]
 
     def fuse(self) -> DetectionModel:
         """Fold every BatchNorm into its conv for faster inference; returns self. Use only for eval."""

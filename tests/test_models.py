@@ -14,7 +14,10 @@ import yaml
 from models.anchors import anchor_match_ratios, best_possible_recall, check_anchors, kmeans
 from models.blocks import C3, SPPF, Conv
 from models.model_info import estimate_gflops, memory_format, model_info
-from models.yolo import DEFAULT_ANCHORS, DetectionModel, ModelSpec, build_model, spec_from_cfg
+from models.yolo import DEFAULT_ANCHORS, DEFAULT_ANCHORS_P6, DetectionModel, ModelSpec, build_model, spec_from_cfg
+from segment.task import SEGMENT
+from utils.errors import ConfigError
+from utils.train.setup import freeze_layers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -101,6 +104,54 @@ def test_parameter_counts_match_published(cfg: str, published_fused: int) -> Non
     assert abs(count - published_fused) / published_fused < 0.01
     # Ultralytics prints the count of the fused model: BN folded into conv biases.
     assert sum(p.numel() for p in model.fuse().parameters()) == published_fused
+
+
+# YOLOv5's README gives the P6 models' parameters in millions (3.2, 12.6, 35.7, 76.8, 140.7) and yolov5x6's
+# fused model summary 140,730,220 exactly. Our fused counts are within 0.1 M of the README (yolov5l6 is 76.73 M,
+# which the README rounds up; its x6 figure is the fused count's, so l6's may come from an earlier release).
+@pytest.mark.parametrize(
+    "cfg,published_millions,published_fused",
+    [("yolov5n6", 3.2, None), ("yolov5s6", 12.6, None), ("yolov5m6", 35.7, None), ("yolov5l6", 76.8, None)]
+    + [("yolov5x6", 140.7, 140_730_220)],
+)
+def test_p6_parameter_counts_match_published(cfg: str, published_millions: float, published_fused: int | None) -> None:
+    model = build_model(spec_from_cfg(cfg, 80))
+    fused = sum(p.numel() for p in model.fuse().parameters())
+    assert abs(fused / 1e6 - published_millions) < 0.1
+    assert published_fused is None or fused == published_fused
+
+
+def test_p6_model_has_four_levels_strides_to_64_and_yolov5_layer_numbers() -> None:
+    torch.manual_seed(0)
+    model = build_model(spec_from_cfg("yolov5n6", 3))
+    assert model.stride.tolist() == [8.0, 16.0, 32.0, 64.0] and model.spec.max_stride == 64
+    pixels = model.anchors * model.stride.view(-1, 1, 1)
+    assert torch.allclose(pixels.flatten(), torch.tensor(DEFAULT_ANCHORS_P6, dtype=torch.float32).flatten())
+    x = torch.rand(2, 3, 128, 192)
+    raw = model(x)
+    assert [tuple(r.shape) for r in raw] == [(2, 3, 128 // s, 192 // s, 8) for s in (8, 16, 32, 64)]
+    model.eval()
+    with torch.no_grad():
+        decoded, _ = model(x)
+    assert decoded.shape == (2, sum(3 * (128 // s) * (192 // s) for s in (8, 16, 32, 64)), 8)
+    layers = model.layers()
+    kinds = [type(layer).__name__ for layer in layers]
+    assert len(layers) == 34 and kinds[11] == "SPPF" and kinds[12] == "Conv" and kinds[33] == "DetectHead"
+    assert [kinds[i] for i in (23, 26, 29, 32)] == ["C3"] * 4  # the head's inputs, as in yolov5s6.yaml
+    model.train()
+    freeze_layers(model, (12,))
+    backbone = {id(p) for p in model.backbone.parameters()}
+    assert all(p.requires_grad == (id(p) not in backbone) for p in model.parameters())
+
+
+def test_p6_spec_round_trips_and_refuses_seg() -> None:
+    spec = spec_from_cfg("yolov5s6.yaml", 5)  # a size name with .yaml, not a file
+    assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert build_model(spec_from_cfg("yolov5n", 3)).spec.max_stride == 32
+    with pytest.raises(ConfigError, match="no P6 -seg models"):
+        spec_from_cfg("yolov5s6-seg", 3)
+    with pytest.raises(ConfigError, match="no -seg variant"):
+        SEGMENT.spec_from_cfg("yolov5n6", 3)
 
 
 def test_gflops_and_model_info() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from models.yolo import DEFAULT_ANCHORS, build_model, scale_width, spec_from_cfg
+from models.yolo import DEFAULT_ANCHORS, DEFAULT_ANCHORS_P6, build_model, scale_width, spec_from_cfg
 from segment.task import SEGMENT
 from tests.conftest import make_tiny_dataset
 from utils.config import ROOT
@@ -292,9 +292,35 @@ def test_a_multiplier_or_anchor_that_is_not_a_positive_number_is_one_line(
     assert needle in _one_line_error(_write(tmp_path, "yolov5s.yaml", YOLOV5S.replace(old, new)))
 
 
-def test_p6_yaml_is_a_one_line_error(tmp_path: Path) -> None:
-    message = _one_line_error(_write(tmp_path, "yolov5s6.yaml", YOLOV5S6))
-    assert "P3-P6 (4 output levels) is not supported" in message and "yolov5n-x and -seg P5" in message
+def test_p6_yaml_gives_the_yolov5s6_spec_and_network(tmp_path: Path) -> None:
+    spec = spec_from_cfg(_write(tmp_path, "yolov5s6.yaml", YOLOV5S6), 80)
+    assert spec == spec_from_cfg("yolov5s6", 80) and spec.anchors == DEFAULT_ANCHORS_P6
+    counted = YOLOV5S6[: YOLOV5S6.index("anchors:")] + "anchors: 3\n" + YOLOV5S6[YOLOV5S6.index("backbone:") :]
+    assert spec_from_cfg(_write(tmp_path, "auto6.yaml", counted), 80).anchors == DEFAULT_ANCHORS_P6
+    three = YOLOV5S6.replace("  - [436, 615, 739, 380, 925, 792] # P6/64\n", "")
+    assert "'anchors' lists 3 levels but the head has 4" in _one_line_error(_write(tmp_path, "three.yaml", three))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "needle"),
+    [  # P2-P5: four levels too, but not the P6 ones; P3-P7: five levels
+        ("[[17, 20, 23], 1, Detect", "[[2, 17, 20, 23], 1, Detect", "P2-P5 (4 output levels) is not supported"),
+        ("[[17, 20, 23], 1, Detect", "[[17, 20], 1, Detect", "P3-P4 (2 output levels) is not supported"),
+    ],
+)
+def test_p2_and_p3_p4_yamls_are_one_line_errors(tmp_path: Path, old: str, new: str, needle: str) -> None:
+    message = _one_line_error(_write(tmp_path, "custom.yaml", YOLOV5S.replace(old, new)))
+    assert needle in message and "yolov5n-x and -seg P5 layouts and the yolov5n6-x6 P6 layout" in message
+
+
+def test_p7_and_p6_seg_yamls_are_one_line_errors(tmp_path: Path) -> None:
+    head = "    [[23, 26, 29, 32], 1, Detect, [nc, anchors]]"
+    p7 = YOLOV5S6.replace(
+        head, "    [-1, 1, Conv, [1024, 3, 2]], # 33-P7/128\n    [[23, 26, 29, 32, 33], 1, Detect, [nc, anchors]]"
+    )
+    assert "P3-P7 (5 output levels) is not supported" in _one_line_error(_write(tmp_path, "p7.yaml", p7))
+    seg = YOLOV5S6.replace(head, "    [[23, 26, 29, 32], 1, Segment, [nc, anchors, 32, 256]]")
+    assert "there are no P6 -seg models" in _one_line_error(_write(tmp_path, "seg6.yaml", seg))
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,9 @@ class Spec(Protocol):
     num_classes: int
     num_masks: int
 
+    @property
+    def max_stride(self) -> int: ...  # the coarsest level's stride: input sides are multiples of it
+
     def to_dict(self) -> dict[str, Any]: ...
 
 

@@ -19,8 +19,9 @@ from utils.train.device_constants import ShapeCache, filled_table
 if TYPE_CHECKING:
     from utils.hyp import Hyp
 
-# Objectness weight per level (P3, P4, P5): fine grids have many more cells, mostly background.
-LEVEL_BALANCE = {3: (4.0, 1.0, 0.4)}
+# Objectness weight per level (P3, P4, P5; and P6 for the four-level models): fine grids have many
+# more cells, mostly background. YOLOv5's values, keyed by the head's level count.
+LEVEL_BALANCE = {3: (4.0, 1.0, 0.4), 4: (4.0, 1.0, 0.25, 0.06)}
 FOCAL_ALPHA = 0.25
 
 
