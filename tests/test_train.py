@@ -527,3 +527,24 @@ def test_resuming_a_finished_run_is_refused_before_anything_is_set_up(
     with pytest.raises(ConfigError, match="already finished 2 of --epochs 1"):  # fewer epochs: as finished
         train.main(["--resume", str(trained_run.last), "--device", "cpu", "--workers", "0", "--epochs", "1"])
     assert sorted(path.name for path in trained_run.run_dir.rglob("*")) == before  # no TensorBoard file, no cache
+
+
+def test_a_p6_model_trains_at_sides_rounded_to_64_and_val_loads_its_best(tiny_data: Path, tmp_path: Path) -> None:
+    # yolov5n6's largest stride is 64: --imgsz 96 (a multiple of 32) becomes 128 with one warning, in train and val.
+    handler = _Recorder()
+    logging.getLogger("utils.config").addHandler(handler)
+    try:
+        argv = _train_args(tiny_data, tmp_path, "p6", "--epochs", "1", "--batch-size", "4", "--noplots")
+        argv[argv.index("yolov5n")] = "yolov5n6"
+        argv[argv.index("64")] = "96"
+        result = train.main(argv)
+        checkpoint = torch.load(result.best, map_location="cpu", weights_only=True)
+        assert checkpoint["train_config"]["imgsz"] == 128 and len(checkpoint["model_spec"]["anchors"]) == 4
+        assert all(math.isfinite(value) for value in result.metrics.values())
+        val_argv = ["--weights", str(result.best), "--data", str(tiny_data), "--imgsz", "96", "--batch-size", "8"]
+        scored = val.main([*val_argv, "--workers", "0", "--device", "cpu", "--project", str(tmp_path / "val")])
+    finally:
+        logging.getLogger("utils.config").removeHandler(handler)
+    assert scored.num_images == TINY.num_val
+    rounded = [message for message in handler.messages if "sides must be multiples of 64" in message]
+    assert len(rounded) == 2 and all("--imgsz 96" in message and "using 128" in message for message in rounded)

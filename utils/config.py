@@ -19,7 +19,7 @@ from utils.errors import ConfigError
 LOGGER = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_STRIDE = 32  # the largest stride of every model here: input sides are multiples of it
+MAX_STRIDE = 32  # the largest stride of the P5 models, the most --imgsz is rounded to before the model is known
 DEFAULT_DATA = ROOT / "data" / "synthetic.yaml"
 # `--optimizer auto` / `--hyp auto` (the defaults) choose one of two recipe files from the run's size
 # (utils/train/recipe.py): YOLOv5's SGD recipe for runs with many optimizer steps, and for the others
@@ -130,19 +130,21 @@ def flag_words(option: str, action: argparse.Action, value: Any, where: str) -> 
     return [f"{option}={text}"] if text.startswith("-") else [option, text]
 
 
-def stride_multiples(sides: Sequence[int], flag: str = "--imgsz") -> tuple[int, ...]:
-    """`sides` rounded up to multiples of MAX_STRIDE (at least one stride), as YOLOv5 rounds --img-size.
+def stride_multiples(sides: Sequence[int], flag: str = "--imgsz", stride: int = MAX_STRIDE) -> tuple[int, ...]:
+    """`sides` rounded up to multiples of `stride` (at least one stride), as YOLOv5 rounds --img-size.
 
+    Options are rounded to MAX_STRIDE when parsed; once the model is known its largest stride (64
+    for the YOLOv5 P6 models) rounds them again (utils/train/engine.py, utils/backends/base.py).
     A side that changes is one warning, printed by the job's first process only (rank 0 as torchrun
     or SLURM number it, utils/distributed.py: read_launch_env): every rank builds its options before
     logging is set up. A side below 1 is a one-line ConfigError.
     """
     if any(side < 1 for side in sides):
         raise ConfigError(f"{flag} {' '.join(map(str, sides))}: sides are positive numbers of pixels")
-    rounded = tuple(max(MAX_STRIDE, math.ceil(side / MAX_STRIDE) * MAX_STRIDE) for side in sides)
+    rounded = tuple(max(stride, math.ceil(side / stride) * stride) for side in sides)
     if rounded != tuple(sides) and read_launch_env()[0] == 0:
         LOGGER.warning(
-            f"{flag} {' '.join(map(str, sides))}: sides must be multiples of {MAX_STRIDE} (the largest model "
+            f"{flag} {' '.join(map(str, sides))}: sides must be multiples of {stride} (the largest model "
             f"stride); using {' '.join(map(str, rounded))}"
         )
     return rounded

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from utils.config import stride_multiples
 from utils.distributed import unwrap_model
 from utils.errors import ConfigError
 from utils.families import decodes_end_to_end, family_named, family_of
@@ -141,14 +142,16 @@ def as_backend(model: nn.Module) -> InferenceBackend:
     return ModuleBackend(model, module_info(model))
 
 
-def resolve_imgsz(info: BackendInfo, requested: tuple[int, int] | None) -> tuple[int, int]:
+def resolve_imgsz(info: BackendInfo, requested: tuple[int, int] | None, flag: str = "--imgsz") -> tuple[int, int]:
     """The (h, w) to run at: `requested` (--imgsz), else `info.imgsz`.
 
-    A fixed-shape file runs only its own size: another --imgsz is a one-line ConfigError naming the
-    file and the fix.
+    `requested` is rounded up to multiples of the model's largest stride (`info.stride`: 64 for a
+    YOLOv5 P6 model) with one warning naming `flag`. A fixed-shape file runs only its own size:
+    another --imgsz is a one-line ConfigError naming the file and the fix.
     """
     if requested is None:
         return info.imgsz
+    requested = stride_multiples(requested, flag, info.stride)  # type: ignore[assignment]
     if info.fixed_shape and tuple(requested) != info.imgsz:
         given, fixed = "x".join(map(str, requested)), "x".join(map(str, info.imgsz))
         raise ConfigError(

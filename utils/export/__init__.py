@@ -54,7 +54,7 @@ from utils.export.quantization import (
 )
 from utils.export.tensorrt import EngineSettings, export_engine
 from utils.export.torch_formats import export_onnx, export_torchscript, trace_export_graph
-from utils.families import decodes_end_to_end, family_of
+from utils.families import decodes_end_to_end, family_of, spec_from_checkpoint
 from utils.inference_model import inference_model
 from utils.tasks import Task
 
@@ -84,7 +84,7 @@ class ExportConfig:
 
     weights: Path
     include: tuple[str, ...] = ("torchscript",)  # any of SUFFIXES
-    imgsz: tuple[int, int] | None = None  # (height, width) of the traced input, multiples of 32; None: trained size
+    imgsz: tuple[int, int] | None = None  # (height, width) of the traced input, stride multiples; None: trained size
     batch_size: int = 1
     device: str = "cpu"
     half: bool = False  # fp16 weights and input; CUDA only
@@ -112,7 +112,7 @@ class ExportedFile:
 class ExportWrapper(nn.Module):
     """The graph an exported file holds: the eval model's decoded predictions, without the raw training output.
 
-    images: (B, 3, H, W) in [0, 1], H and W multiples of 32. Detection returns decoded (B, N, 5 + nc):
+    images: (B, 3, H, W) in [0, 1], H and W multiples of the largest stride. Detection returns decoded (B, N, 5 + nc):
     xywh in input pixels, objectness and class probabilities (YOLOv5's `output0`). Segmentation returns
     (decoded (B, N, 5 + nc + nm) with raw mask coefficients, protos (B, nm, H/4, W/4)) (`output0`, `output1`).
     The model family's output layout (utils/families.py) decides the columns (no objectness for
@@ -271,7 +271,9 @@ def export_checkpoint(cfg: ExportConfig, tasks: Mapping[str, Task], ctx: DistCon
     check_export_dependencies(cfg, ctx)
     checkpoint = load_weights(cfg.weights)  # read once; a YOLOv5 file is converted, its task included
     task = tasks[checkpoint["task"]]
-    cfg = dataclasses.replace(cfg, imgsz=cfg.imgsz or (trained_imgsz(checkpoint),) * 2)
+    stride = spec_from_checkpoint(checkpoint, cfg.weights).max_stride  # 64 for a YOLOv5 P6 model
+    imgsz = stride_multiples(cfg.imgsz, "--imgsz", stride) if cfg.imgsz else (trained_imgsz(checkpoint),) * 2
+    cfg = dataclasses.replace(cfg, imgsz=imgsz)
     graphs: dict[tuple[torch.device, bool], ExportWrapper] = {}
 
     def graph(device: torch.device, half: bool) -> ExportWrapper:

@@ -31,7 +31,7 @@ def trace_export_graph(wrapper: nn.Module, example: torch.Tensor) -> torch.jit.S
 
     Tracing records tensor sizes as values of the graph, so DetectHead's grid cache (keyed by size)
     misses and the grids are built in the graph from the input's size: the trace runs at any batch
-    size and any multiple-of-32 image size. Tracing takes seconds for a nano model on a CPU, so
+    size and any stride-multiple image size. Tracing takes seconds for a nano model on a CPU, so
     export_checkpoint traces each graph once for both formats; neither changes the traced module.
     """
     with torch.no_grad(), without_torchscript_deprecation():

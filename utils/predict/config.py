@@ -35,7 +35,7 @@ class PredictConfig:
 
     weights: Path
     source: str  # file, folder, glob, video, .txt list, or a webcam index ("0")
-    # (height, width) the long side is fitted into, multiples of 32; None: the checkpoint's training size
+    # (height, width) the long side is fitted into, stride multiples; None: the checkpoint's training size
     imgsz: tuple[int, int] | None = None
     conf_thres: float = 0.25
     iou_thres: float = 0.45

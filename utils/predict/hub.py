@@ -177,8 +177,8 @@ class Detector(nn.Module):
         """The (h, w) to run at: `size` (one side or an (h, w) pair), else `self.size`.
 
         Until `self.size` is set, that means the file's own (h, w), as detect.py runs it without --imgsz.
-        Sides are rounded up to multiples of 32 with a warning, as YOLOv5's hub models round them;
-        anything but one or two positive integers is a ConfigError.
+        Sides are rounded up to multiples of the largest stride (64 for P6) with a warning, as YOLOv5's
+        hub models round them; anything but one or two positive integers is a ConfigError.
         """
         if size is None and not self._size_set:
             return tuple(self.model.info.imgsz)  # type: ignore[return-value]
@@ -190,7 +190,7 @@ class Detector(nn.Module):
             sides = []
         if len(sides) != 2 or min(sides) < 1:
             raise ConfigError(f"size {value!r}: give a side in pixels, or an (h, w) pair of them")
-        height, width = stride_multiples(sides, "size")
+        height, width = stride_multiples(sides, "size", self.model.info.stride)
         return height, width
 
 

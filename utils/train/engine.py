@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -16,6 +17,7 @@ import torch
 from models.model_info import memory_format
 from utils import checkpoint as ckpt_io
 from utils.callbacks import Callbacks, load_callback_modules
+from utils.config import stride_multiples
 from utils.data.shm_cache import ShmImageCache
 from utils.distributed import (
     DistContext,
@@ -108,6 +110,8 @@ def _start_run(
     if ctx.device.type == "cuda" and not cfg.deterministic and not cfg.rect and not cfg.multi_scale:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: cuDNN times its kernels once and keeps the best
     bundle = build_model_bundle(plan, ctx)
+    # --imgsz was rounded to 32 when parsed; a P6 model's sides must be multiples of 64 (YOLOv5 rounds up too).
+    cfg = dataclasses.replace(cfg, imgsz=stride_multiples((cfg.imgsz,), "--imgsz", int(bundle.model.stride.max()))[0])
     # Before the run folder too: a --callbacks module that does not import fails the run before it writes anything.
     modules = load_callback_modules(cfg.callbacks)
     # A bad annotations file fails now, not after training; the parsed file is not kept (it can be large).
