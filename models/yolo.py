@@ -27,7 +27,8 @@ SCALES: dict[str, tuple[float, float]] = {
     "x": (1.33, 1.25),
 }
 # The size names spec_from_cfg accepts, as errors list them: P5 (each optionally -seg) and P6 (detection only).
-CFG_NAMES = "yolov5n|s|m|l|x, yolov5n6|s6|m6|l6|x6"
+CFG_NAMES = "yolov5n|s|m|l|x"
+CFG_NAMES_P6 = "yolov5n6|s6|m6|l6|x6"
 # Anchor w, h pairs in pixels for P3/8, P4/16, P5/32 (fitted on COCO at 640).
 DEFAULT_ANCHORS: tuple[tuple[float, ...], ...] = (
     (10, 13, 16, 30, 33, 23),
@@ -164,7 +165,8 @@ def spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
         return _spec_from_yaml(path, num_classes)
     parsed = parse_size_name(cfg)
     if parsed is None:
-        raise ConfigError(f"--cfg {cfg}: not a YAML file and not a model name ({CFG_NAMES}, P5 optionally -seg)")
+        names = f"{CFG_NAMES}, optionally -seg; {CFG_NAMES_P6}"
+        raise ConfigError(f"--cfg {cfg}: not a YAML file and not a model name ({names})")
     size, is_seg, is_p6 = parsed
     if is_seg and is_p6:
         raise ConfigError(f"--cfg {cfg}: there are no P6 -seg models; use yolov5{size}-seg or yolov5{size}6")

@@ -189,11 +189,26 @@ def _saved(model: torch.nn.Module, tmp_path: Path, name: str) -> Path:
     return path
 
 
-def test_a_p6_or_custom_layout_is_one_line_error(tmp_path: Path) -> None:
+def test_converted_p6_detector_reproduces_the_yolov5_outputs(tmp_path: Path) -> None:
+    original = v5.randomise(v5.DetectionModel(0.33, 0.25, nc=2, anchors=v5.ANCHORS_P6, p6=True)).eval()
+    checkpoint = convert_checkpoint(_saved(original, tmp_path, "yolov5n6.pt"))
+    spec = ModelSpec.from_dict(checkpoint["model_spec"])
+    assert spec.anchors == tuple(tuple(float(v) for v in level) for level in v5.ANCHORS_P6)
+    converted = our_model(checkpoint)
+    assert converted.stride.tolist() == [8.0, 16.0, 32.0, 64.0]
+    image = torch.rand(1, 3, 128, 192)
+    with torch.no_grad():
+        expected, (_, raw) = original.float()(image), converted(image)
+    assert len(raw) == 4
+    for ours, theirs in zip(raw, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_custom_layout_is_one_line_error(tmp_path: Path) -> None:
     model = v5.DetectionModel(0.33, 0.25, nc=2)
     model.model.append(v5.Conv(8, 8))  # one layer more than the P5 layout
-    with pytest.raises(ConfigError, match="P6 or custom model"):
-        convert_checkpoint(_saved(model, tmp_path, "p6.pt"))
+    with pytest.raises(ConfigError, match="26 layers \\(a custom model\\)"):
+        convert_checkpoint(_saved(model, tmp_path, "custom26.pt"))
     model = v5.DetectionModel(0.33, 0.25, nc=2)
     model.model[9] = v5.Conv(256, 256)  # SPP(F) replaced
     with pytest.raises(ConfigError, match="layer 9 is Conv, expected SPPF"):

@@ -52,7 +52,8 @@ def test_yolov5_models_specs_and_ddp_wrappers_report_the_yolov5_family() -> None
 def test_cfg_resolution_through_the_families_equals_the_yolov5_resolver() -> None:
     assert family_spec_from_cfg("yolov5s-seg", 7) == spec_from_cfg("yolov5s-seg", 7)
     # Every family's names and the default, not only YOLOv5's (models/ cannot name the others).
-    listed = "yolov8|yolo11|yolo26 + n|s|m|l|x; yolov5n|s|m|l|x, each optionally -seg; default yolov8n"
+    listed = "yolov8|yolo11|yolo26 + n|s|m|l|x; yolov5n|s|m|l|x, each optionally -seg; yolov5n6|s6|m6|l6|x6; "
+    listed += "default yolov8n"
     for cfg in ("resnet50", "missing.yaml"):
         with pytest.raises(ConfigError) as error:
             family_spec_from_cfg(cfg, 7)
@@ -62,6 +63,7 @@ def test_cfg_resolution_through_the_families_equals_the_yolov5_resolver() -> Non
         with pytest.raises(ConfigError, match=re.escape(f"--cfg {cfg}: file not found")):
             family_spec_from_cfg(cfg, 7)
     assert family_spec_from_cfg("yolov5s.yaml", 7) == spec_from_cfg("yolov5s", 7)  # a name alone, as YOLOv5 reads it
+    assert family_spec_from_cfg("yolov5x6.yaml", 7) == spec_from_cfg("yolov5x6", 7)  # the P6 models too
 
 
 def test_checkpoints_record_the_family_and_older_files_read_as_yolov5(tmp_path: Path) -> None:

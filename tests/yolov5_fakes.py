@@ -14,8 +14,9 @@ import importlib.util
 import math
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +24,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 
 ANCHORS = ((10, 13, 16, 30, 33, 23), (30, 61, 62, 45, 59, 119), (116, 90, 156, 198, 373, 326))
+ANCHORS_P6 = ((19, 27, 44, 40, 38, 94), (96, 68, 86, 152, 180, 137), (140, 301, 303, 264, 238, 542))
+ANCHORS_P6 += ((436, 615, 739, 380, 925, 792),)
 
 
 class Conv(nn.Module):
@@ -133,10 +136,31 @@ class Segment(Detect):
         return super().forward(x), protos
 
 
-class DetectionModel(nn.Module):
-    """The standard P5 layout, built the way YOLOv5's parse_model builds it from yolov5{n..x}.yaml."""
+def _p6_layers(ch: Callable[[int], int], n: Callable[[int], int]) -> list[tuple[Any, nn.Module]]:
+    """(from, module) of yolov5{n..x}6.yaml's layers 0-32: the P6 layout before its head."""
+    c64, c128, c256, c512, c768, c1024 = (ch(c) for c in (64, 128, 256, 512, 768, 1024))
+    up = (-1, nn.Upsample(None, 2, "nearest"))
+    return [
+        (-1, Conv(3, c64, 6, 2, 2)), (-1, Conv(c64, c128, 3, 2)), (-1, C3(c128, c128, n(3))),
+        (-1, Conv(c128, c256, 3, 2)), (-1, C3(c256, c256, n(6))), (-1, Conv(c256, c512, 3, 2)),
+        (-1, C3(c512, c512, n(9))), (-1, Conv(c512, c768, 3, 2)), (-1, C3(c768, c768, n(3))),
+        (-1, Conv(c768, c1024, 3, 2)), (-1, C3(c1024, c1024, n(3))), (-1, SPPF(c1024, c1024, 5)),
+        (-1, Conv(c1024, c768, 1, 1)), up, ([-1, 8], Concat(1)), (-1, C3(2 * c768, c768, n(3), False)),
+        (-1, Conv(c768, c512, 1, 1)), (-1, nn.Upsample(None, 2, "nearest")), ([-1, 6], Concat(1)),
+        (-1, C3(2 * c512, c512, n(3), False)), (-1, Conv(c512, c256, 1, 1)), (-1, nn.Upsample(None, 2, "nearest")),
+        ([-1, 4], Concat(1)), (-1, C3(2 * c256, c256, n(3), False)),
+        (-1, Conv(c256, c256, 3, 2)), ([-1, 20], Concat(1)), (-1, C3(2 * c256, c512, n(3), False)),
+        (-1, Conv(c512, c512, 3, 2)), ([-1, 16], Concat(1)), (-1, C3(2 * c512, c768, n(3), False)),
+        (-1, Conv(c768, c768, 3, 2)), ([-1, 12], Concat(1)), (-1, C3(2 * c768, c1024, n(3), False)),
+    ]  # fmt: skip
 
-    def __init__(self, depth: float, width: float, nc: int, anchors: tuple = ANCHORS, seg: bool = False) -> None:
+
+class DetectionModel(nn.Module):
+    """The standard P5 layout (or with `p6` the P6 one), built as YOLOv5's parse_model builds it from its YAML."""
+
+    def __init__(
+        self, depth: float, width: float, nc: int, anchors: tuple = ANCHORS, seg: bool = False, p6: bool = False
+    ) -> None:
         super().__init__()
 
         def ch(c: int) -> int:
@@ -156,15 +180,17 @@ class DetectionModel(nn.Module):
             (-1, Conv(c256, c256, 3, 2)), ([-1, 14], Concat(1)), (-1, C3(2 * c256, c512, n(3), False)),
             (-1, Conv(c512, c512, 3, 2)), ([-1, 10], Concat(1)), (-1, C3(2 * c512, c1024, n(3), False)),
         ]  # fmt: skip
-        outputs = (c256, c512, c1024)
+        outputs, head_from = (c256, c512, c1024), [17, 20, 23]
+        if p6:
+            layers, outputs, head_from = _p6_layers(ch, n), (c256, c512, ch(768), c1024), [23, 26, 29, 32]
         head = Segment(nc, anchors, 32, ch(256), outputs) if seg else Detect(nc, anchors, outputs)
-        layers.append(([17, 20, 23], head))
+        layers.append((head_from, head))
         for index, (source, module) in enumerate(layers):
             module.f, module.i = source, index
         self.model = nn.Sequential(*(module for _, module in layers))
         self.yaml = {"nc": nc, "depth_multiple": depth, "width_multiple": width, "anchors": [list(a) for a in anchors]}
         self.names = {index: f"class{index}" for index in range(nc)}
-        self.stride = torch.tensor([8.0, 16.0, 32.0])
+        self.stride = torch.tensor([8.0, 16.0, 32.0, 64.0][: len(anchors)])
         head.stride = self.stride
         head.anchors /= self.stride.view(-1, 1, 1)
         for module in self.modules():  # YOLOv5's initialize_weights

@@ -5,7 +5,7 @@
 `--weights yolov5s.pt` (or `yolo11n.pt`) in train.py, val.py, detect.py and export.py converts in
 memory instead (`load_weights`). The file is read with utils/safe_pickle.py, so nothing in it runs.
 Ultralytics' YOLOv8 / YOLO11 / YOLO26 models go to utils/convert_ultralytics.py; this module maps
-YOLOv5's by structure: its numbered layer list (`model.0` ... `model.24`) lines up with
+YOLOv5's by structure: its numbered layer list (`model.0` ... `model.24`, P6: `model.33`) lines up with
 `DetectionModel.layers()`, each YOLOv5 block's sub-module names are renamed to ours (C3's
 cv1/cv2/cv3/m are deep_in/skip/mix/blocks, ...), every tensor must match our tensor of that
 name in shape, and every activation, residual flag and pool must be ours (`check_marks`): a file
@@ -52,6 +52,12 @@ YOLOV5_LAYOUT = (
     "Conv", "Upsample", "Concat", "C3", "Conv", "Upsample", "Concat", "C3",
     "Conv", "Concat", "C3", "Conv", "Concat", "C3",
 )  # fmt: skip
+# The P6 models' (yolov5n6..x6): a stride-64 stage and one more neck step each way; index 33 is the head (Detect).
+YOLOV5_LAYOUT_P6 = (
+    "Conv", "Conv", "C3", "Conv", "C3", "Conv", "C3", "Conv", "C3", "Conv", "C3", "SPPF",
+    "Conv", "Upsample", "Concat", "C3", "Conv", "Upsample", "Concat", "C3", "Conv", "Upsample", "Concat", "C3",
+    "Conv", "Concat", "C3", "Conv", "Concat", "C3", "Conv", "Concat", "C3",
+)  # fmt: skip
 HEADS = {"Detect": "detect", "Segment": "segment"}
 # YOLOv5 sub-module name -> ours, per YOLOv5 block type (children not listed keep their name).
 RENAMES: dict[str, dict[str, str]] = {
@@ -66,23 +72,27 @@ DERIVED_BUFFERS = frozenset({"anchor_grid"})  # YOLOv5 < 6.0 stored this copy of
 
 
 def _layers(model: Placeholder, path: Path) -> list[Placeholder]:
-    """The numbered layers, checked against the YOLOv5 v6+ P5 layout (one-line error otherwise)."""
+    """The numbered layers, checked against the YOLOv5 v6+ P5 or P6 layout (one-line error otherwise).
+
+    The layer count picks the layout the types are compared with: 34 layers is P6, any other count P5.
+    """
     layers = layer_list(model)
     kinds = tuple(layer.class_name for layer in layers)
-    if len(kinds) == len(YOLOV5_LAYOUT) + 1 and kinds[:-1] == YOLOV5_LAYOUT and kinds[-1] in HEADS:
-        if layers[-1].attribute("_buffers", {}).get("anchors") is not None:
-            return layers
-        raise ConfigError(
-            f"{path}: {model.source} has an anchor-free head (YOLOv8-style); only YOLOv5's anchor-based "
-            "yolov5n-x and -seg layouts convert"
-        )
-    if len(kinds) > len(YOLOV5_LAYOUT) + 1:
-        what = f"{len(kinds)} layers (a P6 or custom model)"
+    layout = YOLOV5_LAYOUT_P6 if len(kinds) == len(YOLOV5_LAYOUT_P6) + 1 else YOLOV5_LAYOUT
+    supported = "only the YOLOv5 v6+ P5 (yolov5n-x, -seg) and P6 (yolov5n6-x6) layouts convert"
+    if len(kinds) == len(layout) + 1 and kinds[:-1] == layout and kinds[-1] in HEADS:
+        if layers[-1].attribute("_buffers", {}).get("anchors") is None:
+            raise ConfigError(f"{path}: {model.source} has an anchor-free head (YOLOv8-style); {supported}")
+        if layout is YOLOV5_LAYOUT_P6 and kinds[-1] != "Detect":
+            raise ConfigError(f"{path}: {model.source} is a P6 model with a {kinds[-1]} head; {supported}")
+        return layers
+    if len(kinds) > len(layout) + 1:
+        what = f"{len(kinds)} layers (a custom model)"
     else:
-        index = next((i for i, (a, b) in enumerate(zip(kinds, YOLOV5_LAYOUT, strict=False)) if a != b), len(kinds) - 1)
-        expected = YOLOV5_LAYOUT[index] if index < len(YOLOV5_LAYOUT) else "Detect or Segment"
+        index = next((i for i, (a, b) in enumerate(zip(kinds, layout, strict=False)) if a != b), len(kinds) - 1)
+        expected = layout[index] if index < len(layout) else "Detect or Segment"
         what = f"layer {index} is {kinds[index]}, expected {expected}"
-    raise ConfigError(f"{path}: {model.source}: {what}; only the YOLOv5 v6+ P5 layout (yolov5n-x, -seg) converts")
+    raise ConfigError(f"{path}: {model.source}: {what}; {supported}")
 
 
 def _scale(model: Placeholder, layers: list[Placeholder]) -> tuple[float, float]:

@@ -43,7 +43,8 @@ class Family:
     they run; what differs for inference is here (for training, utils/train/records.py):
     - spec_type: the frozen spec dataclass (`from_dict`, `to_dict`, a `family` class attribute)
     - claims_cfg(cfg) -> whether a `--cfg` value (a size name or a model YAML) names this family's model;
-      cfg_names: its size names as the unknown --cfg error lists them
+      cfg_names: its size names as the unknown --cfg error lists them (each optionally -seg);
+      detect_only_names: those that have no -seg variant (YOLOv5's P6 models), '' when none
     - spec_from_cfg(cfg, num_classes) -> spec; segmentation_spec(spec) -> the spec's -seg variant
     - build_model(spec) -> nn.Module with `.spec`, `.head`, `.stride`, `layers()`, `fuse()`
     - channels_first: decoded rows are (B, N, no) in every family ([cx, cy, w, h (input pixels), YOLOv5's
@@ -67,6 +68,7 @@ class Family:
     objectness: bool
     detection_selector: Callable[[bool], Callable[..., list[torch.Tensor]]]
     force_nms: Callable[[nn.Module], None]
+    detect_only_names: str = ""
 
     def spec_from_dict(self, data: Mapping[str, Any]) -> Any:
         """Rebuild this family's spec from `spec.to_dict()` output (a checkpoint's `model_spec`)."""
@@ -78,6 +80,7 @@ YOLOV5 = Family(
     spec_type=yolo.ModelSpec,
     claims_cfg=yolo.claims_cfg,  # checked last: it takes any existing YAML the others leave (YOLOv5 model YAMLs)
     cfg_names=yolo.CFG_NAMES,
+    detect_only_names=yolo.CFG_NAMES_P6,
     spec_from_cfg=yolo.spec_from_cfg,
     segmentation_spec=yolo.segmentation_spec,
     build_model=yolo.build_model,
@@ -166,7 +169,10 @@ def spec_from_cfg(cfg: str, num_classes: int) -> Any:
     family = next((family for family in FAMILIES.values() if family.claims_cfg(cfg)), None)
     if family is None:
         names = "; ".join(family.cfg_names for family in FAMILIES.values())
-        listed = f"{names}, each optionally -seg; default {DEFAULT_MODEL}"
+        detect_only = "".join(
+            f"; {family.detect_only_names}" for family in FAMILIES.values() if family.detect_only_names
+        )
+        listed = f"{names}, each optionally -seg{detect_only}; default {DEFAULT_MODEL}"
         raise ConfigError(f"--cfg {cfg}: not a YAML file and not a model name ({listed})")
     return family.spec_from_cfg(cfg, num_classes)
 
