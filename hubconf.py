@@ -2,7 +2,7 @@
 
 `custom` loads a checkpoint (ours, or a YOLOv5 / Ultralytics .pt, converted in memory) or a
 .torchscript / .onnx / .engine file or OpenVINO folder export.py wrote; the size
-names (`yolov5n`, `yolo11s`, `yolo26m_seg`, ...) build that model with random weights. Nothing is
+names (`yolov5n`, `yolov5s6`, `yolo11s`, `yolo26m_seg`, ...) build that model with random weights. Nothing is
 ever downloaded. The returned model takes paths, numpy arrays or PIL images and returns
 detections as data (utils/predict/hub.py; docs/python-api.md).
 """
@@ -39,4 +39,5 @@ def _size_entry(name: str):  # noqa: ANN202
 
 _NAMES = [f"{layout}{size}{seg}" for layout in ("yolov5", "yolov8", "yolo11", "yolo26") for size in "nsmlx"
           for seg in ("", "-seg")]  # fmt: skip
+_NAMES += [f"yolov5{size}6" for size in "nsmlx"]  # the P6 models: detection only
 globals().update({name.replace("-", "_"): _size_entry(name) for name in _NAMES})

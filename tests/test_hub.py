@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import cv2
@@ -119,6 +120,14 @@ def test_converted_yolov5_checkpoints_and_scratch_sizes_load_the_same_way(tmp_pa
     assert scratch.task is SEGMENT and len(scratch.names) == 2
     with pytest.raises(ConfigError, match="yolo11n: no weights are downloaded"):
         _hub("yolo11n", pretrained=True)
+
+
+def test_a_p6_hub_model_rounds_sizes_to_multiples_of_64(caplog: pytest.LogCaptureFixture) -> None:
+    model = _hub("yolov5n6", classes=2, device="cpu")
+    image = np.random.default_rng(0).integers(0, 255, (70, 90, 3), dtype=np.uint8)
+    with caplog.at_level(logging.WARNING):
+        assert model(image, size=96)[0].shape == (70, 90)
+    assert any("size 96 96: sides must be multiples of 64" in record.getMessage() for record in caplog.records)
 
 
 def test_bad_inputs_are_one_line_errors(detector_file: Path, tmp_path: Path) -> None:
