@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import export
-from models.yolo import DEFAULT_ANCHORS, ModelSpec, build_model, segmentation_spec
+from models.yolo import DEFAULT_ANCHORS, DEFAULT_ANCHORS_P6, ModelSpec, build_model, segmentation_spec
 from segment.task import SEGMENT
 from utils import export as export_lib
 from utils.backends.metadata import read_metadata
@@ -134,6 +134,18 @@ def test_torchscript_matches_pytorch_at_any_batch_and_size(
         "layout": "rows",
         "num_masks": NUM_MASKS if task.with_masks else 0,
     }
+
+
+def test_a_p6_model_exports_at_sides_rounded_to_64(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    spec = ModelSpec(0.33, 0.125, DEFAULT_ANCHORS_P6, num_classes=len(NAMES))
+    run = RunInfo(task="detect", model_spec=spec.to_dict(), names=NAMES, train_config={}, hyp={})
+    model = build_model(spec)
+    state = build_checkpoint(run=run, model=model, ema=None, optimizer=None, scaler=None, epoch=0, best_fitness=0)
+    save_checkpoint(state, tmp_path / "best.pt", DistContext())
+    with caplog.at_level(logging.WARNING):
+        (result,) = export_checkpoint(ExportConfig(weights=tmp_path / "best.pt", imgsz=(96, 160)), TASKS, DistContext())
+    assert read_metadata(result.path)["imgsz"] == [128, 192] and read_metadata(result.path)["stride"] == 64
+    assert any("--imgsz 96 160: sides must be multiples of 64" in record.getMessage() for record in caplog.records)
 
 
 def test_export_traces_at_the_size_the_checkpoint_was_trained_at(checkpoints: dict[str, Path], tmp_path: Path) -> None:
