@@ -34,9 +34,9 @@ def _assign(targets: torch.Tensor, anchors: torch.Tensor, grid_hw: tuple[int, in
     return assign_targets(targets, anchors[None], grid_tables([grid_hw], anchors.device), 4.0, **kwargs).matches
 
 
-def _model(num_classes: int = 3) -> DetectionModel:
+def _model(num_classes: int = 3, cfg: str = "yolov5n") -> DetectionModel:
     torch.manual_seed(0)
-    return build_model(spec_from_cfg("yolov5n", num_classes))
+    return build_model(spec_from_cfg(cfg, num_classes))
 
 
 def test_scale_loss_gains_follows_yolov5_rule() -> None:
@@ -197,7 +197,7 @@ def _level_by_level(model: DetectionModel, preds: list[torch.Tensor], targets: t
     """YOLOv5's loss items [box, obj, cls] computed one level at a time, as its definition reads."""
     head = model.head
     box = obj = cls = torch.zeros(())
-    for level, (raw, weight) in enumerate(zip(preds, LEVEL_BALANCE[3], strict=True)):
+    for level, (raw, weight) in enumerate(zip(preds, LEVEL_BALANCE[len(preds)], strict=True)):
         matches = _assign(targets, head.anchors[level], tuple(raw.shape[2:4]))
         pred = raw[matches.image_index, matches.anchor_index, matches.cell_y, matches.cell_x]
         box_xywh = torch.cat((pred[:, :2].sigmoid() * 2 - 0.5, (pred[:, 2:4].sigmoid() * 2) ** 2 * matches.anchors), 1)
@@ -215,8 +215,11 @@ def _level_by_level(model: DetectionModel, preds: list[torch.Tensor], targets: t
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_all_levels_at_once_give_the_level_by_level_loss_and_gradients(static: bool) -> None:
-    model = _model()
+@pytest.mark.parametrize("cfg", ["yolov5n", "yolov5n6"])  # P6: four levels, YOLOv5's (4, 1, 0.25, 0.06) balance
+def test_all_levels_at_once_give_the_level_by_level_loss_and_gradients(static: bool, cfg: str) -> None:
+    model = _model(cfg=cfg)
+    strides = [int(s) for s in model.stride.tolist()]
+    height, width = 2 * strides[-1], 3 * strides[-1]
     generator = torch.Generator().manual_seed(5)
     image_and_class = torch.randint(0, 2, (12, 2), generator=generator).float()
     targets = torch.cat((image_and_class, torch.rand(12, 4, generator=generator)), 1)
@@ -225,9 +228,9 @@ def test_all_levels_at_once_give_the_level_by_level_loss_and_gradients(static: b
     results = []
     for compute in ("levels", "loss"):
         preds = []
-        for stride in (8, 16, 32):
+        for stride in strides:
             generator = torch.Generator().manual_seed(stride)
-            preds.append(torch.randn(2, 3, 64 // stride, 96 // stride, 8, generator=generator).requires_grad_())
+            preds.append(torch.randn(2, 3, height // stride, width // stride, 8, generator=generator).requires_grad_())
         if compute == "levels":
             items = _level_by_level(model, preds, targets)
             total = items.sum()
