@@ -531,7 +531,7 @@ def test_resuming_a_finished_run_is_refused_before_anything_is_set_up(
 
 def test_a_p6_model_trains_at_sides_rounded_to_64_and_val_loads_its_best(tiny_data: Path, tmp_path: Path) -> None:
     # yolov5n6's largest stride is 64: --imgsz 96 (a multiple of 32) becomes 128 with one warning, in train and val.
-    handler = _Recorder()
+    handler = MessageRecorder()
     logging.getLogger("utils.config").addHandler(handler)
     try:
         argv = _train_args(tiny_data, tmp_path, "p6", "--epochs", "1", "--batch-size", "4", "--noplots")
