@@ -45,13 +45,7 @@ HEAD_FROM = (17, 20, 23)  # layer 24: Detect or Segment on P3, P4, P5
 # YOLOv5 v6.0+ models/hub/yolov5{n,s,m,l,x}6.yaml the same way: a stride-64 stage (768 channels at P5,
 # 1024 at P6) and one more step each way in the neck (layers 0-32), as models/yolo.py builds it for 4 levels.
 STANDARD_LAYERS_P6: tuple[tuple[Any, ...], ...] = (
-    (-1, 1, "Conv", (64, 6, 2, 2)),  # 0-P1/2
-    (-1, 1, "Conv", (128, 3, 2)),  # 1-P2/4
-    (-1, 3, "C3", (128,)),
-    (-1, 1, "Conv", (256, 3, 2)),  # 3-P3/8
-    (-1, 6, "C3", (256,)),
-    (-1, 1, "Conv", (512, 3, 2)),  # 5-P4/16
-    (-1, 9, "C3", (512,)),
+    *STANDARD_LAYERS[:7],  # 0-6: the P5 models' stem and stages to P4/16
     (-1, 1, "Conv", (768, 3, 2)),  # 7-P5/32
     (-1, 3, "C3", (768,)),
     (-1, 1, "Conv", (1024, 3, 2)),  # 9-P6/64
