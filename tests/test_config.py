@@ -103,9 +103,9 @@ def test_image_sizes_round_up_to_the_stride_as_yolov5s(
         assert config_from_args(build_train_parser().parse_args(["--imgsz", "100"])).imgsz == 128
         assert stride_multiples((640, 1), "--img") == (640, 32)
         assert stride_multiples((1280, 1300), "size", stride=64) == (1280, 1344)  # a P6 model's largest stride
-    assert "size 1280 1300: sides must be multiples of 64 (the largest model stride); using 1280 1344" in caplog.text
-    assert "--imgsz 100: sides must be multiples of 32 (the largest model stride); using 128" in caplog.text
-    assert "--img 640 1: sides must be multiples of 32 (the largest model stride); using 640 32" in caplog.text
+    assert "size 1280 1300: sides must be multiples of 64 (the model's largest stride); using 1280 1344" in caplog.text
+    assert "--imgsz 100: sides must be multiples of 32 (64 for the P6 models); using 128" in caplog.text
+    assert "--img 640 1: sides must be multiples of 32 (64 for the P6 models); using 640 32" in caplog.text
     caplog.clear()
     monkeypatch.setenv("RANK", "1")  # said once per job: the other ranks round alike without a word
     with caplog.at_level(logging.WARNING):

@@ -133,8 +133,9 @@ def flag_words(option: str, action: argparse.Action, value: Any, where: str) -> 
 def stride_multiples(sides: Sequence[int], flag: str = "--imgsz", stride: int = MAX_STRIDE) -> tuple[int, ...]:
     """`sides` rounded up to multiples of `stride` (at least one stride), as YOLOv5 rounds --img-size.
 
-    Options are rounded to MAX_STRIDE when parsed; once the model is known its largest stride (64
-    for the YOLOv5 P6 models) rounds them again (utils/train/engine.py, utils/backends/base.py).
+    Options are rounded to MAX_STRIDE when parsed (the warning says a P6 model needs 64); once the
+    model is known its largest stride (64 for the YOLOv5 P6 models) rounds them again
+    (utils/train/engine.py, utils/backends/base.py).
     A side that changes is one warning, printed by the job's first process only (rank 0 as torchrun
     or SLURM number it, utils/distributed.py: read_launch_env): every rank builds its options before
     logging is set up. A side below 1 is a one-line ConfigError.
@@ -143,8 +144,9 @@ def stride_multiples(sides: Sequence[int], flag: str = "--imgsz", stride: int = 
         raise ConfigError(f"{flag} {' '.join(map(str, sides))}: sides are positive numbers of pixels")
     rounded = tuple(max(stride, math.ceil(side / stride) * stride) for side in sides)
     if rounded != tuple(sides) and read_launch_env()[0] == 0:
+        why = "64 for the P6 models" if stride == MAX_STRIDE else "the model's largest stride"
         LOGGER.warning(
-            f"{flag} {' '.join(map(str, sides))}: sides must be multiples of {stride} (the largest model "
-            f"stride); using {' '.join(map(str, rounded))}"
+            f"{flag} {' '.join(map(str, sides))}: sides must be multiples of {stride} ({why}); "
+            f"using {' '.join(map(str, rounded))}"
         )
     return rounded
