@@ -127,7 +127,7 @@ def segmentation_spec(spec: ModelSpec, num_masks: int = SEG_NUM_MASKS, base_prot
     A P6 spec is a one-line ConfigError: YOLOv5 publishes no P6 -seg model, and neither do we.
     """
     if len(spec.anchors) != 3:
-        raise ConfigError("the P6 models (yolov5n6-x6) have no -seg variant; segment with yolov5n-x")
+        raise ConfigError("there are no P6 -seg models (yolov5n6-x6 detect); segment with yolov5n-seg .. yolov5x-seg")
     return replace(spec, num_masks=num_masks, num_protos=scale_width(base_protos, spec.width_multiple))
 
 
@@ -168,8 +168,6 @@ def spec_from_cfg(cfg: str, num_classes: int) -> ModelSpec:
         names = f"{CFG_NAMES}, optionally -seg; {CFG_NAMES_P6}"
         raise ConfigError(f"--cfg {cfg}: not a YAML file and not a model name ({names})")
     size, is_seg, is_p6 = parsed
-    if is_seg and is_p6:
-        raise ConfigError(f"--cfg {cfg}: there are no P6 -seg models; use yolov5{size}-seg or yolov5{size}6")
     depth, width = SCALES[size]
     anchors = DEFAULT_ANCHORS_P6 if is_p6 else DEFAULT_ANCHORS
     spec = ModelSpec(depth_multiple=depth, width_multiple=width, anchors=anchors, num_classes=num_classes)
